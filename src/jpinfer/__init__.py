@@ -1,0 +1,45 @@
+"""jpinfer: activation-sparse LLM inference in JAX.
+
+Public API: ``load`` a model into an ``Engine``, ``generate`` text, configure with
+``GenerationConfig``. See README.md.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any, Sequence
+
+from jpinfer.config import ModelConfig
+from jpinfer.models.hf_loader import CheckpointError
+from jpinfer.runtime.engine import Engine, GenerationConfig, GenerationResult
+
+__all__ = ["load", "generate", "Engine", "GenerationConfig", "GenerationResult", "ModelConfig", "CheckpointError"]
+__version__ = "0.1.0"
+
+_engines: dict[tuple, Engine] = {}
+
+
+def load(source: str | pathlib.Path | None = None, *, dtype: Any = "float32", ffn_kind: str | None = None) -> Engine:
+    """Load a checkpoint (HF directory, .gguf file, or None for the default model) as an Engine."""
+    from jpinfer.models.loading import load_model
+
+    cfg, weights, tokenizer, path = load_model(source, dtype=dtype, ffn_kind=ffn_kind)
+    return Engine(cfg, weights, tokenizer, source=path)
+
+
+def generate(
+    prompt: str | Sequence[int] | Sequence[str],
+    model: str | pathlib.Path | Engine | None = None,
+    **kwargs: Any,
+) -> GenerationResult | list[GenerationResult]:
+    """Generate text. ``model`` is an Engine, a checkpoint path, or None for the default model
+    (loaded once and reused). Keyword arguments are GenerationConfig fields."""
+    config = GenerationConfig(**kwargs)
+    if isinstance(model, Engine):
+        engine = model
+    else:
+        key = (str(model),)
+        if key not in _engines:
+            _engines[key] = load(model)
+        engine = _engines[key]
+    return engine.generate(prompt, config)

@@ -1,0 +1,109 @@
+"""The engines the bench compares. Adding one is a small class with ``name`` and ``run``."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import time
+from typing import Protocol
+
+import numpy as np
+
+from jpinfer.runtime.engine import Engine, GenerationConfig
+
+
+@dataclasses.dataclass
+class RunStats:
+    """One prompt's timings: prefill (to the first token) and each later decode step."""
+
+    n_prompt: int
+    tokens: list[int]
+    prefill_s: float
+    step_s: list[float]
+
+
+class BenchEngine(Protocol):
+    name: str
+    weight_bytes_per_token: int  # bytes read from weights per decoded token (0 = unknown)
+
+    def run(self, prompt_ids: list[int], max_new_tokens: int) -> RunStats: ...
+
+    def host_overhead(self, prompt_ids: list[int], max_new_tokens: int) -> float | None:
+        """Fraction of a decode step spent outside the device computation (None = unknown)."""
+
+
+def weights_read_per_token(engine: Engine) -> int:
+    """Weight bytes one decode step reads: everything but the untied embedding table."""
+    from jpinfer.models.params import nbytes
+
+    total = nbytes(engine.weights)
+    return total if engine.cfg.tie_embeddings else total - int(engine.weights.embed.nbytes)
+
+
+class JaxEngine:
+    """Any jpinfer Engine, greedy, with compilation done before timing."""
+
+    def __init__(self, name: str, engine: Engine) -> None:
+        self.name = name
+        self.engine = engine
+        self.weight_bytes_per_token = weights_read_per_token(engine)
+        self._compiled: set[tuple[int, int]] = set()
+
+    def run(self, prompt_ids: list[int], max_new_tokens: int) -> RunStats:
+        config = GenerationConfig(max_new_tokens=max_new_tokens)
+        shapes = self.engine._shapes(len(prompt_ids), max_new_tokens)[:2]
+        if shapes not in self._compiled:
+            self.engine.warmup(len(prompt_ids), config)
+            self._compiled.add(shapes)
+        result = self.engine.generate(prompt_ids, config)
+        return RunStats(len(prompt_ids), result.token_ids, result.prefill_s, result.step_s)
+
+    def host_overhead(self, prompt_ids: list[int], max_new_tokens: int) -> float:
+        loop = np.median(self.run(prompt_ids, max_new_tokens).step_s)
+        device = self.engine.device_step_seconds(prompt_ids, max_new_tokens - 1)
+        return max(0.0, (loop - device) / loop)
+
+
+class TransformersEager:
+    """Hugging Face transformers' PyTorch eager model from the same checkpoint (optional peer)."""
+
+    def __init__(self, source: str) -> None:
+        import pathlib
+
+        import torch
+        import transformers
+
+        path = pathlib.Path(source)
+        kwargs = {"gguf_file": path.name} if path.is_file() else {}
+        directory = path.parent if path.is_file() else path
+        self.torch = torch
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(
+            directory, dtype=torch.float32, **kwargs
+        ).eval()
+        self.name = f"transformers eager f32 ({torch.get_num_threads()} threads)"
+        self.weight_bytes_per_token = 0
+
+    @staticmethod
+    def available() -> bool:
+        return importlib.util.find_spec("torch") is not None
+
+    def run(self, prompt_ids: list[int], max_new_tokens: int) -> RunStats:
+        torch = self.torch
+        ids = torch.tensor([prompt_ids])
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            first = self.model.generate(ids, max_new_tokens=1, do_sample=False, pad_token_id=0)
+            prefill_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            out = self.model.generate(
+                ids, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0
+            )
+            total = time.perf_counter() - t0
+        n_new = out.shape[1] - len(prompt_ids)
+        per_step = max(total - prefill_s, 0.0) / max(n_new - 1, 1)
+        tokens = out[0, len(prompt_ids) :].tolist()
+        assert tokens[0] == first[0, -1].item()
+        return RunStats(len(prompt_ids), tokens, prefill_s, [per_step] * (n_new - 1))
+
+    def host_overhead(self, prompt_ids: list[int], max_new_tokens: int) -> None:
+        return None

@@ -1,0 +1,17 @@
+"""Small real data files shipped in the package (see SOURCES.md beside this file)."""
+
+from __future__ import annotations
+
+import csv
+import pathlib
+
+DATA_DIR = pathlib.Path(__file__).parent
+WIKITEXT2_VALID = DATA_DIR / "wikitext-2" / "valid.txt"
+WIKITEXT2_TEST = DATA_DIR / "wikitext-2" / "test.txt"
+CHATGPT_PROMPTS = DATA_DIR / "chatgpt-prompts" / "prompts.csv"
+
+
+def chatgpt_prompts() -> list[str]:
+    """The 166 prompts of the bundled ChatGPT prompts CSV, in file order."""
+    with CHATGPT_PROMPTS.open(newline="", encoding="utf-8") as f:
+        return [row["prompt"] for row in csv.DictReader(f)]

@@ -1,0 +1,260 @@
+"""Hugging Face checkpoint directories (config.json + safetensors) -> ModelConfig + tensors.
+
+Reads safetensors with its JAX framework (bfloat16 included), never PyTorch.
+Supported: LlamaForCausalLM (hidden_act silu -> swiglu, relu -> reglu; this covers
+ReluLLaMA and ProSparse-style ReLU checkpoints), MistralForCausalLM, Qwen2ForCausalLM
+and OPTForCausalLM (pre-LayerNorm variants).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any
+
+import numpy as np
+from safetensors import SafetensorError, safe_open
+
+from jpinfer.config import ModelConfig
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded; the message names the file and the problem."""
+
+
+LLAMA_LIKE = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu", "relu": "reglu"}
+SUPPORTED = sorted([*LLAMA_LIKE, "OPTForCausalLM"])
+
+
+def _rope_theta(raw: dict[str, Any], path: pathlib.Path) -> float:
+    params = raw.get("rope_parameters") or {}
+    scaling = raw.get("rope_scaling") or params
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type not in ("default", None):
+        raise CheckpointError(f"{path}: RoPE scaling type {rope_type!r} is not supported yet")
+    return float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+
+
+def _eos_ids(raw: dict[str, Any]) -> tuple[int, ...]:
+    eos = raw.get("eos_token_id")
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (int(eos),)
+
+
+def parse_config(raw: dict[str, Any], path: pathlib.Path, ffn_kind: str | None = None) -> ModelConfig:
+    """Translate a transformers config.json dict into a ModelConfig."""
+    archs = raw.get("architectures") or []
+    arch = archs[0] if archs else None
+    if arch not in SUPPORTED:
+        raise CheckpointError(
+            f"{path}: unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED)}"
+        )
+    try:
+        if arch == "OPTForCausalLM":
+            return _parse_opt(raw, path, ffn_kind)
+        return _parse_llama(raw, path, arch, ffn_kind)
+    except KeyError as e:
+        raise CheckpointError(f"{path}: config.json lacks the field {e.args[0]!r}") from None
+
+
+def _parse_llama(raw: dict[str, Any], path: pathlib.Path, arch: str, ffn_kind: str | None) -> ModelConfig:
+    act = raw.get("hidden_act", "silu")
+    if ffn_kind is None:
+        if act not in ACTIVATIONS:
+            raise CheckpointError(
+                f"{path}: unsupported hidden_act {act!r}; supported: {', '.join(ACTIVATIONS)} "
+                "(or pass ffn_kind= to override)"
+            )
+        ffn_kind = ACTIVATIONS[act]
+    if raw.get("mlp_bias"):
+        raise CheckpointError(f"{path}: mlp_bias=true is not supported")
+    n_heads = raw["num_attention_heads"]
+    attention_bias = bool(raw.get("attention_bias", False))
+    # Mistral always slides when a window is set; Qwen2 only with use_sliding_window.
+    slides = arch == "MistralForCausalLM" or raw.get("use_sliding_window", False)
+    window = raw.get("sliding_window") if slides else None
+    return ModelConfig(
+        vocab_size=raw["vocab_size"],
+        d_model=raw["hidden_size"],
+        n_layers=raw["num_hidden_layers"],
+        n_heads=n_heads,
+        n_kv_heads=raw.get("num_key_value_heads") or n_heads,
+        head_dim=raw.get("head_dim") or raw["hidden_size"] // n_heads,
+        d_ff=raw["intermediate_size"],
+        ffn_kind=ffn_kind,
+        norm_kind="rmsnorm",
+        norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=_rope_theta(raw, path),
+        max_position=raw.get("max_position_embeddings", 2048),
+        sliding_window=window,
+        qkv_bias=attention_bias or arch == "Qwen2ForCausalLM",
+        attn_out_bias=attention_bias,
+        tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=_eos_ids(raw),
+        architecture=LLAMA_LIKE[arch],
+        name=raw.get("_name_or_path") or path.name,
+    )
+
+
+def _parse_opt(raw: dict[str, Any], path: pathlib.Path, ffn_kind: str | None) -> ModelConfig:
+    if not raw.get("do_layer_norm_before", True):
+        raise CheckpointError(f"{path}: OPT with do_layer_norm_before=false (opt-350m) is not supported")
+    d = raw["hidden_size"]
+    if raw.get("word_embed_proj_dim", d) != d:
+        raise CheckpointError(f"{path}: OPT with word_embed_proj_dim != hidden_size is not supported")
+    act = raw.get("activation_function", "relu")
+    if act != "relu" or ffn_kind not in (None, "relu"):
+        raise CheckpointError(f"{path}: OPT activation {act!r} is not supported (relu only)")
+    if not raw.get("enable_bias", True):
+        raise CheckpointError(f"{path}: OPT without biases is not supported")
+    n_heads = raw["num_attention_heads"]
+    return ModelConfig(
+        vocab_size=raw["vocab_size"],
+        d_model=d,
+        n_layers=raw["num_hidden_layers"],
+        n_heads=n_heads,
+        n_kv_heads=n_heads,
+        head_dim=d // n_heads,
+        d_ff=raw["ffn_dim"],
+        ffn_kind="relu",
+        norm_kind="layernorm",
+        norm_eps=1e-5,
+        positions="learned",
+        max_position=raw["max_position_embeddings"],
+        position_offset=2,
+        qkv_bias=True,
+        attn_out_bias=True,
+        ffn_bias=True,
+        tie_embeddings=bool(raw.get("tie_word_embeddings", True)),
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=_eos_ids(raw),
+        architecture="opt",
+        name=raw.get("_name_or_path") or path.name,
+    )
+
+
+def _hf_to_ours(cfg: ModelConfig) -> dict[str, tuple[str, bool]]:
+    """Our tensor name -> (Hugging Face name, transpose)."""
+    names: dict[str, tuple[str, bool]] = {}
+    if cfg.architecture == "opt":
+        base = "model.decoder."
+        names |= {
+            "embed": (base + "embed_tokens.weight", False),
+            "positions": (base + "embed_positions.weight", False),
+            "final_norm.scale": (base + "final_layer_norm.weight", False),
+            "final_norm.bias": (base + "final_layer_norm.bias", False),
+        }
+        per_layer = {
+            "attn_norm.scale": ("self_attn_layer_norm.weight", False),
+            "attn_norm.bias": ("self_attn_layer_norm.bias", False),
+            "ffn_norm.scale": ("final_layer_norm.weight", False),
+            "ffn_norm.bias": ("final_layer_norm.bias", False),
+            "wq": ("self_attn.q_proj.weight", True),
+            "wk": ("self_attn.k_proj.weight", True),
+            "wv": ("self_attn.v_proj.weight", True),
+            "wo": ("self_attn.out_proj.weight", True),
+            "bq": ("self_attn.q_proj.bias", False),
+            "bk": ("self_attn.k_proj.bias", False),
+            "bv": ("self_attn.v_proj.bias", False),
+            "bo": ("self_attn.out_proj.bias", False),
+            "w_up": ("fc1.weight", True),
+            "b_up": ("fc1.bias", False),
+            "w_down": ("fc2.weight", True),
+            "b_down": ("fc2.bias", False),
+        }
+        layer_prefix = base + "layers.{}."
+    else:
+        names |= {
+            "embed": ("model.embed_tokens.weight", False),
+            "final_norm.scale": ("model.norm.weight", False),
+        }
+        per_layer = {
+            "attn_norm.scale": ("input_layernorm.weight", False),
+            "ffn_norm.scale": ("post_attention_layernorm.weight", False),
+            "wq": ("self_attn.q_proj.weight", True),
+            "wk": ("self_attn.k_proj.weight", True),
+            "wv": ("self_attn.v_proj.weight", True),
+            "wo": ("self_attn.o_proj.weight", True),
+            "bq": ("self_attn.q_proj.bias", False),
+            "bk": ("self_attn.k_proj.bias", False),
+            "bv": ("self_attn.v_proj.bias", False),
+            "bo": ("self_attn.o_proj.bias", False),
+            "w_gate": ("mlp.gate_proj.weight", True),
+            "w_up": ("mlp.up_proj.weight", True),
+            "w_down": ("mlp.down_proj.weight", True),
+        }
+        layer_prefix = "model.layers.{}."
+    names["lm_head"] = ("lm_head.weight", True)
+    for i in range(cfg.n_layers):
+        for ours, (theirs, t) in per_layer.items():
+            names[f"layers.{i}.{ours}"] = (layer_prefix.format(i) + theirs, t)
+    return names
+
+
+def _safetensor_files(path: pathlib.Path) -> list[pathlib.Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
+        files = sorted({path / f for f in weight_map.values()})
+        missing = [f.name for f in files if not f.exists()]
+        if missing:
+            raise CheckpointError(f"{index}: shard file(s) missing: {', '.join(missing)}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path}: no *.safetensors files found")
+    return files
+
+
+def _read_tensors(files: list[pathlib.Path], wanted: set[str]) -> dict[str, np.ndarray]:
+    """Read the wanted tensors (by Hugging Face name, with or without a 'model.' prefix)."""
+    out: dict[str, np.ndarray] = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="flax") as st:
+                for key in st.keys():
+                    name = key if key in wanted else "model." + key
+                    if name in wanted:
+                        out[name] = np.asarray(st.get_tensor(key).astype("float32"))
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"{f}: cannot read safetensors file (truncated or corrupt?): {e}") from None
+    return out
+
+
+def load_hf(path: str | pathlib.Path, ffn_kind: str | None = None) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """Load a Hugging Face checkpoint directory as (config, float32 tensors in our naming).
+
+    ``ffn_kind`` overrides the activation kind read from config.json (e.g. ``"drelu"``
+    for dReLU checkpoints whose config names a custom activation).
+    """
+    path = pathlib.Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: checkpoint directory not found")
+    config_file = path / "config.json"
+    if not config_file.exists():
+        raise CheckpointError(f"{path}: no config.json in the checkpoint directory")
+    try:
+        raw = json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{config_file}: invalid JSON ({e})") from None
+    cfg = parse_config(raw, path, ffn_kind)
+    from jpinfer.models.params import expected_shapes
+
+    mapping = {k: v for k, v in _hf_to_ours(cfg).items() if k in expected_shapes(cfg)}
+    found = _read_tensors(_safetensor_files(path), {theirs for theirs, _ in mapping.values()})
+    tensors = {}
+    for ours, (theirs, transpose) in mapping.items():
+        if theirs not in found:
+            if ours == "lm_head":  # some checkpoints tie without saying so
+                continue
+            raise CheckpointError(f"{path}: missing tensor {theirs!r} (needed for {ours})")
+        tensors[ours] = found[theirs].T if transpose else found[theirs]
+    if "lm_head" in mapping and "lm_head" not in tensors:
+        raise CheckpointError(f"{path}: missing tensor 'lm_head.weight' and tie_word_embeddings is false")
+    return cfg, tensors

@@ -1,0 +1,167 @@
+"""Weights of the dense reference model as registered pytree dataclasses.
+
+Every projection is stored as (in_features, out_features), ``y = x @ w``. Hugging
+Face's ``nn.Linear.weight`` is (out, in), so loaders transpose. The FFN of layer l:
+``w_gate`` (d_model, d_ff) [absent for kind ``relu``], ``w_up`` (d_model, d_ff),
+``w_down`` (d_ff, d_model). Neuron i is column i of w_gate and w_up and row i of w_down.
+Optional tensors (biases, gate, norm bias, lm_head when tied) are ``None``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jpinfer.config import ModelConfig
+
+
+def _register(cls):
+    fields = [f.name for f in dataclasses.fields(cls)]
+    return jax.tree_util.register_dataclass(cls, data_fields=fields, meta_fields=[])
+
+
+@_register
+@dataclasses.dataclass
+class Norm:
+    scale: jax.Array
+    bias: jax.Array | None = None  # LayerNorm only
+
+
+@_register
+@dataclasses.dataclass
+class Layer:
+    attn_norm: Norm
+    wq: jax.Array
+    wk: jax.Array
+    wv: jax.Array
+    wo: jax.Array
+    ffn_norm: Norm
+    w_up: jax.Array
+    w_down: jax.Array
+    w_gate: jax.Array | None = None
+    bq: jax.Array | None = None
+    bk: jax.Array | None = None
+    bv: jax.Array | None = None
+    bo: jax.Array | None = None
+    b_up: jax.Array | None = None
+    b_down: jax.Array | None = None
+
+
+@_register
+@dataclasses.dataclass
+class Weights:
+    embed: jax.Array  # (vocab, d_model)
+    layers: list[Layer]
+    final_norm: Norm
+    lm_head: jax.Array | None = None  # (d_model, vocab); None when tied to embed
+    positions: jax.Array | None = None  # learned position table (OPT)
+
+    def logits_matrix(self) -> jax.Array:
+        """(d_model, vocab) matrix producing logits."""
+        return self.embed.T if self.lm_head is None else self.lm_head
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Shape of every tensor the config requires, keyed like ``tensor_names``.
+
+    Loaders check incoming tensors against this so that a checkpoint that disagrees
+    with its config is a clear error, not a broadcasting surprise deep inside.
+    """
+    d, f = cfg.d_model, cfg.d_ff
+    shapes: dict[str, tuple[int, ...]] = {"embed": (cfg.vocab_size, d), "final_norm.scale": (d,)}
+    if cfg.norm_kind == "layernorm":
+        shapes["final_norm.bias"] = (d,)
+    if not cfg.tie_embeddings:
+        shapes["lm_head"] = (d, cfg.vocab_size)
+    if cfg.positions == "learned":
+        shapes["positions"] = (cfg.max_position + cfg.position_offset, d)
+    for i in range(cfg.n_layers):
+        p = f"layers.{i}."
+        layer = {
+            "attn_norm.scale": (d,),
+            "ffn_norm.scale": (d,),
+            "wq": (d, cfg.q_dim),
+            "wk": (d, cfg.kv_dim),
+            "wv": (d, cfg.kv_dim),
+            "wo": (cfg.q_dim, d),
+            "w_up": (d, f),
+            "w_down": (f, d),
+        }
+        if cfg.norm_kind == "layernorm":
+            layer |= {"attn_norm.bias": (d,), "ffn_norm.bias": (d,)}
+        if cfg.has_gate:
+            layer["w_gate"] = (d, f)
+        if cfg.qkv_bias:
+            layer |= {"bq": (cfg.q_dim,), "bk": (cfg.kv_dim,), "bv": (cfg.kv_dim,)}
+        if cfg.attn_out_bias:
+            layer["bo"] = (d,)
+        if cfg.ffn_bias:
+            layer |= {"b_up": (f,), "b_down": (d,)}
+        shapes |= {p + k: v for k, v in layer.items()}
+    return shapes
+
+
+def build_weights(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype=jnp.float32) -> Weights:
+    """Assemble ``Weights`` from a flat dict keyed like ``expected_shapes``.
+
+    Raises ValueError naming the tensor when one is missing or has the wrong shape.
+    """
+    expected = expected_shapes(cfg)
+    for name, shape in expected.items():
+        if name not in tensors:
+            raise ValueError(f"missing tensor {name!r} required by the model config")
+        if tuple(tensors[name].shape) != shape:
+            raise ValueError(
+                f"tensor {name!r} has shape {tuple(tensors[name].shape)}, but the config implies {shape}"
+            )
+
+    def get(name: str):
+        return jnp.asarray(tensors[name], dtype=dtype) if name in expected else None
+
+    def norm(prefix: str) -> Norm:
+        return Norm(scale=get(prefix + ".scale"), bias=get(prefix + ".bias"))
+
+    layers = []
+    for i in range(cfg.n_layers):
+        p = f"layers.{i}."
+        fields = {f.name for f in dataclasses.fields(Layer)} - {"attn_norm", "ffn_norm"}
+        layers.append(
+            Layer(
+                attn_norm=norm(p + "attn_norm"),
+                ffn_norm=norm(p + "ffn_norm"),
+                **{name: get(p + name) for name in fields},
+            )
+        )
+    return Weights(
+        embed=get("embed"),
+        layers=layers,
+        final_norm=norm("final_norm"),
+        lm_head=get("lm_head"),
+        positions=get("positions"),
+    )
+
+
+def init_random(cfg: ModelConfig, seed: int = 0, scale: float = 0.05) -> dict[str, np.ndarray]:
+    """Random float32 tensors for every name in ``expected_shapes`` (tests, benches)."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, shape in expected_shapes(cfg).items():
+        if name.endswith("norm.scale"):
+            out[name] = (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+        else:
+            out[name] = (scale * rng.standard_normal(shape)).astype(np.float32)
+    return out
+
+
+def cast(weights: Weights, dtype) -> Weights:
+    """Weights with every array cast to ``dtype``."""
+    convert: Callable = lambda a: a.astype(dtype)
+    return jax.tree_util.tree_map(convert, weights)
+
+
+def nbytes(weights: Weights) -> int:
+    return sum(int(a.nbytes) for a in jax.tree_util.tree_leaves(weights))

@@ -1,0 +1,232 @@
+"""Dense reference decoder: Llama family (RoPE, GQA, RMSNorm, gated FFN) and OPT.
+
+Pure functions over the ``Weights`` pytree. The FFN is a pluggable step: ``forward``
+takes a static ``ffn_impl`` and a traced ``ffn_state`` so that sparse FFNs (oracle
+masks, predictors, hybrid placement) and the profiler replace the dense FFN per layer
+without touching attention.
+
+``ffn_impl(layer_index, layer, x, state) -> (y, aux)``: ``x`` is the normalised FFN
+input (..., d_model), ``y`` the FFN output including ``b_down``, ``aux`` any pytree
+(``None`` for nothing) that ``forward`` returns per layer. ``state`` is
+``ffn_state[layer_index]`` (``None`` when no state is given).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from jpinfer.config import ModelConfig
+from jpinfer.models.params import Layer, Norm, Weights
+
+FfnImpl = Callable[[int, Layer, jax.Array, Any], tuple[jax.Array, Any]]
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v", "length"], meta_fields=[])
+@dataclasses.dataclass
+class KVCache:
+    """Preallocated keys/values, (n_layers, batch, capacity, n_kv_heads, head_dim) each.
+
+    ``length`` is the number of positions already written (shared by the batch).
+    """
+
+    k: jax.Array
+    v: jax.Array
+    length: jax.Array
+
+    @classmethod
+    def create(cls, cfg: ModelConfig, batch: int, capacity: int, dtype=jnp.float32) -> "KVCache":
+        shape = (cfg.n_layers, batch, capacity, cfg.n_kv_heads, cfg.head_dim)
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((), jnp.int32))
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+
+def norm(p: Norm, x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """RMSNorm or LayerNorm, computed in float32 and returned in x's dtype."""
+    x32 = x.astype(jnp.float32)
+    if cfg.norm_kind == "layernorm":
+        x32 = x32 - x32.mean(-1, keepdims=True)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + cfg.norm_eps)
+    y = y * p.scale.astype(jnp.float32)
+    if p.bias is not None:
+        y = y + p.bias.astype(jnp.float32)
+    return y.astype(x.dtype)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding, Hugging Face's rotate-half layout. x: (B, T, H, hd), positions: (T,)."""
+    half = x.shape[-1] // 2
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, half, dtype=jnp.float32) / half))
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # (T, half)
+    cos = jnp.cos(angles)[None, :, None, :]
+    sin = jnp.sin(angles)[None, :, None, :]
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def _linear(x: jax.Array, w: jax.Array, b: jax.Array | None) -> jax.Array:
+    y = x @ w
+    return y if b is None else y + b
+
+
+def attention_block(
+    layer: Layer,
+    x: jax.Array,
+    positions: jax.Array,
+    cache: KVCache,
+    layer_index: int,
+    cfg: ModelConfig,
+) -> tuple[jax.Array, KVCache]:
+    """Causal grouped-query attention over the cache plus the T new positions.
+
+    x: (B, T, d) normalised input at ``positions`` (T,). The new keys and values are
+    written into the stacked cache in place (the caller donates it), so a decode step
+    never copies the whole cache. Returns the output projection (B, T, d) and the cache.
+    """
+    b, t, _ = x.shape
+    q = _linear(x, layer.wq, layer.bq).reshape(b, t, cfg.n_heads, cfg.head_dim)
+    k = _linear(x, layer.wk, layer.bk).reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
+    v = _linear(x, layer.wv, layer.bv).reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
+    if cfg.positions == "rope":
+        q = rope(q, positions, cfg.rope_theta)
+        k = rope(k, positions, cfg.rope_theta)
+    at = (layer_index, 0, positions[0], 0, 0)
+    all_k = jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype)[None], at)
+    all_v = jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype)[None], at)
+    cache = dataclasses.replace(cache, k=all_k, v=all_v)
+    cache_k, cache_v = all_k[layer_index], all_v[layer_index]
+
+    groups = cfg.n_heads // cfg.n_kv_heads
+    qg = q.reshape(b, t, cfg.n_kv_heads, groups, cfg.head_dim)
+    scores = jnp.einsum("btkgh,bskh->bkgts", qg, cache_k, preferred_element_type=jnp.float32)
+    scores = scores * (cfg.head_dim**-0.5)
+    key_pos = jnp.arange(cache_k.shape[1])
+    visible = key_pos[None, :] <= positions[:, None]  # (T, S)
+    if cfg.sliding_window is not None:
+        visible &= key_pos[None, :] > positions[:, None] - cfg.sliding_window
+    scores = jnp.where(visible[None, None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(cache_v.dtype)
+    out = jnp.einsum("bkgts,bskh->btkgh", probs, cache_v, preferred_element_type=jnp.float32)
+    out = out.reshape(b, t, cfg.q_dim).astype(x.dtype)
+    return _linear(out, layer.wo, layer.bo), cache
+
+
+def ffn_activations(layer: Layer, x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Per-neuron activation a (..., d_ff); the FFN output is a @ w_down (+ b_down)."""
+    up = _linear(x, layer.w_up, layer.b_up)
+    if cfg.ffn_kind == "relu":
+        return jax.nn.relu(up)
+    gate = x @ layer.w_gate
+    if cfg.ffn_kind == "swiglu":
+        return jax.nn.silu(gate) * up
+    if cfg.ffn_kind == "reglu":
+        return jax.nn.relu(gate) * up
+    return jax.nn.relu(gate) * jax.nn.relu(up)  # drelu
+
+
+def ffn_dense(layer: Layer, x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """The dense FFN output for normalised input x."""
+    return _linear(ffn_activations(layer, x, cfg), layer.w_down, layer.b_down)
+
+
+def _dense_ffn_impl(cfg: ModelConfig) -> FfnImpl:
+    return lambda i, layer, x, state: (ffn_dense(layer, x, cfg), None)
+
+
+def embed(weights: Weights, tokens: jax.Array, positions: jax.Array, cfg: ModelConfig) -> jax.Array:
+    h = weights.embed[tokens]
+    if cfg.positions == "learned":
+        h = h + weights.positions[positions + cfg.position_offset][None]
+    return h
+
+
+def forward(
+    weights: Weights,
+    tokens: jax.Array,
+    cache: KVCache,
+    cfg: ModelConfig,
+    ffn_impl: FfnImpl | None = None,
+    ffn_state: Any = None,
+) -> tuple[jax.Array, KVCache, list[Any]]:
+    """Run T new tokens (B, T) after ``cache.length`` cached positions.
+
+    Returns the final-normalised hidden states (B, T, d), the cache with the new
+    positions written (``length`` advanced by T) and the per-layer FFN aux outputs.
+    """
+    impl = ffn_impl or _dense_ffn_impl(cfg)
+    start = cache.length
+    positions = start + jnp.arange(tokens.shape[1], dtype=jnp.int32)
+    h = embed(weights, tokens, positions, cfg)
+    aux = []
+    for i, layer in enumerate(weights.layers):
+        attn, cache = attention_block(layer, norm(layer.attn_norm, h, cfg), positions, cache, i, cfg)
+        h = h + attn
+        y, aux_i = impl(i, layer, norm(layer.ffn_norm, h, cfg), None if ffn_state is None else ffn_state[i])
+        h = h + y.astype(h.dtype)
+        aux.append(aux_i)
+    cache = dataclasses.replace(cache, length=start + tokens.shape[1])
+    return norm(weights.final_norm, h, cfg), cache, aux
+
+
+def logits(weights: Weights, h: jax.Array) -> jax.Array:
+    """Float32 logits from final hidden states."""
+    return jnp.dot(h, weights.logits_matrix(), preferred_element_type=jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "ffn_impl"), donate_argnames=("cache",))
+def prefill(
+    weights: Weights,
+    tokens: jax.Array,
+    n_valid: jax.Array,
+    cache: KVCache,
+    cfg: ModelConfig,
+    ffn_impl: FfnImpl | None = None,
+    ffn_state: Any = None,
+) -> tuple[jax.Array, KVCache]:
+    """Process a right-padded prompt (B, T_bucket) of which ``n_valid`` tokens are real.
+
+    Padding positions are written to the cache but ``length`` ends at ``start + n_valid``,
+    so decoding overwrites them and attention never sees them. Returns the logits (B, V)
+    at the last real position.
+    """
+    start = cache.length
+    h, cache, _ = forward(weights, tokens, cache, cfg, ffn_impl, ffn_state)
+    last = jax.lax.dynamic_index_in_dim(h, n_valid - 1, axis=1, keepdims=False)
+    cache = dataclasses.replace(cache, length=start + n_valid)
+    return logits(weights, last), cache
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "ffn_impl"), donate_argnames=("cache",))
+def decode_step(
+    weights: Weights,
+    token: jax.Array,
+    cache: KVCache,
+    cfg: ModelConfig,
+    ffn_impl: FfnImpl | None = None,
+    ffn_state: Any = None,
+) -> tuple[jax.Array, KVCache]:
+    """One decoding step for tokens (B,); returns logits (B, V) and the advanced cache."""
+    h, cache, _ = forward(weights, token[:, None], cache, cfg, ffn_impl, ffn_state)
+    return logits(weights, h[:, 0]), cache
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "ffn_impl"))
+def score(
+    weights: Weights,
+    tokens: jax.Array,
+    cfg: ModelConfig,
+    ffn_impl: FfnImpl | None = None,
+    ffn_state: Any = None,
+) -> jax.Array:
+    """Logits (B, T, V) for every position of full sequences (perplexity, parity tests)."""
+    cache = KVCache.create(cfg, tokens.shape[0], tokens.shape[1], weights.embed.dtype)
+    h, _, _ = forward(weights, tokens, cache, cfg, ffn_impl, ffn_state)
+    return logits(weights, h)

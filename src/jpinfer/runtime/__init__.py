@@ -1,0 +1,1 @@
+"""Generation runtime: engine loop, sampling, sparse FFN strategies."""

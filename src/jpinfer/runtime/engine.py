@@ -1,0 +1,271 @@
+"""Text generation on top of the decoder: prompts, sampling loop, streaming, stops, timing."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jpinfer.config import ModelConfig
+from jpinfer.models import transformer
+from jpinfer.models.params import Weights
+from jpinfer.runtime.sampling import Sampler, sample
+
+MIN_PROMPT_BUCKET = 16
+CACHE_ROUNDING = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationConfig:
+    """How to generate. ``temperature`` 0 is greedy; the same ``seed`` gives the same output."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+    chat: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+        self.sampler  # validates temperature, top_k, top_p
+
+    @property
+    def sampler(self) -> Sampler:
+        return Sampler(float(self.temperature), int(self.top_k), float(self.top_p))
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    """One prompt's output. Times in seconds; ``finish_reason`` is 'eos', 'stop' or 'length'."""
+
+    text: str
+    token_ids: list[int]
+    prompt_token_ids: list[int]
+    finish_reason: str
+    prefill_s: float
+    step_s: list[float]
+
+    @property
+    def decode_s(self) -> float:
+        return float(sum(self.step_s))
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return len(self.step_s) / self.decode_s if self.step_s else float("nan")
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return len(self.prompt_token_ids) / self.prefill_s
+
+
+def _bucket(n: int) -> int:
+    """Prompt lengths are padded to powers of two so prefill compiles a few times, not per length."""
+    return max(MIN_PROMPT_BUCKET, 1 << (n - 1).bit_length())
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "sampler", "ffn_impl"), donate_argnames=("cache",))
+def _first_token(weights, tokens, n_valid, cache, key, cfg, sampler, ffn_impl=None, ffn_state=None):
+    step_logits, cache = transformer.prefill(weights, tokens, n_valid, cache, cfg, ffn_impl, ffn_state)
+    key, sub = jax.random.split(key)
+    return sample(step_logits, sub, sampler), cache, key
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "sampler", "ffn_impl"), donate_argnames=("cache",))
+def _next_token(weights, token, cache, key, cfg, sampler, ffn_impl=None, ffn_state=None):
+    step_logits, cache = transformer.decode_step(weights, token, cache, cfg, ffn_impl, ffn_state)
+    key, sub = jax.random.split(key)
+    return sample(step_logits, sub, sampler), cache, key
+
+
+class Engine:
+    """A loaded model ready to generate. Create it with ``jpinfer.load``."""
+
+    def __init__(self, cfg: ModelConfig, weights: Weights, tokenizer: Any = None, source: str = "") -> None:
+        self.cfg = cfg
+        self.weights = weights
+        self.tokenizer = tokenizer
+        self.source = source
+        self.ffn_impl = None
+        self.ffn_state = None
+
+    @property
+    def dtype(self):
+        return self.weights.embed.dtype
+
+    def __repr__(self) -> str:
+        return f"Engine({self.cfg.name!r}, layers={self.cfg.n_layers}, d_model={self.cfg.d_model}, dtype={self.dtype})"
+
+    # ----- prompts
+    def encode_prompt(self, prompt: str | Sequence[int] | Sequence[dict], chat: bool = False) -> list[int]:
+        """Token ids for a text prompt, a list of chat messages, or a list of ids.
+
+        With ``chat=True`` a text prompt becomes one user message; a list of
+        ``{"role", "content"}`` messages always goes through the chat template.
+        """
+        is_messages = isinstance(prompt, (list, tuple)) and bool(prompt) and isinstance(prompt[0], dict)
+        if isinstance(prompt, str) or is_messages:
+            if not prompt:
+                raise ValueError("prompt is empty: give some text or token ids")
+            if self.tokenizer is None:
+                raise ValueError("this model was loaded without a tokenizer: pass token ids instead of text")
+            if chat or is_messages:
+                if not getattr(self.tokenizer, "chat_template", None):
+                    raise ValueError("chat=True, but the model has no chat template")
+                messages = prompt if is_messages else [{"role": "user", "content": prompt}]
+                text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+                return [int(i) for i in self.tokenizer.encode(text, add_special_tokens=False)]
+            return [int(i) for i in self.tokenizer.encode(prompt, add_special_tokens=False)]
+        ids = [int(i) for i in np.asarray(prompt).reshape(-1)]
+        if not ids:
+            raise ValueError("prompt is empty: give some text or token ids")
+        bad = [i for i in ids if not 0 <= i < self.cfg.vocab_size]
+        if bad:
+            raise ValueError(f"token ids out of range [0, {self.cfg.vocab_size}): {bad[:5]}")
+        return ids
+
+    def _eos_ids(self) -> set[int]:
+        ids = set(self.cfg.eos_token_ids)
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        if eos is not None:
+            ids.add(int(eos))
+        return ids
+
+    def _decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    # ----- generation
+    def stream(self, prompt: str | Sequence[int], config: GenerationConfig | None = None, **kwargs) -> Iterator[str]:
+        """Yield text pieces as they are generated (stop strings are never yielded)."""
+        events = self._run(prompt, config or GenerationConfig(**kwargs))
+        for piece in events:
+            if isinstance(piece, str):
+                yield piece
+
+    def generate(
+        self, prompt: str | Sequence[int] | Sequence[str], config: GenerationConfig | None = None, **kwargs
+    ) -> GenerationResult | list[GenerationResult]:
+        """Generate for one prompt (text or token ids) or a list of text prompts."""
+        config = config or GenerationConfig(**kwargs)
+        if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(p, str) for p in prompt):
+            return [self.generate(p, config) for p in prompt]
+        result = None
+        for event in self._run(prompt, config):
+            if isinstance(event, GenerationResult):
+                result = event
+        return result
+
+    def _shapes(self, n_prompt: int, max_new_tokens: int) -> tuple[int, int, int]:
+        """(prompt bucket, KV cache capacity, tokens that fit) for a prompt of n tokens."""
+        if n_prompt >= self.cfg.max_position:
+            raise ValueError(
+                f"prompt has {n_prompt} tokens but the model's context is {self.cfg.max_position}: "
+                "shorten the prompt"
+            )
+        max_new = min(max_new_tokens, self.cfg.max_position - n_prompt)
+        bucket = _bucket(n_prompt)
+        capacity = -(-(bucket + max_new) // CACHE_ROUNDING) * CACHE_ROUNDING
+        return bucket, max(bucket, min(capacity, self.cfg.max_position)), max_new
+
+    def _start(self, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler, seed: int):
+        """Prefill and sample the first token; returns (token, cache, key, tokens that fit)."""
+        n = len(prompt_ids)
+        bucket, capacity, max_new = self._shapes(n, max_new_tokens)
+        cache = transformer.KVCache.create(self.cfg, 1, capacity, self.dtype)
+        padded = np.zeros((1, bucket), np.int32)
+        padded[0, :n] = prompt_ids
+        token, cache, key = _first_token(
+            self.weights, jnp.asarray(padded), jnp.int32(n), cache, jax.random.PRNGKey(seed), self.cfg,
+            sampler, self.ffn_impl, self.ffn_state,
+        )
+        return token, cache, key, max_new
+
+    def _step(self, token, cache, key, sampler: Sampler):
+        return _next_token(self.weights, token, cache, key, self.cfg, sampler, self.ffn_impl, self.ffn_state)
+
+    def warmup(self, n_prompt_tokens: int, config: GenerationConfig | None = None) -> None:
+        """Compile prefill and decode for this prompt length and config (the first call compiles)."""
+        config = config or GenerationConfig()
+        token, cache, key, _ = self._start([0] * n_prompt_tokens, config.max_new_tokens, config.sampler, 0)
+        jax.block_until_ready(self._step(token, cache, key, config.sampler))
+
+    def device_step_seconds(self, prompt_ids: list[int], n_steps: int, config: GenerationConfig | None = None) -> float:
+        """Mean decode step time with no host round trip between steps (the loop's lower bound)."""
+        config = config or GenerationConfig(max_new_tokens=n_steps + 1)
+        token, cache, key, _ = self._start(prompt_ids, config.max_new_tokens, config.sampler, config.seed)
+        token, cache, key = jax.block_until_ready(self._step(token, cache, key, config.sampler))
+        t0 = time.perf_counter()
+        for _ in range(n_steps):
+            token, cache, key = self._step(token, cache, key, config.sampler)
+        jax.block_until_ready(token)
+        return (time.perf_counter() - t0) / n_steps
+
+    def _run(self, prompt, config: GenerationConfig) -> Iterator[str | GenerationResult]:
+        prompt_ids = self.encode_prompt(prompt, chat=config.chat)
+        sampler, eos_ids = config.sampler, self._eos_ids()
+        t0 = time.perf_counter()
+        token, cache, key, max_new = self._start(prompt_ids, config.max_new_tokens, sampler, config.seed)
+        token_id = int(token[0])
+        prefill_s = time.perf_counter() - t0
+
+        out: list[int] = []
+        step_s: list[float] = []
+        emitted = ""
+        finish = "length"
+        while True:
+            if token_id in eos_ids:
+                finish = "eos"
+                break
+            out.append(token_id)
+            text = self._decode(out)
+            cut = _find_stop(text, config.stop)
+            if cut is not None:
+                text, finish = text[:cut], "stop"
+            safe = len(text) if cut is not None else _safe_prefix(text, config.stop)
+            if safe > len(emitted):
+                yield text[len(emitted) : safe]
+                emitted = text[:safe]
+            if finish == "stop" or len(out) >= max_new:
+                break
+            t = time.perf_counter()
+            token, cache, key = self._step(token, cache, key, sampler)
+            token_id = int(token[0])
+            step_s.append(time.perf_counter() - t)
+        text = self._decode(out)
+        cut = _find_stop(text, config.stop)
+        if cut is not None:
+            text = text[:cut]
+        if len(text) > len(emitted):
+            yield text[len(emitted) :]
+        yield GenerationResult(text, out, prompt_ids, finish, prefill_s, step_s)
+
+
+def _find_stop(text: str, stops: tuple[str, ...]) -> int | None:
+    hits = [text.find(s) for s in stops if s in text]
+    return min(hits) if hits else None
+
+
+def _safe_prefix(text: str, stops: tuple[str, ...]) -> int:
+    """Length of text that can be shown: hold back an incomplete character and any stop-string prefix."""
+    end = len(text)
+    while end and text[end - 1] == "\ufffd":
+        end -= 1
+    for s in stops:
+        for k in range(min(len(s) - 1, end), 0, -1):
+            if text[:end].endswith(s[:k]):
+                end = min(end, len(text[:end]) - k)
+                break
+    return end

@@ -1,0 +1,56 @@
+"""Tiny random Hugging Face models (PyTorch) saved as safetensors: the independent reference."""
+
+from __future__ import annotations
+
+import pathlib
+
+import torch
+import transformers
+
+TINY = dict(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64)
+
+
+def tiny_config(arch: str) -> transformers.PretrainedConfig:
+    """A tiny config for each supported architecture, varied to exercise GQA, biases, ties."""
+    if arch == "llama":
+        return transformers.LlamaConfig(**TINY, intermediate_size=48, num_key_value_heads=2, rope_theta=500.0,
+                                        rms_norm_eps=1e-5, tie_word_embeddings=False)
+    if arch == "llama_relu":
+        return transformers.LlamaConfig(**TINY, intermediate_size=48, num_key_value_heads=4, hidden_act="relu",
+                                        tie_word_embeddings=True)
+    if arch == "llama_drelu":  # dReLU has no transformers class: patched MLP below
+        return transformers.LlamaConfig(**TINY, intermediate_size=48, num_key_value_heads=1, hidden_act="relu")
+    if arch == "mistral":
+        return transformers.MistralConfig(**TINY, intermediate_size=40, num_key_value_heads=2, sliding_window=5)
+    if arch == "qwen2":
+        return transformers.Qwen2Config(**TINY, intermediate_size=40, num_key_value_heads=2, tie_word_embeddings=True)
+    if arch == "opt":
+        return transformers.OPTConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                      ffn_dim=48, max_position_embeddings=64, word_embed_proj_dim=32)
+    raise ValueError(arch)
+
+
+def _drelu_forward(mlp):
+    def forward(x):
+        return mlp.down_proj(torch.relu(mlp.gate_proj(x)) * torch.relu(mlp.up_proj(x)))
+
+    return forward
+
+
+def make_model(arch: str, directory: pathlib.Path, seed: int = 0) -> torch.nn.Module:
+    """Build a random model, perturb norms and biases so they matter, save it, return it (eval mode)."""
+    torch.manual_seed(seed)
+    cfg = tiny_config(arch)
+    cfg._attn_implementation = "eager"
+    model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.2)
+    model.save_pretrained(directory, safe_serialization=True)
+    if arch == "llama_drelu":
+        for layer in model.model.layers:
+            layer.mlp.forward = _drelu_forward(layer.mlp)
+    return model

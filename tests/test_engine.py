@@ -1,0 +1,131 @@
+"""Engine: generation loop, sampling, stops, streaming and argument checks (tiny random models)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from jpinfer import Engine, GenerationConfig
+from jpinfer.models import hf_loader, params
+from jpinfer.runtime.sampling import Sampler, sample
+from hf_reference import make_model
+
+
+class CharTokenizer:
+    """Token i <-> chr(ord('a') + i % 26); token 0 is EOS. Enough to test text handling."""
+
+    eos_token_id = 0
+    chat_template = None
+
+    def encode(self, text, add_special_tokens=False):
+        return [1 + (ord(c) - ord("a")) % 26 for c in text]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(ord("a") + (i - 1) % 26) for i in ids if i != 0)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("llama")
+    ref = make_model("llama", directory)
+    cfg, tensors = hf_loader.load_hf(directory)
+    return ref, Engine(cfg, params.build_weights(cfg, tensors), CharTokenizer())
+
+
+def test_greedy_matches_transformers_generate(tiny):
+    ref, engine = tiny
+    prompt = [3, 14, 15, 92, 65, 35]
+    with torch.no_grad():
+        expected = ref.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0)
+    expected = [t for t in expected[0, len(prompt):].tolist()]
+    result = engine.generate(prompt, max_new_tokens=12)
+    eos = {0, *engine.cfg.eos_token_ids}  # the tokenizer's and the config's
+    cut = [i for i, t in enumerate(expected) if t in eos]
+    expected = expected[: cut[0]] if cut else expected  # EOS ends generation, and is not returned
+    assert result.token_ids == expected
+    assert result.finish_reason == ("eos" if len(expected) < 12 else "length")
+    # One decode step per token after the first, plus the step that produced EOS.
+    assert len(result.step_s) == len(result.token_ids) - (result.finish_reason == "length")
+
+
+def test_same_seed_same_output_and_seeds_differ(tiny):
+    _, engine = tiny
+    runs = [engine.generate([5, 6, 7], max_new_tokens=20, temperature=1.5, seed=s).token_ids for s in (1, 1, 2)]
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy(tiny):
+    _, engine = tiny
+    greedy = engine.generate([5, 6, 7], max_new_tokens=10).token_ids
+    assert engine.generate([5, 6, 7], max_new_tokens=10, temperature=0.8, top_k=1, seed=3).token_ids == greedy
+    assert engine.generate([5, 6, 7], max_new_tokens=10, temperature=0.8, top_p=1e-6, seed=3).token_ids == greedy
+
+
+def test_sampling_follows_filtered_softmax():
+    logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05]]))
+    keys = jax.random.split(jax.random.PRNGKey(0), 20000)
+    draw = jax.vmap(lambda k, s=None: sample(logits, k, Sampler(1.0, 0, 0.7)))
+    counts = np.bincount(np.asarray(draw(keys)).ravel(), minlength=4) / 20000
+    # top_p 0.7 keeps {0.5, 0.3}: renormalised 0.625 / 0.375.
+    np.testing.assert_allclose(counts, [0.625, 0.375, 0, 0], atol=0.015)
+    draw_k = jax.vmap(lambda k: sample(logits, k, Sampler(1.0, 3, 1.0)))
+    counts = np.bincount(np.asarray(draw_k(keys)).ravel(), minlength=4) / 20000
+    np.testing.assert_allclose(counts, np.array([0.5, 0.3, 0.15, 0]) / 0.95, atol=0.015)
+
+
+def test_stop_string_cuts_text_and_stream_matches(tiny):
+    _, engine = tiny
+    full = engine.generate("hello", max_new_tokens=16, temperature=1.0, seed=7)
+    assert len(full.text) >= 4, full.text
+    stop = full.text[2:4]
+    result = engine.generate("hello", max_new_tokens=16, temperature=1.0, seed=7, stop=[stop])
+    assert result.finish_reason == "stop"
+    assert result.text == full.text[: full.text.find(stop)]
+    pieces = list(engine.stream("hello", max_new_tokens=16, temperature=1.0, seed=7, stop=[stop]))
+    assert "".join(pieces) == result.text
+    assert "".join(engine.stream("hello", max_new_tokens=16, temperature=1.0, seed=7)) == full.text
+
+
+def test_list_of_prompts_gives_one_result_each(tiny):
+    _, engine = tiny
+    results = engine.generate(["abc", "xyz"], max_new_tokens=3)
+    assert [r.text for r in results] == [engine.generate(p, max_new_tokens=3).text for p in ("abc", "xyz")]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(temperature=-1.0), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-2), "top_k"),
+    ],
+)
+def test_bad_generation_arguments_are_value_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        GenerationConfig(**kwargs)
+
+
+def test_bad_prompts_are_value_errors(tiny):
+    _, engine = tiny
+    with pytest.raises(ValueError, match="empty"):
+        engine.generate("")
+    with pytest.raises(ValueError, match="empty"):
+        engine.generate([])
+    with pytest.raises(ValueError, match="context"):
+        engine.generate([1] * engine.cfg.max_position)
+    with pytest.raises(ValueError, match="out of range"):
+        engine.generate([engine.cfg.vocab_size])
+    with pytest.raises(ValueError, match="chat template"):
+        engine.generate("abc", chat=True)
+
+
+def test_generation_stops_at_context_end(tiny):
+    _, engine = tiny
+    n = engine.cfg.max_position - 3
+    prompt = list(np.random.default_rng(0).integers(1, 90, n))
+    result = engine.generate(prompt, max_new_tokens=50)
+    assert len(result.token_ids) <= 3

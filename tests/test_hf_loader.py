@@ -1,0 +1,130 @@
+"""Hugging Face checkpoint loading: sharded files, bfloat16, and every error a user can hit."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import load_file, save_file
+
+import jpinfer
+from jpinfer.models.hf_loader import CheckpointError, load_hf
+from jpinfer.models.loading import load_model
+from hf_reference import make_model
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("qwen2")
+    model = make_model("qwen2", directory)
+    return directory, model
+
+
+def _copy(checkpoint, tmp_path):
+    directory, _ = checkpoint
+    target = tmp_path / "ckpt"
+    shutil.copytree(directory, target)
+    return target
+
+
+def _weights_file(directory):
+    return next(directory.glob("*.safetensors"))
+
+
+def test_tensors_are_transposed_hf_weights(checkpoint):
+    directory, model = checkpoint
+    cfg, tensors = load_hf(directory)
+    layer = model.model.layers[1]
+    np.testing.assert_array_equal(tensors["layers.1.wq"], layer.self_attn.q_proj.weight.detach().numpy().T)
+    np.testing.assert_array_equal(tensors["layers.1.bk"], layer.self_attn.k_proj.bias.detach().numpy())
+    np.testing.assert_array_equal(tensors["layers.1.w_down"], layer.mlp.down_proj.weight.detach().numpy().T)
+    assert cfg.qkv_bias and cfg.tie_embeddings and "lm_head" not in tensors
+
+
+def test_sharded_and_bfloat16_checkpoints_load(checkpoint, tmp_path):
+    _, model = checkpoint
+    model.to(torch.bfloat16).save_pretrained(tmp_path, safe_serialization=True, max_shard_size="20KB")
+    model.float()
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    _, tensors = load_hf(tmp_path)
+    expected = model.model.layers[0].mlp.up_proj.weight.detach().to(torch.bfloat16).float().numpy().T
+    np.testing.assert_array_equal(tensors["layers.0.w_up"], expected)
+
+
+def test_missing_directory_and_files(tmp_path):
+    with pytest.raises(CheckpointError, match="not found"):
+        load_hf(tmp_path / "nope")
+    with pytest.raises(CheckpointError, match="config.json"):
+        load_hf(tmp_path)
+    with pytest.raises(ValueError, match="no such checkpoint"):
+        jpinfer.load(tmp_path / "nope")
+
+
+def test_no_safetensors_files(checkpoint, tmp_path):
+    target = _copy(checkpoint, tmp_path)
+    _weights_file(target).unlink()
+    with pytest.raises(CheckpointError, match="no \\*.safetensors"):
+        load_hf(target)
+
+
+def _edit_config(directory, **changes):
+    config = json.loads((directory / "config.json").read_text())
+    config.update(changes)
+    (directory / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"architectures": ["GPT2LMHeadModel"]}, "unsupported architecture 'GPT2LMHeadModel'"),
+        ({"hidden_act": "gelu"}, "unsupported hidden_act 'gelu'"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "RoPE scaling type 'yarn'"),
+    ],
+)
+def test_unsupported_configs(checkpoint, tmp_path, changes, message):
+    target = _copy(checkpoint, tmp_path)
+    _edit_config(target, **changes)
+    with pytest.raises(CheckpointError, match=message):
+        load_hf(target)
+
+
+def test_missing_config_field(checkpoint, tmp_path):
+    target = _copy(checkpoint, tmp_path)
+    config = json.loads((target / "config.json").read_text())
+    del config["hidden_size"]
+    (target / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="hidden_size"):
+        load_hf(target)
+
+
+def test_missing_tensor_is_named(checkpoint, tmp_path):
+    target = _copy(checkpoint, tmp_path)
+    tensors = load_file(_weights_file(target))
+    del tensors["model.layers.1.mlp.gate_proj.weight"]
+    save_file(tensors, _weights_file(target))
+    with pytest.raises(CheckpointError, match="model.layers.1.mlp.gate_proj.weight"):
+        load_hf(target)
+
+
+def test_shape_disagreeing_with_config(checkpoint, tmp_path):
+    target = _copy(checkpoint, tmp_path)
+    _edit_config(target, intermediate_size=44)
+    with pytest.raises(CheckpointError, match=r"layers.0.w_up.*shape \(32, 40\).*\(32, 44\)"):
+        load_model(target)
+
+
+def test_truncated_file(checkpoint, tmp_path):
+    target = _copy(checkpoint, tmp_path)
+    f = _weights_file(target)
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match="truncated or corrupt"):
+        load_hf(target)
+
+
+def test_missing_shard(checkpoint, tmp_path):
+    _, model = checkpoint
+    model.save_pretrained(tmp_path, safe_serialization=True, max_shard_size="20KB")
+    next(tmp_path.glob("model-00002-*.safetensors")).unlink()
+    with pytest.raises(CheckpointError, match="shard file\\(s\\) missing: model-00002"):
+        load_hf(tmp_path)
