@@ -1,0 +1,223 @@
+"""Load a llama-architecture GGUF file (llama.cpp's format) into jpinfer's flat tensor dict.
+
+The weights come back dequantized to float numpy arrays keyed and shaped like
+``jpinfer.models.params.expected_shapes(cfg)`` (projections (in, out)), with the
+ModelConfig read from the file's metadata and the tokenizer built from its own fields.
+No PyTorch: reading is the ``gguf`` package, dequantization ``gguf.quants``.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+
+from jpinfer.config import ModelConfig
+from jpinfer.models.params import expected_shapes
+from jpinfer.models.tokenizer import Tokenizer, tokenizer_from_gguf_metadata
+
+GGUF_MAGIC = b"GGUF"
+
+SUPPORTED_TENSOR_TYPES: tuple[GGMLQuantizationType, ...] = (
+    GGMLQuantizationType.F32,
+    GGMLQuantizationType.F16,
+    GGMLQuantizationType.BF16,
+    GGMLQuantizationType.Q8_0,
+    GGMLQuantizationType.Q4_0,
+    GGMLQuantizationType.Q4_1,
+)
+
+# GGUF layer tensor -> (jpinfer name, transpose to (in, out)).
+_LAYER_TENSORS: dict[str, tuple[str, bool]] = {
+    "attn_norm": ("attn_norm.scale", False),
+    "ffn_norm": ("ffn_norm.scale", False),
+    "attn_q": ("wq", True),
+    "attn_k": ("wk", True),
+    "attn_v": ("wv", True),
+    "attn_output": ("wo", True),
+    "ffn_gate": ("w_gate", True),
+    "ffn_up": ("w_up", True),
+    "ffn_down": ("w_down", True),
+}
+_GLOBAL_TENSORS: dict[str, tuple[str, bool]] = {
+    "token_embd": ("embed", False),
+    "output_norm": ("final_norm.scale", False),
+    "output": ("lm_head", True),
+}
+
+
+class GGUFError(ValueError):
+    """A GGUF file that jpinfer cannot load; the message names the file and the problem."""
+
+    def __init__(self, path: os.PathLike | str, problem: str):
+        super().__init__(f"{path}: {problem}")
+
+
+def load_gguf(
+    path: os.PathLike | str, dtype=jnp.float32
+) -> tuple[ModelConfig, dict[str, np.ndarray], Tokenizer]:
+    """Read a llama GGUF: (config, tensors keyed like ``expected_shapes(cfg)``, tokenizer).
+
+    Quantized tensors are dequantized to float32 and then cast to ``dtype`` (a numpy or
+    JAX dtype, e.g. ``jnp.bfloat16``). q/k projections are un-permuted from llama.cpp's
+    interleaved RoPE layout to Hugging Face's rotate-half layout.
+    """
+    path = pathlib.Path(path)
+    reader = open_gguf(path)
+    metadata = read_metadata(reader)
+    has_output = any(t.name == "output.weight" for t in reader.tensors)
+    cfg = config_from_metadata(metadata, has_output=has_output, path=path)
+    tokenizer = tokenizer_from_gguf_metadata(metadata, source=str(path))
+    tensors = read_tensors(reader, cfg, path, dtype)
+    return cfg, tensors, tokenizer
+
+
+def load_gguf_tokenizer(path: os.PathLike | str) -> Tokenizer:
+    """Only the tokenizer of a GGUF file (its weights are not read)."""
+    path = pathlib.Path(path)
+    return tokenizer_from_gguf_metadata(read_metadata(open_gguf(path)), source=str(path))
+
+
+def open_gguf(path: pathlib.Path) -> GGUFReader:
+    """A GGUFReader on ``path``; a GGUFError for a missing, foreign, or truncated file."""
+    if not path.exists():
+        raise GGUFError(path, "file not found")
+    if path.is_dir():
+        raise GGUFError(path, "is a directory; pass the path of the .gguf file itself")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise GGUFError(path, f"not a GGUF file (first bytes {magic!r}, expected {GGUF_MAGIC!r})")
+    try:
+        # A short file makes the reader's views of the header or of a tensor come out short.
+        return GGUFReader(path)
+    except (ValueError, KeyError, IndexError, OverflowError, UnicodeDecodeError) as err:
+        raise GGUFError(path, f"truncated or corrupt GGUF file ({err})") from err
+
+
+def read_metadata(reader: GGUFReader) -> dict[str, Any]:
+    """Every key/value field of the file as plain Python values (lists for arrays)."""
+    return {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
+
+
+def config_from_metadata(metadata: dict[str, Any], has_output: bool, path: os.PathLike | str) -> ModelConfig:
+    """ModelConfig from llama.cpp's metadata keys; GGUFError for what jpinfer cannot run."""
+    arch = metadata.get("general.architecture")
+    if arch != "llama":
+        raise GGUFError(path, f"unsupported architecture {arch!r}; jpinfer reads GGUF files of architecture 'llama'")
+
+    def need(key: str):
+        if key not in metadata:
+            raise GGUFError(path, f"metadata key {key!r} is missing")
+        return metadata[key]
+
+    if metadata.get("llama.expert_count", 0):
+        raise GGUFError(path, "mixture-of-experts llama models are not supported")
+    scaling = metadata.get("llama.rope.scaling.type", "none")
+    if scaling != "none":
+        raise GGUFError(path, f"RoPE scaling {scaling!r} is not supported (only unscaled RoPE)")
+    tokens = need("tokenizer.ggml.tokens")
+    d_model = int(need("llama.embedding_length"))
+    n_heads = int(need("llama.attention.head_count"))
+    head_dim = int(metadata.get("llama.attention.key_length", d_model // n_heads))
+    rot_dim = int(metadata.get("llama.rope.dimension_count", head_dim))
+    if rot_dim != head_dim:
+        raise GGUFError(path, f"partial RoPE (rope.dimension_count {rot_dim} != head dim {head_dim}) is not supported")
+    if metadata.get("llama.vocab_size", len(tokens)) != len(tokens):
+        raise GGUFError(
+            path, f"llama.vocab_size {metadata['llama.vocab_size']} disagrees with the {len(tokens)} tokens listed"
+        )
+    eos_ids = tuple(
+        dict.fromkeys(int(metadata[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in metadata)
+    )
+    bos = metadata.get("tokenizer.ggml.bos_token_id")
+    norm_eps = _float32_decimal(need("llama.attention.layer_norm_rms_epsilon"))
+    rope_theta = _float32_decimal(metadata.get("llama.rope.freq_base", 10000.0))
+    try:
+        return ModelConfig(
+            vocab_size=len(tokens),
+            d_model=d_model,
+            n_layers=int(need("llama.block_count")),
+            n_heads=n_heads,
+            n_kv_heads=int(metadata.get("llama.attention.head_count_kv", n_heads)),
+            head_dim=head_dim,
+            d_ff=int(need("llama.feed_forward_length")),
+            ffn_kind="swiglu",
+            norm_kind="rmsnorm",
+            norm_eps=norm_eps,
+            positions="rope",
+            rope_theta=rope_theta,
+            max_position=int(need("llama.context_length")),
+            tie_embeddings=not has_output,
+            bos_token_id=None if bos is None else int(bos),
+            eos_token_ids=eos_ids,
+            architecture="llama",
+            name=str(metadata.get("general.name", pathlib.Path(path).stem)),
+        )
+    except ValueError as err:
+        raise GGUFError(path, f"inconsistent model metadata: {err}") from err
+
+
+def _float32_decimal(value: float) -> float:
+    """The shortest decimal that rounds to this float32 (GGUF stores 1e-5 as 9.99999974e-06)."""
+    return float(str(np.float32(value)))
+
+
+def read_tensors(reader: GGUFReader, cfg: ModelConfig, path: os.PathLike | str, dtype=jnp.float32) -> dict[str, np.ndarray]:
+    """Dequantized tensors keyed like ``expected_shapes(cfg)``, checked against it."""
+    by_name = _tensor_map(reader)
+    plan = _tensor_plan(cfg)
+    unknown = sorted(set(by_name) - set(plan))
+    if unknown:
+        raise GGUFError(path, f"unsupported tensors for a llama model: {', '.join(unknown[:5])}")
+    expected = expected_shapes(cfg)
+    np_dtype = np.dtype(dtype)
+    out: dict[str, np.ndarray] = {}
+    for gguf_name, (name, transpose) in plan.items():
+        t = by_name.get(gguf_name)
+        if t is None:
+            raise GGUFError(path, f"missing tensor {gguf_name!r}")
+        if t.tensor_type not in SUPPORTED_TENSOR_TYPES:
+            supported = ", ".join(q.name for q in SUPPORTED_TENSOR_TYPES)
+            raise GGUFError(path, f"tensor {gguf_name!r} has type {t.tensor_type.name}; supported types: {supported}")
+        stored = tuple(int(n) for n in reversed(t.shape.tolist()))  # numpy order: (out, in)
+        shape = stored[::-1] if transpose else stored
+        if shape != expected[name]:
+            want = expected[name][::-1] if transpose else expected[name]
+            raise GGUFError(path, f"tensor {gguf_name!r} has shape {stored}, but the metadata implies {want}")
+        w = dequantize(t.data, t.tensor_type).reshape(stored)
+        if name.endswith(".wq"):
+            w = unpermute_rope_rows(w, cfg.n_heads)
+        elif name.endswith(".wk"):
+            w = unpermute_rope_rows(w, cfg.n_kv_heads)
+        out[name] = np.array(w.T if transpose else w, dtype=np_dtype, order="C")  # a copy: no view of the file
+    return out
+
+
+def _tensor_map(reader: GGUFReader) -> dict:
+    return {t.name: t for t in reader.tensors}
+
+
+def _tensor_plan(cfg: ModelConfig) -> dict[str, tuple[str, bool]]:
+    """GGUF tensor name -> (jpinfer name, transpose) for every tensor the config needs."""
+    plan = {f"{g}.weight": v for g, v in _GLOBAL_TENSORS.items() if not (g == "output" and cfg.tie_embeddings)}
+    for i in range(cfg.n_layers):
+        plan |= {f"blk.{i}.{g}.weight": (f"layers.{i}.{n}", tr) for g, (n, tr) in _LAYER_TENSORS.items()}
+    return plan
+
+
+def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation of an (out, in) projection.
+
+    llama.cpp's converter reorders each head's output rows so that RoPE rotates adjacent
+    pairs (2i, 2i+1); Hugging Face rotates halves (i, i + head_dim/2). Row 2i + j of a
+    head in the GGUF is row j * head_dim/2 + i in Hugging Face's layout.
+    """
+    out_dim = w.shape[0]
+    half = out_dim // n_heads // 2
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

