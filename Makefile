@@ -22,6 +22,7 @@ setup: $(VENV)/.installed
 setup-test: $(VENV)/.installed-test
 
 bench: setup
+	$(PIP) install -q -e ".[bench]"
 	$(PY) -m jpinfer.bench
 
 test: setup-test

@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import pathlib
+import shutil
+import tempfile
 from typing import Any
+
+import numpy as np
 
 import jax.numpy as jnp
 
 from jpinfer.config import ModelConfig
 from jpinfer.models.hf_loader import CheckpointError, load_hf
 from jpinfer.models.params import Weights, build_weights
+
+GGUF_CACHE_VERSION = 1
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -44,9 +53,44 @@ def load_model(
         cfg, tensors = load_hf(path, ffn_kind=ffn_kind)
         tok = tokenizer.load_hf_tokenizer(path)
     else:
-        cfg, tensors, tok = gguf_loader.load_gguf(path)
+        cfg, tensors, tok = _load_gguf_cached(path)
     try:
         weights = build_weights(cfg, tensors, dtype)
     except ValueError as e:
         raise CheckpointError(f"{path}: {e}") from None
     return cfg, weights, tok, str(path)
+
+
+def _load_gguf_cached(path: pathlib.Path) -> tuple[ModelConfig, dict[str, np.ndarray], Any]:
+    """load_gguf, with the dequantized tensors and tokenizer kept in the cache directory.
+
+    Parsing a GGUF's metadata (100k tokenizer strings) and dequantizing take seconds;
+    reading the cached float32 tensors back is memory-mapped and near instant. The key
+    is the file's resolved path, size and modification time.
+    """
+    from safetensors.numpy import load_file, save_file
+    from transformers import PreTrainedTokenizerFast
+
+    from jpinfer.cache import cache_dir
+    from jpinfer.models import gguf_loader
+
+    stat = path.stat()
+    key = hashlib.sha256(f"{GGUF_CACHE_VERSION}|{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode())
+    entry = cache_dir("gguf") / key.hexdigest()[:24]
+    if (entry / "done").exists():
+        raw = json.loads((entry / "config.json").read_text())
+        raw["eos_token_ids"] = tuple(raw["eos_token_ids"])
+        tok = PreTrainedTokenizerFast.from_pretrained(entry / "tokenizer")
+        return ModelConfig(**raw), load_file(entry / "tensors.safetensors"), tok
+    cfg, tensors, tok = gguf_loader.load_gguf(path)
+    tmp = pathlib.Path(tempfile.mkdtemp(dir=entry.parent, prefix=".tmp-"))
+    try:
+        (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
+        save_file({k: np.ascontiguousarray(v, np.float32) for k, v in tensors.items()}, tmp / "tensors.safetensors")
+        tok.save_pretrained(tmp / "tokenizer")
+        (tmp / "done").write_text(str(path))
+        shutil.rmtree(entry, ignore_errors=True)
+        tmp.rename(entry)
+    except OSError:  # a read-only or full cache must not stop loading
+        shutil.rmtree(tmp, ignore_errors=True)
+    return cfg, tensors, tok

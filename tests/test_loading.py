@@ -1,0 +1,42 @@
+"""load_model: the GGUF cache under $JPINFER_CACHE and argument checks."""
+
+import jax
+import numpy as np
+import pytest
+
+import gguf_fixtures as fx
+from jpinfer.models import loading
+
+
+def test_gguf_cache_round_trip_and_invalidation(tmp_path, monkeypatch):
+    monkeypatch.setenv("JPINFER_CACHE", str(tmp_path / "cache"))
+    cfg = fx.tiny_config(tied=False)
+    path = fx.write_gguf(tmp_path / "tiny.gguf", cfg, fx.random_tensors(cfg, seed=3))
+    first = loading.load_model(path)
+    entries = list((tmp_path / "cache" / "gguf").iterdir())
+    assert len(entries) == 1 and (entries[0] / "done").exists()
+
+    calls = []
+    monkeypatch.setattr("jpinfer.models.gguf_loader.load_gguf", lambda *a, **k: calls.append(a))
+    second = loading.load_model(path)
+    assert calls == []  # served from the cache
+    assert second[0] == first[0]
+    for a, b in zip(jax.tree.leaves(first[1]), jax.tree.leaves(second[1])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    text = "hello world 123"
+    assert second[2].encode(text) == first[2].encode(text)
+    assert second[2].chat_template == first[2].chat_template
+
+    monkeypatch.undo()
+    monkeypatch.setenv("JPINFER_CACHE", str(tmp_path / "cache"))
+    fx.write_gguf(path, cfg, fx.random_tensors(cfg, seed=4))  # a changed file is a new entry
+    third = loading.load_model(path)
+    assert len(list((tmp_path / "cache" / "gguf").iterdir())) == 2
+    assert not np.array_equal(np.asarray(third[1].embed), np.asarray(first[1].embed))
+
+
+def test_bad_dtype_is_a_value_error():
+    with pytest.raises(ValueError, match="unknown dtype 'float8'"):
+        loading.parse_dtype("float8")
+    with pytest.raises(ValueError, match="unsupported dtype int32"):
+        loading.parse_dtype(np.int32)
