@@ -60,9 +60,6 @@ class Weights:
     lm_head: jax.Array | None = None  # (d_model, vocab); None when tied to embed
     positions: jax.Array | None = None  # learned position table (OPT)
 
-    def logits_matrix(self) -> jax.Array:
-        """(d_model, vocab) matrix producing logits."""
-        return self.embed.T if self.lm_head is None else self.lm_head
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -29,7 +29,9 @@ FfnImpl = Callable[[int, Layer, jax.Array, Any], tuple[jax.Array, Any]]
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v", "length"], meta_fields=[])
 @dataclasses.dataclass
 class KVCache:
-    """Preallocated keys/values, (n_layers, batch, capacity, n_kv_heads, head_dim) each.
+    """Preallocated keys/values, (n_layers, batch, n_kv_heads, capacity, head_dim) each.
+
+    Heads before positions: each head's keys are one contiguous (capacity, head_dim) matrix.
 
     ``length`` is the number of positions already written (shared by the batch).
     """
@@ -40,12 +42,12 @@ class KVCache:
 
     @classmethod
     def create(cls, cfg: ModelConfig, batch: int, capacity: int, dtype=jnp.float32) -> "KVCache":
-        shape = (cfg.n_layers, batch, capacity, cfg.n_kv_heads, cfg.head_dim)
+        shape = (cfg.n_layers, batch, cfg.n_kv_heads, capacity, cfg.head_dim)
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((), jnp.int32))
 
     @property
     def capacity(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
 
 
 def norm(p: Norm, x: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -98,23 +100,23 @@ def attention_block(
     if cfg.positions == "rope":
         q = rope(q, positions, cfg.rope_theta)
         k = rope(k, positions, cfg.rope_theta)
-    at = (layer_index, 0, positions[0], 0, 0)
-    all_k = jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype)[None], at)
-    all_v = jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype)[None], at)
+    at = (layer_index, 0, 0, positions[0], 0)
+    all_k = jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype).transpose(0, 2, 1, 3)[None], at)
+    all_v = jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype).transpose(0, 2, 1, 3)[None], at)
     cache = dataclasses.replace(cache, k=all_k, v=all_v)
     cache_k, cache_v = all_k[layer_index], all_v[layer_index]
 
     groups = cfg.n_heads // cfg.n_kv_heads
     qg = q.reshape(b, t, cfg.n_kv_heads, groups, cfg.head_dim)
-    scores = jnp.einsum("btkgh,bskh->bkgts", qg, cache_k, preferred_element_type=jnp.float32)
+    scores = jnp.einsum("btkgh,bksh->bkgts", qg, cache_k, preferred_element_type=jnp.float32)
     scores = scores * (cfg.head_dim**-0.5)
-    key_pos = jnp.arange(cache_k.shape[1])
+    key_pos = jnp.arange(cache_k.shape[2])
     visible = key_pos[None, :] <= positions[:, None]  # (T, S)
     if cfg.sliding_window is not None:
         visible &= key_pos[None, :] > positions[:, None] - cfg.sliding_window
     scores = jnp.where(visible[None, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(cache_v.dtype)
-    out = jnp.einsum("bkgts,bskh->btkgh", probs, cache_v, preferred_element_type=jnp.float32)
+    out = jnp.einsum("bkgts,bksh->btkgh", probs, cache_v, preferred_element_type=jnp.float32)
     out = out.reshape(b, t, cfg.q_dim).astype(x.dtype)
     return _linear(out, layer.wo, layer.bo), cache
 
@@ -177,8 +179,14 @@ def forward(
 
 
 def logits(weights: Weights, h: jax.Array) -> jax.Array:
-    """Float32 logits from final hidden states."""
-    return jnp.dot(h, weights.logits_matrix(), preferred_element_type=jnp.float32)
+    """Float32 logits from final hidden states.
+
+    A tied head contracts against the (vocab, d) embedding directly: ``embed.T`` would
+    make XLA materialise a transposed copy of the whole table on every decode step.
+    """
+    if weights.lm_head is not None:
+        return jnp.dot(h, weights.lm_head, preferred_element_type=jnp.float32)
+    return jnp.einsum("...d,vd->...v", h, weights.embed, preferred_element_type=jnp.float32)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "ffn_impl"), donate_argnames=("cache",))
