@@ -1,7 +1,7 @@
 """jpinfer: activation-sparse LLM inference in JAX.
 
 Public API: ``load`` a model into an ``Engine``, ``generate`` text, configure with
-``GenerationConfig``. See README.md.
+``GenerationConfig``, ``profile`` neuron activity into an ``ActivationProfile``. See README.md.
 """
 
 from __future__ import annotations
@@ -11,9 +11,13 @@ from typing import Any, Sequence
 
 from jpinfer.config import ModelConfig
 from jpinfer.models.hf_loader import CheckpointError
+from jpinfer.profiler import ActivationProfile, profile
 from jpinfer.runtime.engine import Engine, GenerationConfig, GenerationResult
 
-__all__ = ["load", "generate", "Engine", "GenerationConfig", "GenerationResult", "ModelConfig", "CheckpointError"]
+__all__ = [
+    "load", "generate", "Engine", "GenerationConfig", "GenerationResult", "ModelConfig", "CheckpointError",
+    "profile", "ActivationProfile",
+]
 __version__ = "0.1.0"
 
 _engines: dict[tuple, Engine] = {}

