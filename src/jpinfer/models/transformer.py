@@ -62,13 +62,18 @@ def norm(p: Norm, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     return y.astype(x.dtype)
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Rotary embedding, Hugging Face's rotate-half layout. x: (B, T, H, hd), positions: (T,)."""
-    half = x.shape[-1] // 2
+def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """cos and sin (T, head_dim / 2) for rotary embedding; computed once per forward, shared by layers."""
+    half = head_dim // 2
     inv_freq = 1.0 / (theta ** (jnp.arange(0, half, dtype=jnp.float32) / half))
-    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # (T, half)
-    cos = jnp.cos(angles)[None, :, None, :]
-    sin = jnp.sin(angles)[None, :, None, :]
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def rope(x: jax.Array, tables: tuple[jax.Array, jax.Array]) -> jax.Array:
+    """Rotary embedding, Hugging Face's rotate-half layout. x: (B, T, H, hd)."""
+    cos, sin = (t[None, :, None, :] for t in tables)
+    half = x.shape[-1] // 2
     x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)
@@ -83,13 +88,15 @@ def attention_block(
     layer: Layer,
     x: jax.Array,
     positions: jax.Array,
+    rope_cs: tuple[jax.Array, jax.Array] | None,
     cache: KVCache,
     layer_index: int,
     cfg: ModelConfig,
 ) -> tuple[jax.Array, KVCache]:
     """Causal grouped-query attention over the cache plus the T new positions.
 
-    x: (B, T, d) normalised input at ``positions`` (T,). The new keys and values are
+    x: (B, T, d) normalised input at ``positions`` (T,); ``rope_cs`` from ``rope_tables``
+    (None for learned positions). The new keys and values are
     written into the stacked cache in place (the caller donates it), so a decode step
     never copies the whole cache. Returns the output projection (B, T, d) and the cache.
     """
@@ -97,9 +104,9 @@ def attention_block(
     q = _linear(x, layer.wq, layer.bq).reshape(b, t, cfg.n_heads, cfg.head_dim)
     k = _linear(x, layer.wk, layer.bk).reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
     v = _linear(x, layer.wv, layer.bv).reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
-    if cfg.positions == "rope":
-        q = rope(q, positions, cfg.rope_theta)
-        k = rope(k, positions, cfg.rope_theta)
+    if rope_cs is not None:
+        q = rope(q, rope_cs)
+        k = rope(k, rope_cs)
     at = (layer_index, 0, 0, positions[0], 0)
     all_k = jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype).transpose(0, 2, 1, 3)[None], at)
     all_v = jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype).transpose(0, 2, 1, 3)[None], at)
@@ -167,9 +174,10 @@ def forward(
     start = cache.length
     positions = start + jnp.arange(tokens.shape[1], dtype=jnp.int32)
     h = embed(weights, tokens, positions, cfg)
+    rope_cs = rope_tables(positions, cfg.head_dim, cfg.rope_theta) if cfg.positions == "rope" else None
     aux = []
     for i, layer in enumerate(weights.layers):
-        attn, cache = attention_block(layer, norm(layer.attn_norm, h, cfg), positions, cache, i, cfg)
+        attn, cache = attention_block(layer, norm(layer.attn_norm, h, cfg), positions, rope_cs, cache, i, cfg)
         h = h + attn
         y, aux_i = impl(i, layer, norm(layer.ffn_norm, h, cfg), None if ffn_state is None else ffn_state[i])
         h = h + y.astype(h.dtype)
