@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from jpinfer.config import ModelConfig
 from jpinfer.models.params import Layer, Norm, Weights
+from jpinfer.neurons import activate
 
 FfnImpl = Callable[[int, Layer, jax.Array, Any], tuple[jax.Array, Any]]
 
@@ -131,14 +132,8 @@ def attention_block(
 def ffn_activations(layer: Layer, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Per-neuron activation a (..., d_ff); the FFN output is a @ w_down (+ b_down)."""
     up = _linear(x, layer.w_up, layer.b_up)
-    if cfg.ffn_kind == "relu":
-        return jax.nn.relu(up)
-    gate = x @ layer.w_gate
-    if cfg.ffn_kind == "swiglu":
-        return jax.nn.silu(gate) * up
-    if cfg.ffn_kind == "reglu":
-        return jax.nn.relu(gate) * up
-    return jax.nn.relu(gate) * jax.nn.relu(up)  # drelu
+    gate = None if layer.w_gate is None else x @ layer.w_gate
+    return activate(cfg.ffn_kind, gate, up)
 
 
 def ffn_dense(layer: Layer, x: jax.Array, cfg: ModelConfig) -> jax.Array:

@@ -1,0 +1,28 @@
+"""What the machine can do, measured in the same run as the engines it is compared with."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+
+
+def matvec_read_bandwidth(n_bytes: int = 512 << 20, repeats: int = 5) -> float:
+    """Bytes/s at which XLA streams a large float32 matrix through a matrix-vector product.
+
+    Decoding one token is a chain of such products, so this is its speed limit here.
+    """
+    cols = 4096
+    rows = n_bytes // (4 * cols)
+    w = jnp.ones((rows, cols), jnp.float32)
+    x = jnp.ones((cols,), jnp.float32)
+    f = jax.jit(lambda w, x: w @ x)
+    f(w, x).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        f(w, x).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    del w
+    return rows * cols * 4 / best

@@ -1,0 +1,77 @@
+"""Chunked sparse FFN in plain XLA for the CPU.
+
+What XLA:CPU does fast and slow here (measured, see bench/results/kernels.md):
+- one big gather of all listed rows spills the caches (10x worse than ideal); a gather
+  of one chunk's gate/up rows (32 neurons, 1 MiB for a 7B layer) stays in L2, and one
+  (rows, d) @ (d, T) product on it is cheap; as rows @ x, never x @ rows^T, which makes
+  XLA transpose the gathered block first (5x slower);
+- slicing and projecting each neuron separately costs the same for large rows and
+  more for small ones (two ops per neuron);
+- a loop fusion reads down rows straight from the weights with dynamic indices, many
+  rows at once, at close to one core's streaming bandwidth, so the down rows are never
+  copied;
+- the loop runs on one core: splitting it into independent loops, or over two CPU
+  devices with shard_map, gained nothing; sorting the ids gained nothing.
+So a loop walks the list in chunks: gather the gate/up rows, project, activate, mask
+padding, then one fused loop adds act_j * down_j of the chunk into the accumulator.
+The loop stops after the chunk holding the last valid entry, so list padding costs
+nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jpinfer.neurons import activate
+
+DEFAULT_CHUNK = 32  # neurons per loop trip
+
+
+@functools.partial(jax.jit, static_argnames=("kind", "chunk"))
+def sparse_ffn_chunked(
+    rows: jax.Array,
+    b_up: jax.Array | None,
+    x: jax.Array,
+    ids: jax.Array,
+    count: jax.Array,
+    *,
+    kind: str,
+    chunk: int = DEFAULT_CHUNK,
+) -> jax.Array:
+    """sum over the first ``count`` listed neurons of act_i(x) * down_i, float32 (T, d).
+
+    rows: (n, R, d) neuron-major bundles; x: (T, d); ids: (K,) int32 row indices,
+    entries at positions >= count are padding (any value). Valid ids must lie in
+    [0, n): they are clamped, not checked, on the device.
+    """
+    n, n_rows, d = rows.shape
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    k = ids.shape[0]
+    c = min(chunk, k)
+    n_chunks = -(-k // c)
+    ids = jnp.pad(jnp.clip(ids.astype(jnp.int32), 0, n - 1), (0, n_chunks * c - k))
+    count = jnp.clip(jnp.asarray(count, jnp.int32), 0, k)
+    xw = x.astype(rows.dtype)
+    n_proj = n_rows - 1  # gate and up rows (up only for kind relu)
+
+    def body(i, acc):
+        start = i * c
+        chunk_ids = jax.lax.dynamic_slice(ids, (start,), (c,))
+        # Gate/up rows of the chunk in one gather, projected by one (c*n_proj, d) @ (d, T)
+        # matrix product: rows @ x, not x @ rows^T, the form XLA:CPU runs fastest.
+        projected = rows.at[chunk_ids, :n_proj].get(mode="promise_in_bounds")
+        h = jnp.einsum("crd,td->crt", projected, xw, preferred_element_type=jnp.float32).transpose(2, 0, 1)
+        up = h[..., n_proj - 1]
+        if b_up is not None:
+            up = up + b_up[chunk_ids].astype(jnp.float32)
+        act = activate(kind, h[..., 0] if n_proj == 2 else None, up)
+        act = jnp.where(start + jnp.arange(c) < count, act, 0.0)  # (T, c)
+        # Down rows read straight from the weights by one fused loop over the chunk.
+        down = lambda j: jax.lax.dynamic_slice(rows, (chunk_ids[j], n_proj, 0), (1, 1, d))[0]
+        return acc + sum(act[:, j : j + 1] * down(j).astype(jnp.float32) for j in range(c))
+
+    return jax.lax.fori_loop(0, (count + c - 1) // c, body, jnp.zeros((x.shape[0], d), jnp.float32))

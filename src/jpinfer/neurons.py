@@ -1,0 +1,134 @@
+"""Neuron-major FFN storage: each neuron's weights in one contiguous bundle.
+
+In the dense layout neuron i is column i of ``w_gate`` and ``w_up`` and row i of
+``w_down``, so computing one neuron touches three places that are far apart. Here
+``rows[i]`` is an (R, d_model) block holding the gate row, the up row and the down
+row (``w_down[i]``) of neuron i next to each other (R = 3; R = 2 for kind ``relu``,
+which has no gate). Gathering a neuron is then one contiguous read, which is what
+sparse kernels want on both the accelerator and the CPU.
+
+A layout can hold a subset of a layer's neurons (the hot part on the accelerator,
+the cold part on the CPU): ``ids`` maps each row to the original neuron id.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jpinfer.config import FFN_KINDS, FfnKind
+from jpinfer.models.params import Layer
+
+
+def activate(kind: str, gate: jax.Array | None, up: jax.Array) -> jax.Array:
+    """Neuron activation a_i for the FFN kinds of DESIGN.md (``up`` includes ``b_up``).
+
+    The FFN output is ``sum_i a_i * w_down[i] (+ b_down)``.
+    """
+    if kind == "relu":
+        return jax.nn.relu(up)
+    if kind == "swiglu":
+        return jax.nn.silu(gate) * up
+    if kind == "reglu":
+        return jax.nn.relu(gate) * up
+    if kind == "drelu":
+        return jax.nn.relu(gate) * jax.nn.relu(up)
+    raise ValueError(f"unknown FFN kind {kind!r}; supported: {', '.join(FFN_KINDS)}")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class NeuronFFN:
+    """One layer's FFN (or a subset of its neurons), neuron-major.
+
+    rows:   (n, R, d_model) with rows[i] = [gate_i, up_i, down_i] (R = 3) or
+            [up_i, down_i] (R = 2, kind ``relu``).
+    ids:    (n,) int32, original neuron id of each row.
+    b_up:   (n,) or None, the up bias of each row's neuron (OPT).
+    b_down: (d_model,) or None; a sparse FFN over this layout adds it once.
+    kind:   FFN activation kind (static).
+    """
+
+    rows: jax.Array
+    ids: jax.Array
+    b_up: jax.Array | None
+    b_down: jax.Array | None
+    kind: str = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def n_neurons(self) -> int:
+        return self.rows.shape[0]
+
+    @property
+    def d_model(self) -> int:
+        return self.rows.shape[2]
+
+    @property
+    def gated(self) -> bool:
+        return self.kind != "relu"
+
+    def subset(self, positions, *, with_b_down: bool = True) -> tuple["NeuronFFN", np.ndarray]:
+        """Compact copy holding the rows at ``positions`` (row indices of this layout).
+
+        Returns the copy and its int32 table compact position -> original neuron id
+        (also stored as the copy's ``ids``). When a layer is split into parts whose
+        outputs are summed (hot + cold), keep ``b_down`` in exactly one of them:
+        pass ``with_b_down=False`` for the others.
+        """
+        pos = np.asarray(positions)
+        if pos.ndim != 1 or not np.issubdtype(pos.dtype, np.integer):
+            raise ValueError(f"subset positions must be a 1-D integer array, got {pos.dtype} {pos.shape}")
+        if pos.size and (pos.min() < 0 or pos.max() >= self.n_neurons):
+            raise ValueError(f"subset positions must lie in [0, {self.n_neurons}), got [{pos.min()}, {pos.max()}]")
+        if np.unique(pos).size != pos.size:
+            raise ValueError("subset positions must not repeat a neuron (it would be counted twice)")
+        table = np.asarray(self.ids)[pos].astype(np.int32)
+        take = lambda a: None if a is None else a[jnp.asarray(pos, jnp.int32)]
+        compact = NeuronFFN(
+            rows=take(self.rows),
+            ids=jnp.asarray(table),
+            b_up=take(self.b_up),
+            b_down=self.b_down if with_b_down else None,
+            kind=self.kind,
+        )
+        return compact, table
+
+
+def from_arrays(
+    kind: FfnKind,
+    w_gate: jax.Array | np.ndarray | None,
+    w_up: jax.Array | np.ndarray,
+    w_down: jax.Array | np.ndarray,
+    b_up: jax.Array | np.ndarray | None = None,
+    b_down: jax.Array | np.ndarray | None = None,
+) -> NeuronFFN:
+    """Bundle dense FFN weights (``w_gate``/``w_up`` (d, n), ``w_down`` (n, d)) neuron-major."""
+    if kind not in FFN_KINDS:
+        raise ValueError(f"unknown FFN kind {kind!r}; supported: {', '.join(FFN_KINDS)}")
+    if (w_gate is None) != (kind == "relu"):
+        raise ValueError(f"FFN kind {kind!r} {'has no' if kind == 'relu' else 'needs a'} gate projection")
+    d, n = w_up.shape
+    if tuple(w_down.shape) != (n, d):
+        raise ValueError(f"w_down has shape {tuple(w_down.shape)}, expected {(n, d)} for w_up {(d, n)}")
+    if w_gate is not None and tuple(w_gate.shape) != (d, n):
+        raise ValueError(f"w_gate has shape {tuple(w_gate.shape)}, expected {(d, n)} like w_up")
+    if b_up is not None and tuple(b_up.shape) != (n,):
+        raise ValueError(f"b_up has shape {tuple(b_up.shape)}, expected {(n,)}")
+    if b_down is not None and tuple(b_down.shape) != (d,):
+        raise ValueError(f"b_down has shape {tuple(b_down.shape)}, expected {(d,)}")
+    parts = ([] if w_gate is None else [jnp.asarray(w_gate).T]) + [jnp.asarray(w_up).T, jnp.asarray(w_down)]
+    return NeuronFFN(
+        rows=jnp.stack(parts, axis=1),
+        ids=jnp.arange(n, dtype=jnp.int32),
+        b_up=None if b_up is None else jnp.asarray(b_up),
+        b_down=None if b_down is None else jnp.asarray(b_down),
+        kind=kind,
+    )
+
+
+def from_layer(layer: Layer, kind: FfnKind) -> NeuronFFN:
+    """Neuron-major FFN of a dense decoder layer (``kind`` is ``ModelConfig.ffn_kind``)."""
+    return from_arrays(kind, layer.w_gate, layer.w_up, layer.w_down, layer.b_up, layer.b_down)

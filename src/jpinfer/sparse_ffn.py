@@ -1,0 +1,78 @@
+"""The sparse FFN op: the dense FFN restricted to an explicit list of neurons.
+
+``sparse_ffn(ffn, x, ids, count)`` returns ``sum_{j < count} act_{ids[j]}(x) *
+down_{ids[j]}``, plus ``ffn.b_down`` once when the layout carries it (so the full list
+over a whole layer equals the dense FFN output, up to rounding). The list has a static
+capacity K (its length) and a traced valid count: entries at positions >= count are
+padding and contribute nothing, so one compiled function serves every token.
+
+Backends: a Pallas sparse-row kernel on GPUs and a chunked XLA loop elsewhere
+(``backend="auto"`` picks per lowering platform, so a function jitted for the CPU
+device on a GPU machine still gets the CPU kernel). ``backend="pallas"`` forces the
+kernel; on the CPU it runs in interpret mode (tests). ``backend="xla"`` forces the loop.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jpinfer.cpu_backend import sparse_ffn_chunked
+from jpinfer.neurons import NeuronFFN
+from jpinfer.pallas_kernels import sparse_rows_ffn
+
+Backend = Literal["auto", "xla", "pallas"]
+BACKENDS: tuple[str, ...] = ("auto", "xla", "pallas")
+
+
+def _check(ffn: NeuronFFN, x: jax.Array, ids: jax.Array, count) -> None:
+    if x.ndim not in (1, 2) or x.shape[-1] != ffn.d_model:
+        raise ValueError(f"x must be (d_model,) or (T, d_model) with d_model={ffn.d_model}, got {x.shape}")
+    if ids.ndim != 1 or not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise ValueError(f"ids must be a 1-D integer array (padded neuron list), got {ids.dtype} {ids.shape}")
+    if np.ndim(count) != 0:
+        raise ValueError(f"count must be a scalar (number of valid ids), got shape {np.shape(count)}")
+
+
+@functools.partial(jax.jit, static_argnames=("backend",))
+def sparse_ffn(
+    ffn: NeuronFFN,
+    x: jax.Array,
+    ids: jax.Array,
+    count: jax.Array | int,
+    *,
+    backend: Backend = "auto",
+) -> jax.Array:
+    """FFN output over the first ``count`` neurons of ``ids`` (rows of ``ffn``).
+
+    x: (d,) for one token or (T, d) for tokens sharing the list. ids: (K,) integer
+    row indices into ``ffn.rows``; valid ones must lie in [0, n) and not repeat
+    (they are clamped, not checked, on the device). Returns x's shape and dtype.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    _check(ffn, x, ids, count)
+    x2 = x.reshape(-1, ffn.d_model)
+    ids = ids.astype(jnp.int32)
+    count = jnp.asarray(count, jnp.int32)
+
+    if ids.shape[0] == 0:
+        y = jnp.zeros(x2.shape, jnp.float32)
+    else:
+        args = (ffn.rows, ffn.b_up, x2, ids, count)
+        xla = lambda *a: sparse_ffn_chunked(*a, kind=ffn.kind)
+        pallas = lambda *a: sparse_rows_ffn(*a, kind=ffn.kind)
+        interpreted = lambda *a: sparse_rows_ffn(*a, kind=ffn.kind, interpret=True)
+        if backend == "xla":
+            y = xla(*args)
+        elif backend == "pallas":
+            y = jax.lax.platform_dependent(*args, cpu=interpreted, default=pallas)
+        else:
+            y = jax.lax.platform_dependent(*args, cuda=pallas, rocm=pallas, default=xla)
+    if ffn.b_down is not None:
+        y = y + ffn.b_down.astype(jnp.float32)
+    return y.astype(x.dtype).reshape(x.shape)

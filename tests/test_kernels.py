@@ -1,0 +1,199 @@
+"""Sparse FFN kernels equal a float64 numpy reference; one compilation per shape and capacity."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jpinfer import neurons
+from jpinfer.config import FFN_KINDS, ModelConfig
+from jpinfer.models import params, transformer
+from jpinfer.pallas_kernels import sparse_rows_ffn
+from jpinfer.sparse_ffn import sparse_ffn
+
+D, N = 192, 96  # d = 3 tiles of 64 in the Pallas kernel; N = 3 blocks / chunks of 32
+BACKENDS = ["xla", "pallas"]
+
+
+def _weights(kind, seed=0, d=D, n=N):
+    rng = np.random.default_rng(seed)
+    w = {
+        "w_gate": None if kind == "relu" else rng.standard_normal((d, n)) / np.sqrt(d),
+        "w_up": rng.standard_normal((d, n)) / np.sqrt(d),
+        "w_down": rng.standard_normal((n, d)) / np.sqrt(n),
+        "b_up": rng.standard_normal(n) if kind == "relu" else None,
+        "b_down": rng.standard_normal(d) if kind == "relu" else None,
+    }
+    return w
+
+
+def _layout(kind, w, dtype=np.float32):
+    cast = {k: None if v is None else v.astype(dtype) for k, v in w.items()}
+    return neurons.from_arrays(kind, **cast)
+
+
+def _reference(kind, w, x, ids, count):
+    """float64: sum over ids[:count] of act_i(x) * w_down[i] (+ b_down)."""
+    up = x @ w["w_up"] + (0.0 if w["b_up"] is None else w["b_up"])
+    gate = None if w["w_gate"] is None else x @ w["w_gate"]
+    if kind == "relu":
+        act = np.maximum(up, 0)
+    elif kind == "swiglu":
+        act = gate / (1 + np.exp(-gate)) * up
+    elif kind == "reglu":
+        act = np.maximum(gate, 0) * up
+    else:
+        act = np.maximum(gate, 0) * np.maximum(up, 0)
+    sel = np.asarray(ids[:count], np.int64)
+    y = act[..., sel] @ w["w_down"][sel]
+    return y + (0.0 if w["b_down"] is None else w["b_down"])
+
+
+def _lists(rng):
+    """(name, ids, count) cases over capacity K = N, plus a few other capacities."""
+    perm = rng.permutation(N).astype(np.int32)
+    padded = perm.copy()
+    padded[45:] = rng.integers(-5, 3 * N, size=N - 45)  # garbage padding, out of range too
+    return [
+        ("random_padded", padded, 45),
+        ("empty", perm, 0),
+        ("full", perm, N),
+        ("one", np.array([17], np.int32), 1),
+        ("one_of_capacity", perm, 1),
+        ("capacity_not_block_multiple", perm[:50], 50),
+        ("count_over_capacity_is_capacity", perm[:50], 70),
+        ("zero_capacity", np.zeros((0,), np.int32), 0),
+    ]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", FFN_KINDS)
+def test_equals_float64_reference(kind, backend):
+    rng = np.random.default_rng(FFN_KINDS.index(kind))
+    w = _weights(kind)
+    ffn = _layout(kind, w)
+    x_batch = rng.standard_normal((3, D))
+    for name, ids, count in _lists(rng):
+        for x in (x_batch[0], x_batch) if ids.shape[0] == N else (x_batch,):  # one token: same compile
+            got = sparse_ffn(ffn, jnp.asarray(x, jnp.float32), jnp.asarray(ids), count, backend=backend)
+            assert got.shape == x.shape and got.dtype == jnp.float32
+            want = _reference(kind, w, x, ids, count)
+            np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def test_auto_backend_on_cpu_is_the_xla_loop():
+    kind = "swiglu"
+    w = _weights(kind)
+    ffn = _layout(kind, w)
+    x = np.random.default_rng(3).standard_normal(D)
+    ids = np.arange(N, dtype=np.int32)[::-1].copy()
+    got = [np.asarray(sparse_ffn(ffn, jnp.asarray(x, jnp.float32), jnp.asarray(ids), 60, backend=b)) for b in ("auto", "xla")]
+    np.testing.assert_array_equal(got[0], got[1])
+    np.testing.assert_allclose(got[0], _reference(kind, w, x, ids, 60), rtol=1e-5, atol=1e-5)
+
+
+def _count_backend_compiles():
+    events = []
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            events.append(event)
+
+    return events, listener
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_one_compilation_per_shape_and_capacity(backend):
+    kind = "reglu"
+    w = _weights(kind, seed=5)
+    ffn = _layout(kind, w)
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal(D), jnp.float32)
+    lists = [(jnp.asarray(rng.permutation(N)[:64].astype(np.int32)), jnp.int32(c)) for c in (64, 3, 0, 40)]
+    smaller = jnp.asarray(np.asarray(lists[0][0])[:48])
+    events, listener = _count_backend_compiles()
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        before = sparse_ffn._cache_size()
+        outs = []
+        for i, (ids, count) in enumerate(lists):
+            outs.append(sparse_ffn(ffn, x, ids, count, backend=backend))
+            assert len(events) == 1, f"list {i} compiled again"
+        assert sparse_ffn._cache_size() == before + 1
+        sparse_ffn(ffn, x, smaller, lists[1][1], backend=backend)  # new capacity
+        assert len(events) == 2 and sparse_ffn._cache_size() == before + 2
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    for (ids, count), got in zip(lists, outs):
+        want = _reference(kind, w, np.asarray(x, np.float64), np.asarray(ids), int(count))
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", FFN_KINDS)
+def test_full_list_equals_decoder_dense_ffn(kind):
+    cfg = ModelConfig(
+        vocab_size=32, d_model=64, n_layers=1, n_heads=2, n_kv_heads=2, head_dim=32, d_ff=80,
+        ffn_kind=kind, ffn_bias=kind == "relu", norm_kind="layernorm" if kind == "relu" else "rmsnorm",
+    )
+    layer = params.build_weights(cfg, params.init_random(cfg, seed=2, scale=0.2)).layers[0]
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((4, 64)), jnp.float32)
+    ffn = neurons.from_layer(layer, kind)
+    got = sparse_ffn(ffn, x, jnp.arange(80, dtype=jnp.int32), 80)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(transformer.ffn_dense(layer, x, cfg)), rtol=1e-5, atol=1e-5)
+
+
+def test_bfloat16_weights_accumulate_in_float32():
+    kind = "swiglu"
+    w = _weights(kind, seed=7)
+    ffn = _layout(kind, w, dtype=jnp.bfloat16)
+    x = np.random.default_rng(7).standard_normal(D)
+    ids = np.random.default_rng(8).permutation(N).astype(np.int32)
+    rounded = {k: None if v is None else np.asarray(jnp.asarray(v, jnp.bfloat16), np.float64) for k, v in w.items()}
+    xr = np.asarray(jnp.asarray(x, jnp.bfloat16), np.float64)
+    want = _reference(kind, rounded, xr, ids, 70)
+    for backend in BACKENDS:
+        got = sparse_ffn(ffn, jnp.asarray(xr, jnp.bfloat16), jnp.asarray(ids), 70, backend=backend)
+        assert got.dtype == jnp.bfloat16
+        # bf16 inputs exactly; error from rounding the activations and the output (8 bits).
+        np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
+
+
+def test_bad_inputs_are_value_errors():
+    ffn = _layout("swiglu", _weights("swiglu"))
+    x = jnp.zeros((D,), jnp.float32)
+    ids = jnp.zeros((8,), jnp.int32)
+    with pytest.raises(ValueError, match="d_model"):
+        sparse_ffn(ffn, jnp.zeros((D + 1,)), ids, 1)
+    with pytest.raises(ValueError, match="integer"):
+        sparse_ffn(ffn, x, ids.astype(jnp.float32), 1)
+    with pytest.raises(ValueError, match="scalar"):
+        sparse_ffn(ffn, x, ids, jnp.ones((2,), jnp.int32))
+    with pytest.raises(ValueError, match="backend"):
+        sparse_ffn(ffn, x, ids, 1, backend="cuda")
+    with pytest.raises(ValueError, match="power of two"):
+        sparse_rows_ffn(ffn.rows, None, x[None], ids, 1, kind="swiglu", block_k=24, interpret=True)
+
+
+@pytest.mark.parametrize("kind,d,n,bias", [("swiglu", 4096, 11008, False), ("drelu", 576, 1536, False), ("relu", 40, 64, True)])
+def test_pallas_kernel_lowers_for_triton(kind, d, n, bias):
+    """The Triton lowering (run here without a GPU) accepts the kernel: power-of-two tiles, grid <= 3 dims,
+    also under vmap (one list per token, as the oracle runs it)."""
+    rows = jax.ShapeDtypeStruct((n, 2 if kind == "relu" else 3, d), jnp.float32)
+    b_up = jax.ShapeDtypeStruct((n,), jnp.float32) if bias else None
+    x = jax.ShapeDtypeStruct((2, d), jnp.float32)
+    ids = jax.ShapeDtypeStruct((1100,), jnp.int32)
+    one = jax.jit(lambda *a: sparse_rows_ffn(*a, kind=kind)).trace(rows, b_up, x, ids, jnp.int32(7))
+    per_token = jax.jit(jax.vmap(lambda r, b, x, i, c: sparse_rows_ffn(r, b, x[None], i, c, kind=kind), (None, None, 0, 0, 0)))
+    batched = per_token.trace(rows, b_up, x, jax.ShapeDtypeStruct((2, 160), jnp.int32), jax.ShapeDtypeStruct((2,), jnp.int32))
+    for traced in (one, batched):
+        assert "triton" in traced.lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_auto_backend_picks_the_kernel_per_lowering_platform():
+    """One traced function: Triton kernel when lowered for a GPU, the XLA loop when lowered for the CPU."""
+    ffn = jax.eval_shape(lambda: _layout("swiglu", _weights("swiglu")))
+    traced = jax.jit(lambda f, x, i, c: sparse_ffn(f, x, i, c)).trace(
+        ffn, jax.ShapeDtypeStruct((D,), jnp.float32), jax.ShapeDtypeStruct((40,), jnp.int32), jnp.int32(3))
+    gpu, cpu = (traced.lower(lowering_platforms=(p,)).as_text() for p in ("cuda", "cpu"))
+    assert "triton" in gpu and "stablehlo.while" not in gpu
+    assert "triton" not in cpu and "stablehlo.while" in cpu
