@@ -20,7 +20,7 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
-_engines: dict[tuple, Engine] = {}
+_engines: dict[str, Engine] = {}
 
 
 def load(source: str | pathlib.Path | None = None, *, dtype: Any = "float32", ffn_kind: str | None = None) -> Engine:
@@ -42,7 +42,7 @@ def generate(
     if isinstance(model, Engine):
         engine = model
     else:
-        key = (str(model),)
+        key = str(model)
         if key not in _engines:
             _engines[key] = load(model)
         engine = _engines[key]

@@ -50,7 +50,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
         print(result.text)
     else:
         result = None
-        for event in engine._run(args.prompt, config):
+        for event in engine.events(args.prompt, config):
             if isinstance(event, str):
                 print(event, end="", flush=True)
             else:
@@ -78,7 +78,7 @@ def cmd_chat(args: argparse.Namespace) -> None:
             break
         messages.append({"role": "user", "content": line})
         reply = []
-        for event in engine._run(messages, config):
+        for event in engine.events(messages, config):
             if isinstance(event, str):
                 reply.append(event)
                 print(event, end="", flush=True)

@@ -16,6 +16,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from jpinfer.config import ModelConfig
+from jpinfer.models.params import expected_shapes
 
 
 class CheckpointError(ValueError):
@@ -244,8 +245,6 @@ def load_hf(path: str | pathlib.Path, ffn_kind: str | None = None) -> tuple[Mode
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{config_file}: invalid JSON ({e})") from None
     cfg = parse_config(raw, path, ffn_kind)
-    from jpinfer.models.params import expected_shapes
-
     mapping = {k: v for k, v in _hf_to_ours(cfg).items() if k in expected_shapes(cfg)}
     found = _read_tensors(_safetensor_files(path), {theirs for theirs, _ in mapping.values()})
     tensors = {}

@@ -10,7 +10,6 @@ Optional tensors (biases, gate, norm bias, lm_head when tied) are ``None``.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -156,8 +155,7 @@ def init_random(cfg: ModelConfig, seed: int = 0, scale: float = 0.05) -> dict[st
 
 def cast(weights: Weights, dtype) -> Weights:
     """Weights with every array cast to ``dtype``."""
-    convert: Callable = lambda a: a.astype(dtype)
-    return jax.tree_util.tree_map(convert, weights)
+    return jax.tree_util.tree_map(lambda a: a.astype(dtype), weights)
 
 
 def nbytes(weights: Weights) -> int:

@@ -150,7 +150,7 @@ class Engine:
     # ----- generation
     def stream(self, prompt: str | Sequence[int], config: GenerationConfig | None = None, **kwargs) -> Iterator[str]:
         """Yield text pieces as they are generated (stop strings are never yielded)."""
-        events = self._run(prompt, config or GenerationConfig(**kwargs))
+        events = self.events(prompt, config or GenerationConfig(**kwargs))
         for piece in events:
             if isinstance(piece, str):
                 yield piece
@@ -163,7 +163,7 @@ class Engine:
         if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(p, str) for p in prompt):
             return [self.generate(p, config) for p in prompt]
         result = None
-        for event in self._run(prompt, config):
+        for event in self.events(prompt, config):
             if isinstance(event, GenerationResult):
                 result = event
         return result
@@ -213,7 +213,8 @@ class Engine:
         jax.block_until_ready(token)
         return (time.perf_counter() - t0) / n_steps
 
-    def _run(self, prompt, config: GenerationConfig) -> Iterator[str | GenerationResult]:
+    def events(self, prompt, config: GenerationConfig) -> Iterator[str | GenerationResult]:
+        """Yield text pieces as they are generated, then the GenerationResult (streaming with stats)."""
         prompt_ids = self.encode_prompt(prompt, chat=config.chat)
         sampler, eos_ids = config.sampler, self._eos_ids()
         t0 = time.perf_counter()
@@ -223,7 +224,7 @@ class Engine:
 
         out: list[int] = []
         step_s: list[float] = []
-        emitted = ""
+        text = emitted = ""
         finish = "length"
         while True:
             if token_id in eos_ids:
@@ -244,11 +245,7 @@ class Engine:
             token, cache, key = self._step(token, cache, key, sampler)
             token_id = int(token[0])
             step_s.append(time.perf_counter() - t)
-        text = self._decode(out)
-        cut = _find_stop(text, config.stop)
-        if cut is not None:
-            text = text[:cut]
-        if len(text) > len(emitted):
+        if len(text) > len(emitted):  # the held-back tail: no stop string completed it
             yield text[len(emitted) :]
         yield GenerationResult(text, out, prompt_ids, finish, prefill_s, step_s)
 
