@@ -1,7 +1,7 @@
 """Tiny llama GGUF files for tests, written with gguf.GGUFWriter the way llama.cpp's converter does.
 
-Weights start in jpinfer's convention (projections (in, out)); the writer transposes them
-to GGUF's (out, in) rows, permutes q/k rows for llama.cpp's adjacent-pair RoPE, and
+Weights start in jpinfer's flat convention (projections (out, in), as GGUF stores them);
+the writer permutes q/k rows for llama.cpp's adjacent-pair RoPE, and
 quantizes with gguf.quants.quantize. A small byte-level BPE is trained with `tokenizers`
 so the file carries a real vocabulary, merges, token types and chat template.
 """
@@ -115,10 +115,10 @@ def gguf_name(name: str) -> str:
 
 
 def to_gguf_layout(cfg: ModelConfig, name: str, w: np.ndarray) -> np.ndarray:
-    """A jpinfer tensor as llama.cpp stores it: (out, in) rows, q/k permuted."""
+    """A jpinfer tensor as llama.cpp stores it: q/k rows permuted."""
     if w.ndim == 1 or name == "embed":
         return w
-    rows = w.T
+    rows = w
     if name.endswith(".wq"):
         rows = llama_cpp_permute(rows, cfg.n_heads)
     elif name.endswith(".wk"):

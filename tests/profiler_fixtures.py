@@ -7,7 +7,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from jpinfer import Engine, ModelConfig
+from jpinfer import Engine, LoadedModel, ModelConfig
 from jpinfer.models import params, transformer
 
 
@@ -25,7 +25,7 @@ def tiny_engine(kind: str, seed: int = 0, n_layers: int = 2) -> Engine:
     cfg = ModelConfig(vocab_size=40, d_model=32, n_layers=n_layers, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=48,
                       ffn_kind=kind, ffn_bias=kind == "relu", bos_token_id=1, eos_token_ids=(2,), name=f"tiny-{kind}")
     weights = params.build_weights(cfg, params.init_random(cfg, seed=seed, scale=0.2))
-    return Engine(cfg, weights, CharTokenizer())
+    return Engine(LoadedModel(cfg, weights, CharTokenizer(), cfg.name))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,14 +52,14 @@ def reference_scores(engine: Engine, tokens: np.ndarray, score: str = "product")
     cfg = engine.cfg
     out = []
     for layer, x in zip(engine.weights.layers, ffn_inputs(engine, tokens)):
-        w = {k: None if getattr(layer, k) is None else np.asarray(getattr(layer, k), np.float64)
-             for k in ("w_gate", "w_up", "b_up")}
-        up = x @ w["w_up"] + (0 if w["b_up"] is None else w["b_up"])
+        w_gate_up = np.asarray(layer.w_gate_up, np.float64)  # (out, in): gate rows, then up rows
+        gate_rows, up_rows = (None, w_gate_up) if cfg.ffn_kind == "relu" else np.split(w_gate_up, 2)
+        up = x @ up_rows.T + (0 if layer.b_up is None else np.asarray(layer.b_up, np.float64))
         relu = lambda v: np.maximum(v, 0.0)
         if cfg.ffn_kind == "relu":
             out.append(np.abs(relu(up)))
             continue
-        g = x @ w["w_gate"]
+        g = x @ gate_rows.T
         act_g = g / (1 + np.exp(-g)) if cfg.ffn_kind == "swiglu" else relu(g)
         if score == "gate":
             out.append(np.abs(act_g))

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from jpinfer import Engine, GenerationConfig
+from jpinfer import Engine, GenerationConfig, LoadedModel
 from jpinfer.models import hf_loader, params
 from jpinfer.runtime.sampling import Sampler, sample
 from hf_reference import make_model
@@ -30,7 +30,7 @@ def tiny(tmp_path_factory):
     directory = tmp_path_factory.mktemp("llama")
     ref = make_model("llama", directory)
     cfg, tensors = hf_loader.load_hf(directory)
-    return ref, Engine(cfg, params.build_weights(cfg, tensors), CharTokenizer())
+    return ref, Engine(LoadedModel(cfg, params.build_weights(cfg, tensors), CharTokenizer(), str(directory)))
 
 
 def test_greedy_matches_transformers_generate(tiny):

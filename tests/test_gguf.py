@@ -80,11 +80,9 @@ def test_dequantized_tensors_match_reference(tmp_path, tiny_untied, qtype):
         if original.ndim == 1:  # norms stay F32
             np.testing.assert_array_equal(got[name], original, err_msg=name)
             continue
-        # Quantize Hugging Face's (out, in) rows; q/k rows were permuted in the file, and
-        # quantization is per row, so the loader's un-permuted result must match exactly.
-        rows = original if name == "embed" else original.T
-        ref = reference_dequantize(quantize(rows, qtype), qtype, rows.shape[1])
-        expect = ref if name == "embed" else ref.T
+        # Quantize the (out, in) rows; q/k rows were permuted in the file, and quantization
+        # is per row, so the loader's un-permuted result must match exactly.
+        expect = reference_dequantize(quantize(original, qtype), qtype, original.shape[1])
         np.testing.assert_array_equal(got[name], expect, err_msg=name)
         bound = _ERROR_BOUND[qtype] * np.abs(original).max()
         assert np.abs(got[name] - original).max() <= bound, name
@@ -227,22 +225,22 @@ def test_unsupported_or_missing_metadata(tmp_path, tiny_untied, fields, problem)
 
 # ---- transformers reads the same file the same way (q/k convention included) ----
 
-# jpinfer name suffix -> (Hugging Face parameter suffix, transpose)
+# jpinfer name suffix -> Hugging Face parameter suffix (both (out, in))
 _HF_NAMES = {
-    "wq": ("self_attn.q_proj.weight", True),
-    "wk": ("self_attn.k_proj.weight", True),
-    "wv": ("self_attn.v_proj.weight", True),
-    "wo": ("self_attn.o_proj.weight", True),
-    "w_gate": ("mlp.gate_proj.weight", True),
-    "w_up": ("mlp.up_proj.weight", True),
-    "w_down": ("mlp.down_proj.weight", True),
-    "attn_norm.scale": ("input_layernorm.weight", False),
-    "ffn_norm.scale": ("post_attention_layernorm.weight", False),
+    "wq": "self_attn.q_proj.weight",
+    "wk": "self_attn.k_proj.weight",
+    "wv": "self_attn.v_proj.weight",
+    "wo": "self_attn.o_proj.weight",
+    "w_gate": "mlp.gate_proj.weight",
+    "w_up": "mlp.up_proj.weight",
+    "w_down": "mlp.down_proj.weight",
+    "attn_norm.scale": "input_layernorm.weight",
+    "ffn_norm.scale": "post_attention_layernorm.weight",
 }
 
 
 def hf_state_as_ours(path, names) -> dict[str, np.ndarray]:
-    """transformers' own GGUF load of ``path``, renamed and transposed to jpinfer's convention."""
+    """transformers' own GGUF load of ``path``, renamed to jpinfer's convention."""
     import torch  # the test extra; transformers' GGUF reader also needs accelerate
     from transformers import AutoModelForCausalLM
 
@@ -253,14 +251,12 @@ def hf_state_as_ours(path, names) -> dict[str, np.ndarray]:
         if name == "embed":
             out[name] = state["model.embed_tokens.weight"]
         elif name == "lm_head":
-            out[name] = state["lm_head.weight"].T
+            out[name] = state["lm_head.weight"]
         elif name == "final_norm.scale":
             out[name] = state["model.norm.weight"]
         else:
             _, i, suffix = name.split(".", 2)
-            hf, transpose = _HF_NAMES[suffix]
-            w = state[f"model.layers.{i}.{hf}"]
-            out[name] = w.T if transpose else w
+            out[name] = state[f"model.layers.{i}.{_HF_NAMES[suffix]}"]
     return out
 
 

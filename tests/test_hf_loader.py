@@ -32,13 +32,13 @@ def _weights_file(directory):
     return next(directory.glob("*.safetensors"))
 
 
-def test_tensors_are_transposed_hf_weights(checkpoint):
+def test_tensors_are_the_hf_weights(checkpoint):
     directory, model = checkpoint
     cfg, tensors = load_hf(directory)
     layer = model.model.layers[1]
-    np.testing.assert_array_equal(tensors["layers.1.wq"], layer.self_attn.q_proj.weight.detach().numpy().T)
+    np.testing.assert_array_equal(tensors["layers.1.wq"], layer.self_attn.q_proj.weight.detach().numpy())
     np.testing.assert_array_equal(tensors["layers.1.bk"], layer.self_attn.k_proj.bias.detach().numpy())
-    np.testing.assert_array_equal(tensors["layers.1.w_down"], layer.mlp.down_proj.weight.detach().numpy().T)
+    np.testing.assert_array_equal(tensors["layers.1.w_down"], layer.mlp.down_proj.weight.detach().numpy())
     assert cfg.qkv_bias and cfg.tie_embeddings and "lm_head" not in tensors
 
 
@@ -48,7 +48,7 @@ def test_sharded_and_bfloat16_checkpoints_load(checkpoint, tmp_path):
     model.float()
     assert (tmp_path / "model.safetensors.index.json").exists()
     _, tensors = load_hf(tmp_path)
-    expected = model.model.layers[0].mlp.up_proj.weight.detach().to(torch.bfloat16).float().numpy().T
+    expected = model.model.layers[0].mlp.up_proj.weight.detach().to(torch.bfloat16).float().numpy()
     np.testing.assert_array_equal(tensors["layers.0.w_up"], expected)
 
 
@@ -110,7 +110,7 @@ def test_missing_tensor_is_named(checkpoint, tmp_path):
 def test_shape_disagreeing_with_config(checkpoint, tmp_path):
     target = _copy(checkpoint, tmp_path)
     _edit_config(target, intermediate_size=44)
-    with pytest.raises(CheckpointError, match=r"layers.0.w_up.*shape \(32, 40\).*\(32, 44\)"):
+    with pytest.raises(CheckpointError, match=r"layers.0.w_up.*shape \(40, 32\).*\(44, 32\)"):
         load_model(target)
 
 

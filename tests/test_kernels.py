@@ -5,11 +5,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jpinfer import neurons
+from jpinfer.sparse import neurons
 from jpinfer.config import FFN_KINDS, ModelConfig
 from jpinfer.models import params, transformer
-from jpinfer.pallas_kernels import sparse_rows_ffn
-from jpinfer.sparse_ffn import sparse_ffn
+from jpinfer.sparse.pallas_kernels import sparse_rows_ffn
+from jpinfer.sparse.op import sparse_ffn
 
 D, N = 192, 96  # d = 3 tiles of 64 in the Pallas kernel; N = 3 blocks / chunks of 32
 BACKENDS = ["xla", "pallas"]
@@ -28,8 +28,10 @@ def _weights(kind, seed=0, d=D, n=N):
 
 
 def _layout(kind, w, dtype=np.float32):
+    """The decoder's (out, in) layout of the reference's x @ W matrices, bundled neuron-major."""
     cast = {k: None if v is None else v.astype(dtype) for k, v in w.items()}
-    return neurons.from_arrays(kind, **cast)
+    out_in = {k: v.T for k, v in cast.items() if k.startswith("w_") and v is not None}
+    return neurons.from_arrays(kind, **(cast | out_in))
 
 
 def _reference(kind, w, x, ids, count):

@@ -7,16 +7,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jpinfer import neurons
+from jpinfer.sparse import neurons
 from jpinfer.config import ModelConfig
-from jpinfer.cpu_backend import huge_page_array, huge_page_ffn
+from jpinfer.sparse.cpu_backend import huge_page_array, huge_page_ffn
 from jpinfer.models import params
-from jpinfer.sparse_ffn import sparse_ffn
+from jpinfer.sparse.op import sparse_ffn
 
 
 def _dense(rng, d=16, n=24, gate=True, bias=False):
     w = lambda *s: rng.standard_normal(s).astype(np.float32)
-    return (w(d, n) if gate else None), w(d, n), w(n, d), (w(n) if bias else None), (w(d) if bias else None)
+    # The decoder's (out, in) layout: gate/up (n, d), a row per neuron; down (d, n), a column per neuron.
+    return (w(n, d) if gate else None), w(n, d), w(d, n), (w(n) if bias else None), (w(d) if bias else None)
 
 
 def test_bundles_hold_gate_up_and_down_of_each_neuron():
@@ -25,9 +26,9 @@ def test_bundles_hold_gate_up_and_down_of_each_neuron():
     rows = np.asarray(ffn.rows)
     assert rows.shape == (24, 3, 16)
     for i in (0, 7, 23):
-        np.testing.assert_array_equal(rows[i, 0], wg[:, i])
-        np.testing.assert_array_equal(rows[i, 1], wu[:, i])
-        np.testing.assert_array_equal(rows[i, 2], wd[i])
+        np.testing.assert_array_equal(rows[i, 0], wg[i])
+        np.testing.assert_array_equal(rows[i, 1], wu[i])
+        np.testing.assert_array_equal(rows[i, 2], wd[:, i])
     np.testing.assert_array_equal(np.asarray(ffn.ids), np.arange(24))
 
 
@@ -35,8 +36,8 @@ def test_relu_kind_bundles_up_and_down_with_biases():
     _, wu, wd, bu, bd = _dense(np.random.default_rng(1), gate=False, bias=True)
     ffn = neurons.from_arrays("relu", None, wu, wd, bu, bd)
     assert ffn.rows.shape == (24, 2, 16) and not ffn.gated
-    np.testing.assert_array_equal(np.asarray(ffn.rows[5, 0]), wu[:, 5])
-    np.testing.assert_array_equal(np.asarray(ffn.rows[5, 1]), wd[5])
+    np.testing.assert_array_equal(np.asarray(ffn.rows[5, 0]), wu[5])
+    np.testing.assert_array_equal(np.asarray(ffn.rows[5, 1]), wd[:, 5])
     np.testing.assert_array_equal(np.asarray(ffn.b_up), bu)
 
 
@@ -44,8 +45,9 @@ def test_from_layer_uses_the_layer_ffn_tensors():
     cfg = ModelConfig(vocab_size=8, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8, d_ff=24, ffn_kind="drelu")
     layer = params.build_weights(cfg, params.init_random(cfg)).layers[0]
     ffn = neurons.from_layer(layer, "drelu")
-    np.testing.assert_array_equal(np.asarray(ffn.rows[3, 0]), np.asarray(layer.w_gate[:, 3]))
-    np.testing.assert_array_equal(np.asarray(ffn.rows[3, 2]), np.asarray(layer.w_down[3]))
+    np.testing.assert_array_equal(np.asarray(ffn.rows[3, 0]), np.asarray(layer.w_gate_up[3]))  # gate row 3
+    np.testing.assert_array_equal(np.asarray(ffn.rows[3, 1]), np.asarray(layer.w_gate_up[cfg.d_ff + 3]))  # up row 3
+    np.testing.assert_array_equal(np.asarray(ffn.rows[3, 2]), np.asarray(layer.w_down[:, 3]))
     assert ffn.kind == "drelu"
 
 

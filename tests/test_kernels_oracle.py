@@ -28,8 +28,7 @@ class _MaskedDense:
 
     def __call__(self, index, layer, x, mask):
         act = transformer.ffn_activations(layer, x, self.cfg) * mask.reshape(*x.shape[:-1], -1)
-        y = act @ layer.w_down
-        return (y if layer.b_down is None else y + layer.b_down), None
+        return transformer.ffn_down(layer, act), None
 
 
 def _greedy(weights, cfg, prompt, steps, ffn_impl=None, ffn_state=None):
@@ -109,7 +108,8 @@ def test_oracle_layer_selects_exact_active_set(backend):
     cfg, weights = _model("swiglu")
     layer = weights.layers[0]
     x = np.random.default_rng(4).standard_normal((3, cfg.d_model))
-    g, u = x @ np.asarray(layer.w_gate, np.float64), x @ np.asarray(layer.w_up, np.float64)
+    gate_rows, up_rows = np.split(np.asarray(layer.w_gate_up, np.float64), 2)  # (out, in) rows
+    g, u = x @ gate_rows.T, x @ up_rows.T
     mag = np.abs(g / (1 + np.exp(-g)) * u)
     srt = np.sort(mag.ravel())
     threshold = (srt[len(srt) // 2] + srt[len(srt) // 2 + 1]) / 2  # half active, away from any value
@@ -124,7 +124,7 @@ def test_oracle_layer_selects_exact_active_set(backend):
         want = np.argsort(-np.where(active[m], mag[m], -1))[: min(active[m].sum(), capacity)]
         got = np.asarray(aux.ids[m, : int(aux.count[m])])
         np.testing.assert_array_equal(np.sort(got), np.sort(want))
-        ref = (g[m, want] / (1 + np.exp(-g[m, want])) * u[m, want]) @ np.asarray(layer.w_down, np.float64)[want]
+        ref = (g[m, want] / (1 + np.exp(-g[m, want])) * u[m, want]) @ np.asarray(layer.w_down, np.float64)[:, want].T
         np.testing.assert_allclose(np.asarray(y[m]), ref, rtol=1e-5, atol=1e-5)
 
 

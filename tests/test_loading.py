@@ -20,19 +20,19 @@ def test_gguf_cache_round_trip_and_invalidation(tmp_path, monkeypatch):
     monkeypatch.setattr("jpinfer.models.gguf_loader.load_gguf", lambda *a, **k: calls.append(a))
     second = loading.load_model(path)
     assert calls == []  # served from the cache
-    assert second[0] == first[0]
-    for a, b in zip(jax.tree.leaves(first[1]), jax.tree.leaves(second[1])):
+    assert second.cfg == first.cfg
+    for a, b in zip(jax.tree.leaves(first.weights), jax.tree.leaves(second.weights)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     text = "hello world 123"
-    assert second[2].encode(text) == first[2].encode(text)
-    assert second[2].chat_template == first[2].chat_template
+    assert second.tokenizer.encode(text) == first.tokenizer.encode(text)
+    assert second.tokenizer.chat_template == first.tokenizer.chat_template
 
     monkeypatch.undo()
     monkeypatch.setenv("JPINFER_CACHE", str(tmp_path / "cache"))
     fx.write_gguf(path, cfg, fx.random_tensors(cfg, seed=4))  # a changed file is a new entry
     third = loading.load_model(path)
     assert len(list((tmp_path / "cache" / "gguf").iterdir())) == 2
-    assert not np.array_equal(np.asarray(third[1].embed), np.asarray(first[1].embed))
+    assert not np.array_equal(np.asarray(third.weights.embed), np.asarray(first.weights.embed))
 
 
 def test_bad_dtype_is_a_value_error():

@@ -105,7 +105,7 @@ def test_sensitivity_is_the_derivative_of_the_window_loss():
         def __call__(self, i, layer, x, state):
             lam, tau = state  # this layer's scale of the removed part, and its threshold
             a = transformer.ffn_activations(layer, x, cfg)
-            return (a - lam * jnp.where(jnp.abs(a) <= tau, a, 0)) @ layer.w_down, None
+            return transformer.ffn_down(layer, a - lam * jnp.where(jnp.abs(a) <= tau, a, 0)), None
 
     @jax.jit
     def window_losses(lam, tau):
@@ -163,7 +163,7 @@ def test_oracle_sparse_perplexity_zeroes_inactive_neurons():
     # thresholds above every score zero every neuron: the model without FFNs
     no_ffn = dataclasses.replace(engine.weights, layers=[dataclasses.replace(l, w_down=jnp.zeros_like(l.w_down))
                                                          for l in engine.weights.layers])
-    expected = perplexity(Engine(engine.cfg, no_ffn), tokens)
+    expected = perplexity(dataclasses.replace(engine.model, weights=no_ffn), tokens)
     assert perplexity(engine, tokens, np.full(n, 1e9)) == pytest.approx(expected, rel=1e-6)
     assert perplexity(engine, tokens, np.zeros(n)) == pytest.approx(perplexity(engine, tokens), rel=1e-6)
     with pytest.raises(ValueError, match="one value per layer"):
@@ -181,7 +181,7 @@ def test_oracle_sparse_perplexity_matches_a_precomputed_mask():
     @dataclasses.dataclass(frozen=True)
     class Masked:
         def __call__(self, i, layer, x, state):
-            return (transformer.ffn_activations(layer, x, cfg) * keep) @ layer.w_down, None
+            return transformer.ffn_down(layer, transformer.ffn_activations(layer, x, cfg) * keep), None
 
     lg = np.asarray(transformer.score(engine.weights, jnp.asarray(tokens), cfg, Masked()), np.float64)[:, :-1]
     logp = lg - lg.max(-1, keepdims=True)
@@ -217,7 +217,7 @@ def test_save_load_round_trip_and_model_check(tmp_path):
         np.testing.assert_array_equal(getattr(back, name), getattr(prof, name))
     assert (back.n_tokens, back.meta, back.model_fingerprint) == (prof.n_tokens, prof.meta, prof.model_fingerprint)
     # the same weights at another precision are the same model
-    ActivationProfile.load(path, model=Engine(engine.cfg, params.cast(engine.weights, jnp.bfloat16)))
+    ActivationProfile.load(path, model=dataclasses.replace(engine.model, weights=params.cast(engine.weights, jnp.bfloat16)))
     with pytest.raises(ProfileMismatchError, match="profile this model"):
         ActivationProfile.load(path, model=tiny_engine("swiglu", seed=1))
     with pytest.raises(ProfileMismatchError):

@@ -10,13 +10,14 @@ import pathlib
 from typing import Any, Sequence
 
 from jpinfer.config import ModelConfig
-from jpinfer.models.hf_loader import CheckpointError
+from jpinfer.errors import CheckpointError, JpinferError
+from jpinfer.models.loading import LoadedModel, load_model
 from jpinfer.profiler import ActivationProfile, profile
-from jpinfer.runtime.engine import Engine, GenerationConfig, GenerationResult
+from jpinfer.runtime.engine import Engine, FfnStrategy, GenerationConfig, GenerationResult
 
 __all__ = [
-    "load", "generate", "Engine", "GenerationConfig", "GenerationResult", "ModelConfig", "CheckpointError",
-    "profile", "ActivationProfile",
+    "load", "generate", "Engine", "FfnStrategy", "GenerationConfig", "GenerationResult", "ModelConfig",
+    "LoadedModel", "JpinferError", "CheckpointError", "profile", "ActivationProfile",
 ]
 __version__ = "0.1.0"
 
@@ -24,11 +25,8 @@ _engines: dict[str, Engine] = {}
 
 
 def load(source: str | pathlib.Path | None = None, *, dtype: Any = "float32", ffn_kind: str | None = None) -> Engine:
-    """Load a checkpoint (HF directory, .gguf file, or None for the default model) as an Engine."""
-    from jpinfer.models.loading import load_model
-
-    cfg, weights, tokenizer, path = load_model(source, dtype=dtype, ffn_kind=ffn_kind)
-    return Engine(cfg, weights, tokenizer, source=path)
+    """Load a checkpoint (HF directory, .gguf file, or None for the default model) as a dense Engine."""
+    return Engine(load_model(source, dtype=dtype, ffn_kind=ffn_kind))
 
 
 def generate(

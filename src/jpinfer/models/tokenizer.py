@@ -17,6 +17,8 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as RawTokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from jpinfer.errors import CheckpointError
+
 Tokenizer = PreTrainedTokenizerFast
 
 # llama.cpp token types (tokenizer.ggml.token_type)
@@ -70,24 +72,24 @@ def tokenizer_from_gguf_metadata(metadata: Mapping[str, Any], source: str = "GGU
 
     def need(key: str):
         if key not in metadata:
-            raise ValueError(f"{source}: tokenizer field {key!r} is missing")
+            raise CheckpointError(f"{source}: tokenizer field {key!r} is missing")
         return metadata[key]
 
     kind = need("tokenizer.ggml.model")
     if kind != "gpt2":
-        raise ValueError(
+        raise CheckpointError(
             f"{source}: tokenizer model {kind!r} is not supported; jpinfer builds byte-level BPE ('gpt2') tokenizers"
         )
     pre = metadata.get("tokenizer.ggml.pre", "default")
     if pre not in _PRE_TOKENIZERS:
-        raise ValueError(
+        raise CheckpointError(
             f"{source}: pre-tokenizer {pre!r} is not supported; supported: {', '.join(sorted(_PRE_TOKENIZERS))}"
         )
     tokens: list[str] = list(need("tokenizer.ggml.tokens"))
     merges = [tuple(m.split(" ", 1)) for m in need("tokenizer.ggml.merges")]
     types = list(metadata.get("tokenizer.ggml.token_type", [1] * len(tokens)))
     if len(types) != len(tokens):
-        raise ValueError(f"{source}: {len(types)} token types for {len(tokens)} tokens")
+        raise CheckpointError(f"{source}: {len(types)} token types for {len(tokens)} tokens")
 
     raw = RawTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
     raw.pre_tokenizer = pre_tokenizers.Sequence(_PRE_TOKENIZERS[pre]())
@@ -103,7 +105,7 @@ def tokenizer_from_gguf_metadata(metadata: Mapping[str, Any], source: str = "GGU
         if idx is None:
             return None
         if not 0 <= int(idx) < len(tokens):
-            raise ValueError(f"{source}: tokenizer.ggml.{key} = {idx} is outside the vocabulary of {len(tokens)}")
+            raise CheckpointError(f"{source}: tokenizer.ggml.{key} = {idx} is outside the vocabulary of {len(tokens)}")
         return tokens[int(idx)]
 
     add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", False))
@@ -116,7 +118,7 @@ def tokenizer_from_gguf_metadata(metadata: Mapping[str, Any], source: str = "GGU
     }
     for flag, name in ((add_bos, "bos_token"), (add_eos, "eos_token")):
         if flag and specials[name] is None:
-            raise ValueError(f"{source}: asks to add a {name} but names no {name} id")
+            raise CheckpointError(f"{source}: asks to add a {name} but names no {name} id")
     return PreTrainedTokenizerFast(
         tokenizer_object=raw,
         chat_template=metadata.get("tokenizer.chat_template"),
@@ -131,11 +133,11 @@ def load_hf_tokenizer(directory: os.PathLike | str) -> Tokenizer:
     """The fast tokenizer of a local Hugging Face checkpoint directory (never the network)."""
     directory = pathlib.Path(directory)
     if not directory.is_dir():
-        raise ValueError(f"{directory}: tokenizer directory not found")
+        raise CheckpointError(f"{directory}: tokenizer directory not found")
     try:
         tok = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
     except (OSError, ValueError) as err:
-        raise ValueError(f"{directory}: cannot load the tokenizer ({err})") from err
+        raise CheckpointError(f"{directory}: cannot load the tokenizer ({err})") from err
     if not isinstance(tok, PreTrainedTokenizerFast):
-        raise ValueError(f"{directory}: loaded a {type(tok).__name__}, not a fast tokenizer")
+        raise CheckpointError(f"{directory}: loaded a {type(tok).__name__}, not a fast tokenizer")
     return tok

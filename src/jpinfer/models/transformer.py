@@ -20,9 +20,9 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from jpinfer.activations import activate
 from jpinfer.config import ModelConfig
 from jpinfer.models.params import Layer, Norm, Weights
-from jpinfer.neurons import activate
 
 FfnImpl = Callable[[int, Layer, jax.Array, Any], tuple[jax.Array, Any]]
 
@@ -80,8 +80,9 @@ def rope(x: jax.Array, tables: tuple[jax.Array, jax.Array]) -> jax.Array:
     return out.astype(x.dtype)
 
 
-def _linear(x: jax.Array, w: jax.Array, b: jax.Array | None) -> jax.Array:
-    y = x @ w
+def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
+    """x (..., in) through an (out, in) weight: W @ x per token, plus the bias."""
+    y = jnp.einsum("...i,oi->...o", x, w)
     return y if b is None else y + b
 
 
@@ -102,9 +103,10 @@ def attention_block(
     never copies the whole cache. Returns the output projection (B, T, d) and the cache.
     """
     b, t, _ = x.shape
-    q = _linear(x, layer.wq, layer.bq).reshape(b, t, cfg.n_heads, cfg.head_dim)
-    k = _linear(x, layer.wk, layer.bk).reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
-    v = _linear(x, layer.wv, layer.bv).reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
+    qkv = linear(x, layer.w_qkv, layer.b_qkv)
+    q = qkv[..., : cfg.q_dim].reshape(b, t, cfg.n_heads, cfg.head_dim)
+    k = qkv[..., cfg.q_dim : cfg.q_dim + cfg.kv_dim].reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
+    v = qkv[..., cfg.q_dim + cfg.kv_dim :].reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
     if rope_cs is not None:
         q = rope(q, rope_cs)
         k = rope(k, rope_cs)
@@ -126,19 +128,29 @@ def attention_block(
     probs = jax.nn.softmax(scores, axis=-1).astype(cache_v.dtype)
     out = jnp.einsum("bkgts,bksh->btkgh", probs, cache_v, preferred_element_type=jnp.float32)
     out = out.reshape(b, t, cfg.q_dim).astype(x.dtype)
-    return _linear(out, layer.wo, layer.bo), cache
+    return linear(out, layer.wo, layer.bo), cache
+
+
+def gate_and_up(layer: Layer, x: jax.Array, cfg: ModelConfig) -> tuple[jax.Array | None, jax.Array]:
+    """Gate (None for kind relu) and up projections (..., d_ff) of x, from one fused product."""
+    h = linear(x, layer.w_gate_up)
+    gate, up = (h[..., : cfg.d_ff], h[..., cfg.d_ff :]) if cfg.has_gate else (None, h)
+    return gate, up if layer.b_up is None else up + layer.b_up
 
 
 def ffn_activations(layer: Layer, x: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """Per-neuron activation a (..., d_ff); the FFN output is a @ w_down (+ b_down)."""
-    up = _linear(x, layer.w_up, layer.b_up)
-    gate = None if layer.w_gate is None else x @ layer.w_gate
-    return activate(cfg.ffn_kind, gate, up)
+    """Per-neuron activation a (..., d_ff); the FFN output is ``ffn_down(layer, a)``."""
+    return activate(cfg.ffn_kind, *gate_and_up(layer, x, cfg))
+
+
+def ffn_down(layer: Layer, a: jax.Array) -> jax.Array:
+    """The FFN output for (possibly masked) activations a (..., d_ff): W_down @ a + b_down."""
+    return linear(a, layer.w_down, layer.b_down)
 
 
 def ffn_dense(layer: Layer, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     """The dense FFN output for normalised input x."""
-    return _linear(ffn_activations(layer, x, cfg), layer.w_down, layer.b_down)
+    return ffn_down(layer, ffn_activations(layer, x, cfg))
 
 
 def _dense_ffn_impl(cfg: ModelConfig) -> FfnImpl:
@@ -184,12 +196,11 @@ def forward(
 def logits(weights: Weights, h: jax.Array) -> jax.Array:
     """Float32 logits from final hidden states.
 
-    A tied head contracts against the (vocab, d) embedding directly: ``embed.T`` would
-    make XLA materialise a transposed copy of the whole table on every decode step.
+    The head is (vocab, d), like the embedding it may be tied to, and is contracted as is:
+    ``embed.T`` would make XLA materialise a transposed copy of the table on every step.
     """
-    if weights.lm_head is not None:
-        return jnp.dot(h, weights.lm_head, preferred_element_type=jnp.float32)
-    return jnp.einsum("...d,vd->...v", h, weights.embed, preferred_element_type=jnp.float32)
+    head = weights.embed if weights.lm_head is None else weights.lm_head
+    return jnp.einsum("...d,vd->...v", h, head, preferred_element_type=jnp.float32)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "ffn_impl"), donate_argnames=("cache",))

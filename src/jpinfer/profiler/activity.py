@@ -1,12 +1,12 @@
-"""What "active" means for an FFN neuron (DESIGN.md), in one place.
+"""What "active" means for an FFN neuron, in one place (docs/architecture.md).
 
-A neuron's activation is a = act(x @ w_gate) * (x @ w_up) (gated kinds) or relu(x @ w_up)
+A neuron's activation is a = act(gate . x) * (up . x) (gated kinds) or relu(up . x)
 (OPT). It is active on a token when its *score* exceeds the layer's threshold:
 
 - ``"product"`` (default): score = |a|. For ReLU kinds with threshold 0 this is exactly
   "non-zero", so one rule covers every kind; SwiGLU models get calibrated thresholds.
-- ``"gate"``: score = |act(x @ w_gate)|, the gate alone (CATS). Kept to reproduce the
-  comparison in DESIGN.md, where it measured far worse than the product.
+- ``"gate"``: score = |act(gate . x)|, the gate alone (CATS). Kept to reproduce the
+  comparison in bench/results/sparsity_ppl.md, where it measured far worse than the product.
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from jpinfer.activations import activate
 from jpinfer.config import ModelConfig
 from jpinfer.models.params import Layer
-from jpinfer.models.transformer import ffn_activations
+from jpinfer.models.transformer import gate_and_up
 
 Score = Literal["product", "gate"]
 SCORES: tuple[str, ...] = ("product", "gate")
@@ -34,15 +35,11 @@ def check_score(score: str, cfg: ModelConfig) -> None:
 
 def activation_and_score(layer: Layer, x: jax.Array, cfg: ModelConfig, score: Score) -> tuple[jax.Array, jax.Array]:
     """Per-neuron activation a (..., d_ff) and the non-negative score compared with the threshold."""
-    a = ffn_activations(layer, x, cfg)
+    gate, up = gate_and_up(layer, x, cfg)
+    a = activate(cfg.ffn_kind, gate, up)
     if score == "product":
         return a, jnp.abs(a)
-    gate = x @ layer.w_gate
     gate = jax.nn.silu(gate) if cfg.ffn_kind == "swiglu" else jax.nn.relu(gate)
     return a, jnp.abs(gate)
 
 
-def down(layer: Layer, a: jax.Array) -> jax.Array:
-    """The FFN output for (possibly masked) activations a."""
-    y = a @ layer.w_down
-    return y if layer.b_down is None else y + layer.b_down

@@ -28,9 +28,10 @@ from tqdm.auto import tqdm
 
 from jpinfer.config import ModelConfig
 from jpinfer.models import transformer
+from jpinfer.models.loading import LoadedModel, ModelArg, resolve_model
 from jpinfer.models.params import Layer
 from jpinfer.profiler import passes
-from jpinfer.profiler.activity import Score, activation_and_score, check_score, down
+from jpinfer.profiler.activity import Score, activation_and_score, check_score
 
 MANTISSA_BITS = 6
 MIN_EXPONENT, MAX_EXPONENT = -32, 16
@@ -116,7 +117,7 @@ class _HistogramFFN:
         _, valid, _ = state
         a, s = activation_and_score(layer, x, self.cfg, self.score)
         idx = jnp.where(valid[..., None], bin_index(s), N_BINS)
-        return down(layer, a), jnp.bincount(idx.ravel(), length=N_BINS + 1)[:N_BINS]
+        return transformer.ffn_down(layer, a), jnp.bincount(idx.ravel(), length=N_BINS + 1)[:N_BINS]
 
 
 def _check_sparsity(sparsity: float) -> float:
@@ -126,16 +127,16 @@ def _check_sparsity(sparsity: float) -> float:
 
 
 def score_histogram(
-    model: Any, windows: Any, *, score: Score = "product", batch_size: int = 4, progress: bool = False
+    model: ModelArg, windows: Any, *, score: Score = "product", batch_size: int = 4, progress: bool = False
 ) -> ScoreHistogram:
     """Histogram the neuron scores of every layer over token windows (one dense pass)."""
-    engine = passes.resolve_model(model)
-    check_score(score, engine.cfg)
-    tokens = passes.as_tokens(windows, engine.cfg.vocab_size)
-    counts = np.zeros((engine.cfg.n_layers, N_BINS), np.int64)
-    thresholds = np.zeros(engine.cfg.n_layers, np.float32)
-    collector = _HistogramFFN(engine.cfg, score)
-    for _, _, aux in passes.run(engine, tokens, collector, thresholds, batch_size, progress, "calibrating"):
+    loaded = resolve_model(model)
+    check_score(score, loaded.cfg)
+    tokens = passes.as_tokens(windows, loaded.cfg.vocab_size)
+    counts = np.zeros((loaded.cfg.n_layers, N_BINS), np.int64)
+    thresholds = np.zeros(loaded.cfg.n_layers, np.float32)
+    collector = _HistogramFFN(loaded.cfg, score)
+    for _, _, aux in passes.run(loaded, tokens, collector, thresholds, batch_size, progress, "calibrating"):
         counts += np.stack(aux)
     return ScoreHistogram(counts, score, int(tokens.size))
 
@@ -155,7 +156,7 @@ class _PerturbableFFN:
 
     def __call__(self, i: int, layer: Layer, x: jax.Array, probe: jax.Array):
         a, s = activation_and_score(layer, x, self.cfg, self.score)
-        return down(layer, a) + probe, (a, s)
+        return transformer.ffn_down(layer, a) + probe, (a, s)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "score"))
@@ -175,14 +176,14 @@ def _window_derivatives(weights, tokens, valid, level_thresholds, cfg, score):
     grads, aux = jax.grad(loss, has_aux=True)(probes)
     out = []
     for l, (a, s) in enumerate(aux):
-        contrib = (a * (grads[l] @ weights.layers[l].w_down.T)).astype(jnp.float32)
+        contrib = (a * (grads[l] @ weights.layers[l].w_down)).astype(jnp.float32)
         thr = level_thresholds[l]
         out.append(jnp.stack([-jnp.where(s <= thr[k], contrib, 0).sum((1, 2)) for k in range(thr.shape[0])], -1))
     return jnp.stack(out, 1)
 
 
 def sensitivity(
-    model: Any,
+    model: ModelArg,
     windows: Any,
     hist: ScoreHistogram,
     *,
@@ -191,18 +192,18 @@ def sensitivity(
     progress: bool = False,
 ) -> Sensitivity:
     """Fisher estimate, on held-out windows, of each layer's loss increase at each sparsity level."""
-    engine = passes.resolve_model(model)
-    tokens = passes.as_tokens(windows, engine.cfg.vocab_size)
+    loaded = resolve_model(model)
+    tokens = passes.as_tokens(windows, loaded.cfg.vocab_size)
     levels_arr = np.asarray(levels, np.float64)
     if levels_arr[0] != 0 or np.any(np.diff(levels_arr) <= 0) or levels_arr[-1] >= 1:
         raise ValueError("levels must increase from 0 and stay below 1")
     level_thr = jnp.asarray(np.stack([hist.thresholds(np.full(len(hist.counts), s)) for s in levels_arr], 1))
-    squares = np.zeros((engine.cfg.n_layers, len(levels_arr)))
+    squares = np.zeros((loaded.cfg.n_layers, len(levels_arr)))
     first = np.zeros_like(squares)
     with tqdm(total=int(tokens.size), unit="tok", desc="sensitivity", disable=not progress) as bar:
         for _, chunk, valid in passes.batches(tokens, batch_size):
             d = _window_derivatives(
-                engine.weights, jnp.asarray(chunk), jnp.asarray(valid[:, 0]), level_thr, engine.cfg, hist.score
+                loaded.weights, jnp.asarray(chunk), jnp.asarray(valid[:, 0]), level_thr, loaded.cfg, hist.score
             )
             d = np.asarray(d, np.float64)[valid[:, 0]]
             squares += np.square(d).sum(0)
@@ -233,7 +234,7 @@ def greedy(hist: ScoreHistogram, sens: Sensitivity, sparsity: float) -> Calibrat
 
 
 def calibrate(
-    model: Any,
+    model: ModelArg,
     windows: Any,
     sparsity: float,
     *,

@@ -15,9 +15,11 @@ import numpy as np
 
 from jpinfer.cache import cache_dir
 from jpinfer.config import ModelConfig
+from jpinfer.models import transformer
+from jpinfer.models.loading import LoadedModel, ModelArg, resolve_model
 from jpinfer.models.params import Layer
 from jpinfer.profiler import calibration, passes, samples
-from jpinfer.profiler.activity import Score, activation_and_score, check_score, down
+from jpinfer.profiler.activity import Score, activation_and_score, check_score
 from jpinfer.profiler.corpus import Corpus, TokenWindows, token_windows
 from jpinfer.profiler.stats import ActivationProfile, model_fingerprint
 
@@ -45,21 +47,21 @@ class _StatsFFN:
         if sample_index is not None:
             aux["inputs"] = x.reshape(-1, x.shape[-1])[sample_index].astype(jnp.float16)
             aux["masks"] = jnp.packbits(active.reshape(-1, d_ff)[sample_index], axis=-1)
-        return down(layer, a), aux
+        return transformer.ffn_down(layer, a), aux
 
 
-def _windows(engine: Any, corpus: Any, fields, n_tokens, window, seed, bos) -> TokenWindows:
+def _windows(loaded: LoadedModel, corpus: Any, fields, n_tokens, window, seed, bos) -> TokenWindows:
     if isinstance(corpus, TokenWindows):
         return corpus
     if isinstance(corpus, np.ndarray):
-        return TokenWindows(passes.as_tokens(corpus, engine.cfg.vocab_size), {"source": "token array"})
+        return TokenWindows(passes.as_tokens(corpus, loaded.cfg.vocab_size), {"source": "token array"})
     corpus = Corpus.of(corpus, fields)
-    return token_windows(corpus, engine.tokenizer, window=window, n_tokens=n_tokens, seed=seed, bos=bos)
+    return token_windows(corpus, loaded.tokenizer, window=window, n_tokens=n_tokens, seed=seed, bos=bos)
 
 
-def _thresholds(engine, tokens, thresholds, sparsity, score, calibration_tokens, batch_size, progress):
+def _thresholds(loaded, tokens, thresholds, sparsity, score, calibration_tokens, batch_size, progress):
     """(per-layer thresholds, calibration record) for the pass."""
-    cfg = engine.cfg
+    cfg = loaded.cfg
     if cfg.ffn_kind != "swiglu":
         if thresholds is not None or score != "product":
             raise ValueError(f"{cfg.ffn_kind} neurons are active when non-zero: drop thresholds= and score=")
@@ -74,13 +76,13 @@ def _thresholds(engine, tokens, thresholds, sparsity, score, calibration_tokens,
             raise ValueError(f"thresholds must be {cfg.n_layers} finite non-negative numbers, one per layer")
         return thr, {"method": "given", "score": score}
     n = max(1, min(len(tokens), calibration_tokens // tokens.shape[1]))
-    hist = calibration.score_histogram(engine, tokens[:n], score=score, batch_size=batch_size, progress=progress)
+    hist = calibration.score_histogram(loaded, tokens[:n], score=score, batch_size=batch_size, progress=progress)
     cal = calibration.uniform(hist, sparsity)
     return cal.thresholds, cal.to_dict() | {"calibration_tokens": hist.n_tokens}
 
 
 def profile(
-    model: Any = None,
+    model: ModelArg = None,
     corpus: Corpus | str | os.PathLike | TokenWindows | np.ndarray = DEFAULT_CORPUS,
     *,
     fields: Sequence[str] | str | None = None,
@@ -104,15 +106,15 @@ def profile(
     ``n_samples`` > 0 also stores that many (input, active mask) pairs per layer for the
     predictors (``meta["samples"]``, open with ``PredictorSamples.open``).
     """
-    engine = passes.resolve_model(model)
-    cfg = engine.cfg
+    loaded = resolve_model(model)
+    cfg = loaded.cfg
     check_score(score, cfg)
-    windows = _windows(engine, corpus, fields, n_tokens, window, seed, bos)
+    windows = _windows(loaded, corpus, fields, n_tokens, window, seed, bos)
     tokens = windows.tokens
-    fingerprint = model_fingerprint(cfg, engine.weights)
+    fingerprint = model_fingerprint(cfg, loaded.weights)
     t0 = time.perf_counter()
     thr, calibration_record = _thresholds(
-        engine, tokens, thresholds, sparsity, score, calibration_tokens, batch_size, progress
+        loaded, tokens, thresholds, sparsity, score, calibration_tokens, batch_size, progress
     )
     t1 = time.perf_counter()
 
@@ -132,7 +134,7 @@ def profile(
     counts = np.zeros((cfg.n_layers, cfg.d_ff), np.int64)
     hist = np.zeros((cfg.n_layers, cfg.d_ff + 1), np.int64)
     collector = _StatsFFN(cfg, score)
-    for start, _, aux in passes.run(engine, tokens, collector, thr, batch_size, progress, "profiling", extra):
+    for start, _, aux in passes.run(loaded, tokens, collector, thr, batch_size, progress, "profiling", extra):
         counts += np.stack([a["counts"] for a in aux])
         hist += np.stack([a["hist"] for a in aux])
         if writer is not None:

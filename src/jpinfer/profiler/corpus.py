@@ -20,13 +20,14 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from jpinfer.data import BUNDLED_CORPORA
+from jpinfer.errors import JpinferError
 
 BUILDERS = {
     ".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".tsv": "csv",
 }
 
 
-class CorpusError(ValueError):
+class CorpusError(JpinferError):
     """The corpus cannot give the requested token windows; the message says what to change."""
 
 

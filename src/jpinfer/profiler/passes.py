@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
-import pathlib
 from typing import Any, Callable, Iterator
 
 import jax
@@ -20,6 +18,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jpinfer.models import transformer
+from jpinfer.models.loading import LoadedModel
 from jpinfer.profiler.corpus import TokenWindows
 
 
@@ -38,17 +37,6 @@ class LayerState:
 
     def __getitem__(self, layer_index: int) -> tuple[jax.Array, jax.Array, Any]:
         return self.thresholds[layer_index], self.valid, self.extra
-
-
-def resolve_model(model: Any) -> Any:
-    """An Engine-like object (``cfg``, ``weights``, ``tokenizer``) from an Engine, a path or None."""
-    if hasattr(model, "cfg") and hasattr(model, "weights"):
-        return model
-    if model is None or isinstance(model, (str, os.PathLike)):
-        import jpinfer
-
-        return jpinfer.load(None if model is None else pathlib.Path(model))
-    raise ValueError(f"model must be an Engine (jpinfer.load), a checkpoint path or None, got {type(model).__name__}")
 
 
 def as_tokens(windows: TokenWindows | np.ndarray, vocab_size: int) -> np.ndarray:
@@ -88,7 +76,7 @@ def batches(tokens: np.ndarray, batch_size: int) -> Iterator[tuple[int, np.ndarr
 
 
 def run(
-    engine: Any,
+    model: LoadedModel,
     tokens: np.ndarray,
     collector: Callable,
     thresholds: np.ndarray,
@@ -102,7 +90,7 @@ def run(
     ``extra(first_window, valid)`` builds the batch's shared collector input. The next
     batch is dispatched before the previous one is read back, so host work overlaps.
     """
-    cfg, weights = engine.cfg, engine.weights
+    cfg, weights = model.cfg, model.weights
     thr = jnp.asarray(thresholds, jnp.float32)
     bar = tqdm(total=int(tokens.size), unit="tok", desc=desc, disable=not progress, dynamic_ncols=True)
     pending = None

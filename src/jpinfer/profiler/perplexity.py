@@ -18,9 +18,10 @@ from tqdm.auto import tqdm
 
 from jpinfer.config import ModelConfig
 from jpinfer.models import transformer
+from jpinfer.models.loading import LoadedModel, ModelArg, resolve_model
 from jpinfer.models.params import Layer
 from jpinfer.profiler import passes
-from jpinfer.profiler.activity import Score, activation_and_score, check_score, down
+from jpinfer.profiler.activity import Score, activation_and_score, check_score
 from jpinfer.profiler.calibration import Calibration
 
 
@@ -33,7 +34,7 @@ class OracleSparseFFN:
 
     def __call__(self, i: int, layer: Layer, x: jax.Array, threshold: jax.Array) -> tuple[jax.Array, None]:
         a, s = activation_and_score(layer, x, self.cfg, self.score)
-        return down(layer, jnp.where(s > threshold, a, 0)), None
+        return transformer.ffn_down(layer, jnp.where(s > threshold, a, 0)), None
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "ffn_impl"))
@@ -47,7 +48,7 @@ def _nll_sum(weights, tokens, valid, thresholds, cfg, ffn_impl):
 
 
 def perplexity(
-    model: Any,
+    model: ModelArg,
     windows: Any,
     thresholds: Calibration | np.ndarray | None = None,
     *,
@@ -60,8 +61,8 @@ def perplexity(
     ``thresholds`` None runs the dense model; otherwise neurons whose score is at most the
     layer's threshold are zeroed (a Calibration brings its own score).
     """
-    engine = passes.resolve_model(model)
-    cfg = engine.cfg
+    loaded = resolve_model(model)
+    cfg = loaded.cfg
     tokens = passes.as_tokens(windows, cfg.vocab_size)
     impl, thr = None, None
     if thresholds is not None:
@@ -75,6 +76,6 @@ def perplexity(
     total = 0.0
     with tqdm(total=int(tokens.size), unit="tok", desc="perplexity", disable=not progress) as bar:
         for _, chunk, valid in passes.batches(tokens, batch_size):
-            total += float(_nll_sum(engine.weights, jnp.asarray(chunk), jnp.asarray(valid[:, 0]), thr, cfg, impl))
+            total += float(_nll_sum(loaded.weights, jnp.asarray(chunk), jnp.asarray(valid[:, 0]), thr, cfg, impl))
             bar.update(int(valid.sum()))
     return math.exp(total / (tokens.shape[0] * (tokens.shape[1] - 1)))

@@ -20,13 +20,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from jpinfer.config import ModelConfig
+from jpinfer.errors import JpinferError
+from jpinfer.models.loading import ModelArg, resolve_model
 from jpinfer.models.params import Weights
 
 FORMAT = "jpinfer-activation-profile"
-VERSION = 1
+VERSION = 2  # 2: fingerprints of the fused (out, in) weight layout
 
 
-class ProfileError(ValueError):
+class ProfileError(JpinferError):
     """A profile file that cannot be read (wrong format, version, or damaged)."""
 
 
@@ -123,8 +125,8 @@ class ActivationProfile:
         return path
 
     @classmethod
-    def load(cls, path: str | os.PathLike, model: Any = None) -> "ActivationProfile":
-        """Read a profile; with ``model`` (an Engine or anything with cfg and weights),
+    def load(cls, path: str | os.PathLike, model: ModelArg = None) -> "ActivationProfile":
+        """Read a profile; with ``model`` (an Engine, a LoadedModel or a checkpoint path),
         check that the profile was made for it."""
         path = pathlib.Path(path)
         if not path.is_file():
@@ -147,8 +149,9 @@ class ActivationProfile:
             profile.check_model(model)
         return profile
 
-    def check_model(self, model: Any) -> None:
+    def check_model(self, model: ModelArg) -> None:
         """Raise ProfileMismatchError unless this profile was made for ``model``."""
+        model = resolve_model(model)
         fingerprint = model_fingerprint(model.cfg, model.weights)
         if fingerprint != self.model_fingerprint:
             raise ProfileMismatchError(

@@ -13,11 +13,30 @@ import numpy as np
 
 from jpinfer.config import ModelConfig
 from jpinfer.models import transformer
+from jpinfer.models.loading import LoadedModel
 from jpinfer.models.params import Weights
 from jpinfer.runtime.sampling import Sampler, sample
 
 MIN_PROMPT_BUCKET = 16
 CACHE_ROUNDING = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class FfnStrategy:
+    """How the decoder computes each layer's FFN: the engine's pluggable part.
+
+    ``impl`` is a static, hashable ``transformer.FfnImpl`` (part of the compiled step; None
+    = the dense FFN) and ``state`` its traced per-layer pytree (indexed by layer). Sparse
+    modes (oracle masks, predictors, hybrid placement) are strategies; attention, sampling
+    and the generation loop do not change with them.
+    """
+
+    impl: transformer.FfnImpl | None = None
+    state: Any = None
+    name: str = "dense"
+
+
+DENSE = FfnStrategy()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,22 +109,46 @@ def _next_token(weights, token, cache, key, cfg, sampler, ffn_impl=None, ffn_sta
 
 
 class Engine:
-    """A loaded model ready to generate. Create it with ``jpinfer.load``."""
+    """A loaded model ready to generate, with an FFN strategy (dense by default).
 
-    def __init__(self, cfg: ModelConfig, weights: Weights, tokenizer: Any = None, source: str = "") -> None:
-        self.cfg = cfg
-        self.weights = weights
-        self.tokenizer = tokenizer
-        self.source = source
-        self.ffn_impl = None
-        self.ffn_state = None
+    Create it with ``jpinfer.load``; ``with_ffn`` gives an engine over the same weights with
+    another strategy.
+    """
+
+    def __init__(self, model: LoadedModel, ffn: FfnStrategy = DENSE) -> None:
+        self.model = model
+        self.ffn = ffn
+        self._warm: set[tuple] = set()
+
+    @property
+    def cfg(self) -> ModelConfig:
+        return self.model.cfg
+
+    @property
+    def weights(self) -> Weights:
+        return self.model.weights
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.model.tokenizer
+
+    @property
+    def source(self) -> str:
+        return self.model.source
 
     @property
     def dtype(self):
         return self.weights.embed.dtype
 
+    def with_ffn(self, ffn: FfnStrategy) -> "Engine":
+        """An engine over the same model (no copy of the weights) that computes FFNs with ``ffn``."""
+        return Engine(self.model, ffn)
+
     def __repr__(self) -> str:
-        return f"Engine({self.cfg.name!r}, layers={self.cfg.n_layers}, d_model={self.cfg.d_model}, dtype={self.dtype})"
+        return (
+            f"Engine({self.cfg.name!r}, layers={self.cfg.n_layers}, d_model={self.cfg.d_model}, "
+            f"dtype={self.dtype}, ffn={self.ffn.name})"
+        )
 
     # ----- prompts
     def encode_prompt(self, prompt: str | Sequence[int] | Sequence[dict], chat: bool = False) -> list[int]:
@@ -189,18 +232,23 @@ class Engine:
         padded[0, :n] = prompt_ids
         token, cache, key = _first_token(
             self.weights, jnp.asarray(padded), jnp.int32(n), cache, jax.random.PRNGKey(seed), self.cfg,
-            sampler, self.ffn_impl, self.ffn_state,
+            sampler, self.ffn.impl, self.ffn.state,
         )
         return token, cache, key, max_new
 
     def _step(self, token, cache, key, sampler: Sampler):
-        return _next_token(self.weights, token, cache, key, self.cfg, sampler, self.ffn_impl, self.ffn_state)
+        return _next_token(self.weights, token, cache, key, self.cfg, sampler, self.ffn.impl, self.ffn.state)
 
     def warmup(self, n_prompt_tokens: int, config: GenerationConfig | None = None) -> None:
-        """Compile prefill and decode for this prompt length and config (the first call compiles)."""
+        """Compile prefill and decode for this prompt length and config, so that the first
+        generation is not slowed by compilation. Returns at once when already compiled."""
         config = config or GenerationConfig()
-        token, cache, key, _ = self._start([0] * n_prompt_tokens, config.max_new_tokens, config.sampler, 0)
-        jax.block_until_ready(self._step(token, cache, key, config.sampler))
+        key = (self._shapes(n_prompt_tokens, config.max_new_tokens)[:2], config.sampler)
+        if key in self._warm:
+            return
+        token, cache, rng, _ = self._start([0] * n_prompt_tokens, config.max_new_tokens, config.sampler, 0)
+        jax.block_until_ready(self._step(token, cache, rng, config.sampler))
+        self._warm.add(key)
 
     def device_step_seconds(self, prompt_ids: list[int], n_steps: int, config: GenerationConfig | None = None) -> float:
         """Mean decode step time with no host round trip between steps (the loop's lower bound)."""

@@ -17,11 +17,13 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from jpinfer import neurons
+from jpinfer.sparse import neurons
 from jpinfer.config import ModelConfig
 from jpinfer.models import transformer
+from jpinfer.models.loading import LoadedModel
 from jpinfer.models.params import Layer, Weights
-from jpinfer.sparse_ffn import BACKENDS, sparse_ffn
+from jpinfer.runtime.engine import FfnStrategy
+from jpinfer.sparse.op import BACKENDS, sparse_ffn
 
 
 @jax.tree_util.register_dataclass
@@ -106,3 +108,17 @@ class OracleFFN:
         run = lambda xt, it, ct: sparse_ffn(state.ffn, xt, it, ct, backend=self.backend)
         y = jax.vmap(run)(tokens, ids.astype(jnp.int32), count)
         return y.reshape(x.shape), OracleAux(ids.astype(jnp.int32), count, n_active)
+
+
+def oracle_strategy(
+    model: LoadedModel,
+    thresholds: float | Sequence[float] | None = None,
+    capacity: int | tuple[int, ...] | None = None,
+    backend: str = "auto",
+) -> FfnStrategy:
+    """The oracle as an engine FFN strategy: ``engine.with_ffn(oracle_strategy(engine.model))``.
+
+    ``capacity`` defaults to d_ff (nothing is clipped).
+    """
+    impl = OracleFFN(model.cfg, model.cfg.d_ff if capacity is None else capacity, backend)
+    return FfnStrategy(impl, oracle_state(model.weights, model.cfg, thresholds), name="oracle")

@@ -13,12 +13,13 @@ import math
 from typing import Literal, Sequence
 
 from jpinfer.config import ModelConfig
+from jpinfer.errors import JpinferError
 
 DensePolicy = Literal["offload", "strict"]
 DENSE_POLICIES = ("offload", "strict")
 
 
-class InfeasibleBudgetError(ValueError):
+class InfeasibleBudgetError(JpinferError):
     """The accelerator budget cannot hold even the part that must live there."""
 
     def __init__(self, message: str, minimum_bytes: int):

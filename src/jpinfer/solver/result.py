@@ -8,12 +8,14 @@ from pathlib import Path
 
 import numpy as np
 
+from jpinfer.errors import JpinferError
+
 FORMAT_VERSION = 1
 JSON_NAME = "placement.json"
 NPZ_NAME = "placement.npz"
 
 
-class PlacementVersionError(ValueError):
+class PlacementVersionError(JpinferError):
     """A saved placement written by an incompatible format version."""
 
 

@@ -18,7 +18,7 @@ import sys
 import jax
 import numpy as np
 
-from jpinfer.neurons import NeuronFFN
+from jpinfer.sparse.neurons import NeuronFFN
 
 HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14  # linux/mman.h

@@ -1,9 +1,9 @@
 """Neuron-major FFN storage: each neuron's weights in one contiguous bundle.
 
-In the dense layout neuron i is column i of ``w_gate`` and ``w_up`` and row i of
-``w_down``, so computing one neuron touches three places that are far apart. Here
-``rows[i]`` is an (R, d_model) block holding the gate row, the up row and the down
-row (``w_down[i]``) of neuron i next to each other (R = 3; R = 2 for kind ``relu``,
+In the dense layout neuron i is row i of the gate and up blocks of ``w_gate_up`` and
+column i of ``w_down``, so computing one neuron touches three places that are far apart.
+Here ``rows[i]`` is an (R, d_model) block holding the gate row, the up row and the down
+row (``w_down[:, i]``) of neuron i next to each other (R = 3; R = 2 for kind ``relu``,
 which has no gate). Gathering a neuron is then one contiguous read, which is what
 sparse kernels want on both the accelerator and the CPU.
 
@@ -21,22 +21,6 @@ import numpy as np
 
 from jpinfer.config import FFN_KINDS, FfnKind
 from jpinfer.models.params import Layer
-
-
-def activate(kind: str, gate: jax.Array | None, up: jax.Array) -> jax.Array:
-    """Neuron activation a_i for the FFN kinds of DESIGN.md (``up`` includes ``b_up``).
-
-    The FFN output is ``sum_i a_i * w_down[i] (+ b_down)``.
-    """
-    if kind == "relu":
-        return jax.nn.relu(up)
-    if kind == "swiglu":
-        return jax.nn.silu(gate) * up
-    if kind == "reglu":
-        return jax.nn.relu(gate) * up
-    if kind == "drelu":
-        return jax.nn.relu(gate) * jax.nn.relu(up)
-    raise ValueError(f"unknown FFN kind {kind!r}; supported: {', '.join(FFN_KINDS)}")
 
 
 @jax.tree_util.register_dataclass
@@ -105,21 +89,22 @@ def from_arrays(
     b_up: jax.Array | np.ndarray | None = None,
     b_down: jax.Array | np.ndarray | None = None,
 ) -> NeuronFFN:
-    """Bundle dense FFN weights (``w_gate``/``w_up`` (d, n), ``w_down`` (n, d)) neuron-major."""
+    """Bundle dense FFN weights in the decoder's (out, in) layout neuron-major:
+    ``w_gate``/``w_up`` (n, d) (a row per neuron), ``w_down`` (d, n) (a column per neuron)."""
     if kind not in FFN_KINDS:
         raise ValueError(f"unknown FFN kind {kind!r}; supported: {', '.join(FFN_KINDS)}")
     if (w_gate is None) != (kind == "relu"):
         raise ValueError(f"FFN kind {kind!r} {'has no' if kind == 'relu' else 'needs a'} gate projection")
-    d, n = w_up.shape
-    if tuple(w_down.shape) != (n, d):
-        raise ValueError(f"w_down has shape {tuple(w_down.shape)}, expected {(n, d)} for w_up {(d, n)}")
-    if w_gate is not None and tuple(w_gate.shape) != (d, n):
-        raise ValueError(f"w_gate has shape {tuple(w_gate.shape)}, expected {(d, n)} like w_up")
+    n, d = w_up.shape
+    if tuple(w_down.shape) != (d, n):
+        raise ValueError(f"w_down has shape {tuple(w_down.shape)}, expected {(d, n)} for w_up {(n, d)}")
+    if w_gate is not None and tuple(w_gate.shape) != (n, d):
+        raise ValueError(f"w_gate has shape {tuple(w_gate.shape)}, expected {(n, d)} like w_up")
     if b_up is not None and tuple(b_up.shape) != (n,):
         raise ValueError(f"b_up has shape {tuple(b_up.shape)}, expected {(n,)}")
     if b_down is not None and tuple(b_down.shape) != (d,):
         raise ValueError(f"b_down has shape {tuple(b_down.shape)}, expected {(d,)}")
-    parts = ([] if w_gate is None else [jnp.asarray(w_gate).T]) + [jnp.asarray(w_up).T, jnp.asarray(w_down)]
+    parts = ([] if w_gate is None else [jnp.asarray(w_gate)]) + [jnp.asarray(w_up), jnp.asarray(w_down).T]
     return NeuronFFN(
         rows=jnp.stack(parts, axis=1),
         ids=jnp.arange(n, dtype=jnp.int32),
@@ -131,4 +116,6 @@ def from_arrays(
 
 def from_layer(layer: Layer, kind: FfnKind) -> NeuronFFN:
     """Neuron-major FFN of a dense decoder layer (``kind`` is ``ModelConfig.ffn_kind``)."""
-    return from_arrays(kind, layer.w_gate, layer.w_up, layer.w_down, layer.b_up, layer.b_down)
+    n = layer.w_down.shape[1]
+    gate, up = (layer.w_gate_up[:n], layer.w_gate_up[n:]) if kind != "relu" else (None, layer.w_gate_up)
+    return from_arrays(kind, gate, up, layer.w_down, layer.b_up, layer.b_down)

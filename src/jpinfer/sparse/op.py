@@ -21,9 +21,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jpinfer.cpu_backend import sparse_ffn_chunked
-from jpinfer.neurons import NeuronFFN
-from jpinfer.pallas_kernels import sparse_rows_ffn
+from jpinfer.sparse.cpu_backend import sparse_ffn_chunked
+from jpinfer.sparse.neurons import NeuronFFN
+from jpinfer.sparse.pallas_kernels import sparse_rows_ffn
 
 Backend = Literal["auto", "xla", "pallas"]
 BACKENDS: tuple[str, ...] = ("auto", "xla", "pallas")

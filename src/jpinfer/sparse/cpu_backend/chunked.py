@@ -25,7 +25,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jpinfer.neurons import activate
+from jpinfer.activations import activate
 
 DEFAULT_CHUNK = 32  # neurons per loop trip
 

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jpinfer.neurons import activate
+from jpinfer.activations import activate
 
 MAX_BLOCK_D = 128
 

@@ -1,0 +1,27 @@
+"""FFN activation kinds: what one neuron computes from its gate and up projections.
+
+Shared by the dense decoder, the sparse kernels and the profiler, so that every stage
+agrees on what a neuron's activation is.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from jpinfer.config import FFN_KINDS
+
+
+def activate(kind: str, gate: jax.Array | None, up: jax.Array) -> jax.Array:
+    """Neuron activation a_i (``up`` includes ``b_up``); the FFN output is sum_i a_i * down_i (+ b_down).
+
+    ``swiglu`` silu(g)*u, ``reglu`` relu(g)*u, ``drelu`` relu(g)*relu(u), ``relu`` relu(u) (no gate, OPT).
+    """
+    if kind == "relu":
+        return jax.nn.relu(up)
+    if kind == "swiglu":
+        return jax.nn.silu(gate) * up
+    if kind == "reglu":
+        return jax.nn.relu(gate) * up
+    if kind == "drelu":
+        return jax.nn.relu(gate) * jax.nn.relu(up)
+    raise ValueError(f"unknown FFN kind {kind!r}; supported: {', '.join(FFN_KINDS)}")
