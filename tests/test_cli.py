@@ -1,11 +1,16 @@
-"""Command line: clean errors for bad input; real generation on the default model (slow)."""
+"""Command line: one `jpinfer` command with subcommands; clean errors for bad input; real
+generation and profiling on the default model (slow)."""
 
+import os
+import pathlib
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
-from jpinfer.__main__ import main
+from jpinfer import ActivationProfile
+from jpinfer.cli import COMMANDS, main
 
 
 @pytest.mark.parametrize(
@@ -15,14 +20,38 @@ from jpinfer.__main__ import main
         (["generate", "hi", "--max-new-tokens", "0"], "max_new_tokens"),
         (["generate", "hi", "--top-p", "2"], "top_p"),
         (["generate", "hi", "--temperature", "-1"], "temperature"),
+        (["info", "--model", "/nonexistent/dir"], "no such checkpoint"),
+        (["profile", "--model", "/nonexistent/model.gguf", "--out", "x.npz"], "no such checkpoint"),
+        (["bench", "--prompts", "0"], "--prompts must be >= 1"),
+        (["bench-kernels", "--sparsity", "1.5"], "--sparsity values must lie in [0, 1)"),
     ],
 )
 def test_bad_arguments_exit_with_a_message(argv, message, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    assert exit_info.value.code == 2
+    assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_unknown_command_and_help_list_every_subcommand(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["frobnicate"])
+    assert exit_info.value.code == 2
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert all(name in out for name in COMMANDS)
+    assert {"generate", "chat", "info", "bench", "profile", "place"} <= set(COMMANDS)
+
+
+def test_console_script_and_module_entry_points_agree():
+    """`jpinfer` (the installed console script), `python -m jpinfer` and the per-stage module
+    entry points all reach the same parser."""
+    script = pathlib.Path(sys.executable).with_name("jpinfer")
+    assert script.exists(), "the jpinfer console script is not installed (pip install -e .)"
+    for command in ([str(script), "place", "--help"], [sys.executable, "-m", "jpinfer", "place", "--help"],
+                    [sys.executable, "-m", "jpinfer.solver", "--help"]):
+        out = subprocess.run(command, capture_output=True, text=True, timeout=120, check=True).stdout
+        assert "--budget-gib" in out, command
 
 
 @pytest.mark.slow
@@ -34,3 +63,19 @@ def test_generate_prints_a_continuation():
     )
     assert "Paris" in out.stdout
     assert "tok/s" in out.stderr
+
+
+@pytest.mark.slow
+def test_profile_writes_a_profile_of_the_default_model(tmp_path):
+    path = tmp_path / "prof.npz"
+    env = os.environ | {"JPINFER_CACHE": str(tmp_path / "cache")}
+    out = subprocess.run(
+        [sys.executable, "-m", "jpinfer", "profile", "--n-tokens", "1024", "--window", "256", "--out", str(path),
+         "--no-progress"],
+        capture_output=True, text=True, timeout=600, check=True, env=env,
+    )
+    assert f"saved {path}" in out.stdout
+    prof = ActivationProfile.load(path)
+    assert prof.n_tokens == 1024 and prof.counts.shape == (30, 1536)
+    # SwiGLU thresholds calibrated for 50% sparsity on the same corpus
+    assert np.mean(prof.sparsity()) == pytest.approx(0.5, abs=0.1)

@@ -20,12 +20,13 @@ from jpinfer.solver import (
     solve_placement,
     synthetic_frequencies,
 )
-from jpinfer.solver.__main__ import SHAPES, main
+from jpinfer.cli import main as cli_main
+from jpinfer.solver.cli import SHAPES
 from jpinfer.solver.memory import model_sizes
 from jpinfer.solver.result import JSON_NAME
 
 SMALL_CFG = dataclasses.replace(SHAPES["llama2-7b"], n_layers=4, d_ff=256)
-SMALL = ["--shape", "llama2-7b", "--layers", "4", "--d-ff", "256", "--context", "64", "--hardware", "rtx4090"]
+SMALL = ["place", "--shape", "llama2-7b", "--layers", "4", "--d-ff", "256", "--context", "64", "--hardware", "rtx4090"]
 
 
 def small_budget_gib() -> float:
@@ -77,7 +78,7 @@ def test_highs_banner_does_not_reach_stdout():
         pytest.skip("this HiGHS prints no banner, so there is nothing to suppress")
     budget = f"{small_budget_gib():.6f}"
     run = subprocess.run(
-        [sys.executable, "-m", "jpinfer.solver", *SMALL, "--budget-gib", budget, "--json", "--runs", "mass,latency"],
+        [sys.executable, "-m", "jpinfer", *SMALL, "--budget-gib", budget, "--json", "--runs", "mass,latency"],
         capture_output=True, text=True, check=True,
     )
     assert "HiGHS" not in run.stdout + run.stderr
@@ -86,11 +87,11 @@ def test_highs_banner_does_not_reach_stdout():
 
 def test_cli_table_json_and_save(capfd, tmp_path):
     budget = f"{small_budget_gib():.6f}"
-    assert main(SMALL + ["--budget-gib", budget, "--save", str(tmp_path)]) == 0
+    assert cli_main(SMALL + ["--budget-gib", budget, "--save", str(tmp_path)]) == 0
     table = capfd.readouterr().out.splitlines()
     assert table[0].split()[:3] == ["run", "share", "ms/token"]
     assert [line.split()[0] for line in table[1:]] == ["mass", "latency", "greedy", "layers"]
-    assert main(SMALL + ["--budget-gib", budget, "--json", "--runs", "latency,greedy"]) == 0
+    assert cli_main(SMALL + ["--budget-gib", budget, "--json", "--runs", "latency,greedy"]) == 0
     rows = [json.loads(line) for line in capfd.readouterr().out.splitlines()]  # nothing but JSON
     assert [r["run"] for r in rows] == ["latency", "greedy"]
     assert 0 < rows[0]["accel_share"] < 1 and rows[0]["per_token_time_ms"] <= rows[1]["per_token_time_ms"]
@@ -102,17 +103,17 @@ def test_cli_frequency_file_and_errors(capfd, tmp_path):
     freqs = np.stack(synthetic_frequencies(4, 256, skew=2.0, seed=9))
     np.save(tmp_path / "f.npy", freqs)
     budget = f"{small_budget_gib():.6f}"
-    assert main(SMALL + ["--budget-gib", budget, "--freq", str(tmp_path / "f.npy"), "--json", "--runs", "mass"]) == 0
+    assert cli_main(SMALL + ["--budget-gib", budget, "--freq", str(tmp_path / "f.npy"), "--json", "--runs", "mass"]) == 0
     row = json.loads(capfd.readouterr().out)
     hw = preset("rtx4090").replace(accel_memory=float(budget) * 2**30)
     direct = solve_placement(list(freqs), SMALL_CFG, hw, context=64)
     assert row["accel_share"] == pytest.approx(direct.accel_share)
-    assert main(SMALL + ["--budget-gib", "1.2"]) == 3
+    assert cli_main(SMALL + ["--budget-gib", "1.2"]) == 3
     err = capfd.readouterr().err
     assert "minimum" in err and "GiB" in err
-    assert main(SMALL + ["--runs", "fastest"]) == 2
+    assert cli_main(SMALL + ["--runs", "fastest"]) == 2
     assert "unknown run" in capfd.readouterr().err
-    assert main(SMALL + ["--set", "warp_factor=9"]) == 2
+    assert cli_main(SMALL + ["--set", "warp_factor=9"]) == 2
     assert "unknown hardware field" in capfd.readouterr().err
 
 

@@ -1,10 +1,11 @@
-"""Sparse FFN op against dense FFNs, side by side, at several sparsities.
+"""jpinfer bench-kernels: the sparse FFN op against the dense FFN, side by side, at several sparsities.
 
 For each layer shape, in one process and in alternating rounds (so machine noise hits
-all alike): the decoder's dense FFN (``transformer.ffn_dense``, x @ W), the fastest dense
-form found here (W^T @ x on transposed copies), the sparse FFN as measured before this
-op existed (chunked ``lax.scan`` of gathers), and ``sparse_ffn`` over random lists of
-(1 - s) * d_ff neurons. Efficiency is speedup * (1 - s): 1.0 means the sparse op moves
+all alike): the decoder's dense FFN (``transformer.ffn_dense``: W @ x over the fused
+(out, in) gate|up matrix and the down matrix, the fastest dense form measured on
+XLA:CPU), the first sparse FFN measured here (chunked ``lax.scan`` of gathers from
+separate neuron-major matrices), and ``sparse_ffn`` over random lists of (1 - s) * d_ff
+neurons. Efficiency is speedup * (1 - s): 1.0 means the sparse op moves
 its bytes as fast as the dense one. The byte columns show where the time goes: the rate
 each op reached and the sparse op's share of the machine's measured read bandwidth.
 ``--primitives`` times the two halves of the sparse op separately.
@@ -21,11 +22,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jpinfer.sparse import neurons
+from jpinfer.activations import activate
 from jpinfer.config import ModelConfig
+from jpinfer.models import params, transformer
+from jpinfer.sparse import neurons
 from jpinfer.sparse.cpu_backend import huge_page_array, huge_page_ffn
 from jpinfer.sparse.cpu_backend.chunked import DEFAULT_CHUNK
-from jpinfer.models import params, transformer
 from jpinfer.sparse.op import BACKENDS, sparse_ffn
 
 
@@ -84,34 +86,28 @@ def _interleaved(calls, rounds: int) -> list[float]:
 
 
 def _layer(shape: Shape, rng: np.random.Generator, place) -> params.Layer:
-    w = lambda *s: place(rng.standard_normal(s, dtype=np.float32) / np.sqrt(s[0]))
+    """A random FFN in the decoder's layout (fused gate|up rows, down (d, d_ff)); no attention."""
+    w = lambda *s: place(rng.standard_normal(s, dtype=np.float32) / np.sqrt(s[1]))
+    n_in = 1 if shape.kind == "relu" else 2
     empty = jnp.zeros((1, 1), jnp.float32)
     return params.Layer(
-        attn_norm=None, wq=empty, wk=empty, wv=empty, wo=empty, ffn_norm=None,
-        w_gate=w(shape.d_model, shape.d_ff), w_up=w(shape.d_model, shape.d_ff), w_down=w(shape.d_ff, shape.d_model),
+        attn_norm=None, w_qkv=empty, wo=empty, ffn_norm=None,
+        w_gate_up=w(n_in * shape.d_ff, shape.d_model), w_down=w(shape.d_model, shape.d_ff),
     )
 
 
-def _transposed(layer: params.Layer, place) -> tuple:
-    """(w_gate^T, w_up^T, w_down^T): the dense FFN as three row-major matrix-vector products."""
-    t = lambda w: None if w is None else place(np.ascontiguousarray(np.asarray(w).T))
-    return t(layer.w_gate), t(layer.w_up), t(layer.w_down)
-
-
-def _dense_transposed(kind: str):
-    """The fastest dense FFN found on XLA:CPU: 1.5-1.8x faster than x @ W for a 7B layer."""
-
-    def f(w, x):
-        gate_t, up_t, down_t = w
-        return down_t @ neurons.activate(kind, None if gate_t is None else gate_t @ x, up_t @ x)
-
-    return jax.jit(f)
+def _separate_neuron_major(layer: params.Layer, kind: str, place) -> tuple:
+    """(gate rows or None, up rows, down rows): three separate (d_ff, d) neuron-major matrices."""
+    f = layer.w_down.shape[1]
+    gate_up = np.asarray(layer.w_gate_up)
+    gate, up = (None, gate_up) if kind == "relu" else (gate_up[:f], gate_up[f:])
+    copy = lambda w: None if w is None else place(np.ascontiguousarray(w))
+    return copy(gate), copy(up), copy(np.asarray(layer.w_down).T)
 
 
 def _scan_before(kind: str, k: int, chunk: int = 64):
-    """The sparse FFN as measured before this op existed (shared/tools/ffn_gather_probe.py):
-    ``lax.scan`` over chunks of 64 ids, gathering gate, up and down rows of separate
-    neuron-major matrices, then dots."""
+    """The first sparse FFN measured here: ``lax.scan`` over chunks of 64 ids, gathering
+    gate, up and down rows of separate neuron-major matrices, then dots."""
 
     def f(w, x, ids):
         gate_t, up_t, down = w
@@ -119,7 +115,7 @@ def _scan_before(kind: str, k: int, chunk: int = 64):
         def body(acc, chunk_ids):
             up = jnp.take(up_t, chunk_ids, axis=0) @ x
             gate = None if gate_t is None else jnp.take(gate_t, chunk_ids, axis=0) @ x
-            return acc + neurons.activate(kind, gate, up) @ jnp.take(down, chunk_ids, axis=0), None
+            return acc + activate(kind, gate, up) @ jnp.take(down, chunk_ids, axis=0), None
 
         padded = jnp.resize(ids, -(-k // chunk) * chunk)  # wraps around: times ceil(k / 64) full chunks
         return jax.lax.scan(body, jnp.zeros(x.shape, jnp.float32), padded.reshape(-1, chunk))[0]
@@ -147,8 +143,7 @@ def bench_shape(
     ffns = [huge_page_ffn(f) for f in ffns] if huge_pages else ffns
     x = jnp.asarray(rng.standard_normal(shape.d_model, dtype=np.float32))
     dense = _cycle(jax.jit(lambda layer, x: transformer.ffn_dense(layer, x, cfg)), [(layer, x) for layer in layers])
-    transposed = [_transposed(layer, place) for layer in layers]
-    best = _cycle(_dense_transposed(shape.kind), [(w, x) for w in transposed])
+    separate = [_separate_neuron_major(layer, shape.kind, place) for layer in layers]
     row_bytes = ffns[0].rows.shape[1] * shape.d_model * 4
     rows = []
     for s in sparsities:
@@ -158,17 +153,15 @@ def bench_shape(
         n_sets = max(copies, N_LISTS)
         sparse = _cycle(op, [(ffns[i % copies], x, lists[i % N_LISTS]) for i in range(n_sets)])
         before = _cycle(
-            _scan_before(shape.kind, k),
-            [((gate_t, up_t, layers[i % copies].w_down), x, lists[i % N_LISTS])
-             for i, (gate_t, up_t, _) in ((i, transposed[i % copies]) for i in range(n_sets))],
+            _scan_before(shape.kind, k), [(separate[i % copies], x, lists[i % N_LISTS]) for i in range(n_sets)]
         )
-        t_dense, t_best, t_before, t_sparse = _interleaved([dense, best, before, sparse], rounds)
+        t_dense, t_before, t_sparse = _interleaved([dense, before, sparse], rounds)
         speedup = t_dense / t_sparse
         rows.append(dict(
-            shape=shape.name, s=s, k=k, dense_ms=t_dense * 1e3, best_ms=t_best * 1e3, sparse_ms=t_sparse * 1e3,
-            before_ms=t_before * 1e3, efficiency_before=t_best / t_before * (1 - s),
-            speedup=speedup, efficiency=speedup * (1 - s), efficiency_best=t_best / t_sparse * (1 - s),
-            dense_gbs=dense_bytes / t_dense / 1e9, best_gbs=dense_bytes / t_best / 1e9,
+            shape=shape.name, s=s, k=k, dense_ms=t_dense * 1e3, sparse_ms=t_sparse * 1e3,
+            before_ms=t_before * 1e3, efficiency_before=t_dense / t_before * (1 - s),
+            speedup=speedup, efficiency=speedup * (1 - s),
+            dense_gbs=dense_bytes / t_dense / 1e9,
             sparse_mb=k * row_bytes / 1e6, sparse_gbs=k * row_bytes / t_sparse / 1e9,
             sparse_bw_share=k * row_bytes / t_sparse / bandwidth,
         ))
@@ -227,8 +220,7 @@ def _load() -> str:
     return f"load average {one:.2f} (1 min), {five:.2f} (5 min) on {os.cpu_count()} cores"
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m jpinfer.bench --kernels", description=__doc__.splitlines()[0])
+def add_arguments(ap: argparse.ArgumentParser, command: str = "bench-kernels") -> None:
     ap.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=["7b", "smollm2"])
     ap.add_argument("--sparsity", nargs="+", type=float, default=list(SPARSITIES))
     ap.add_argument("--backend", choices=BACKENDS, default="auto")
@@ -237,10 +229,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--primitives", action="store_true", help="also time the op's halves (7B layer, s=0.9)")
     ap.add_argument("--no-huge-pages", dest="huge_pages", action="store_false",
                     help="keep weights in XLA's own buffers (4 KiB pages) instead of huge pages")
-    args = ap.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     bad = [s for s in args.sparsity if not 0 <= s < 1]
     if bad:
-        ap.error(f"--sparsity values must lie in [0, 1), got {bad}")
+        raise ValueError(f"--sparsity values must lie in [0, 1), got {bad}")
 
     pages = "huge pages" if args.huge_pages else "4 KiB pages"
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; backend={args.backend}; weights in {pages}; "
@@ -253,25 +247,22 @@ def main(argv: list[str] | None = None) -> None:
     for key in args.shapes:
         results += bench_shape(
             SHAPES[key], args.sparsity, args.backend, args.rounds, bandwidth, args.seed, args.huge_pages)
-    head = f"{'layer':<16} {'s':>4} {'K':>5} {'dense ms':>8} {'best ms':>7} {'before ms':>9} {'sparse ms':>9} " \
-           f"{'speedup':>7} {'effic.':>6} {'eff/best':>8} {'before':>6} {'sparse MB':>9} " \
-           f"{'GB/s: dense':>11} {'best':>5} {'sparse':>6} {'sparse/BW':>9}"
+    head = f"{'layer':<16} {'s':>4} {'K':>5} {'dense ms':>8} {'before ms':>9} {'sparse ms':>9} " \
+           f"{'speedup':>7} {'effic.':>6} {'before':>6} {'sparse MB':>9} " \
+           f"{'GB/s: dense':>11} {'sparse':>6} {'sparse/BW':>9}"
     print(head)
     print("-" * len(head))
     for r in results:
-        print(f"{r['shape']:<16} {r['s']:>4.2f} {r['k']:>5} {r['dense_ms']:>8.2f} {r['best_ms']:>7.2f} "
+        print(f"{r['shape']:<16} {r['s']:>4.2f} {r['k']:>5} {r['dense_ms']:>8.2f} "
               f"{r['before_ms']:>9.2f} {r['sparse_ms']:>9.3f} {r['speedup']:>7.2f} {r['efficiency']:>6.2f} "
-              f"{r['efficiency_best']:>8.2f} {r['efficiency_before']:>6.2f} {r['sparse_mb']:>9.1f} "
-              f"{r['dense_gbs']:>11.1f} {r['best_gbs']:>5.1f} {r['sparse_gbs']:>6.1f} {r['sparse_bw_share']:>9.0%}")
-    print("dense: the decoder's ffn_dense (x @ W); best: the same FFN as W^T @ x on transposed copies;\n"
-          "before: chunked lax.scan of gathers (the op measured before this issue, 64-neuron chunks);\n"
-          "effic. = speedup over dense x (1 - s); eff/best and before: the same for sparse and before, against best")
+              f"{r['efficiency_before']:>6.2f} {r['sparse_mb']:>9.1f} "
+              f"{r['dense_gbs']:>11.1f} {r['sparse_gbs']:>6.1f} {r['sparse_bw_share']:>9.0%}")
+    print("dense: the decoder's ffn_dense (W @ x on fused (out, in) weights);\n"
+          "before: chunked lax.scan of gathers from separate neuron-major matrices (64-neuron chunks);\n"
+          "effic. = speedup over dense x (1 - s); before: the same for the before op")
     if args.primitives:
         print(f"\nwhere the sparse op's time goes (7B layer, s=0.9, chunks of {DEFAULT_CHUNK}, cold caches, fastest):")
         for name, ms, n_bytes in primitive_rates(SHAPES["7b"], 0.9, args.rounds, args.seed, args.huge_pages):
             print(f"  {name:<54} {ms:>7.2f} ms  {n_bytes / 1e6:>6.1f} MB  {n_bytes / ms / 1e6:>5.1f} GB/s")
     print(f"after: {_load()}")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

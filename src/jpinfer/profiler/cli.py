@@ -1,0 +1,51 @@
+"""jpinfer profile: count how often each FFN neuron fires over a corpus and save the profile."""
+
+from __future__ import annotations
+
+import argparse
+
+from jpinfer.cli_args import add_model_arguments
+
+
+def add_arguments(p: argparse.ArgumentParser, command: str = "profile") -> None:
+    add_model_arguments(p)
+    p.add_argument(
+        "--corpus", default="wikitext2-valid",
+        help="bundled name (wikitext2-valid, wikitext2-test, chatgpt-prompts), a local text/JSON/CSV file, "
+             "or a datasets name (default wikitext2-valid)",
+    )
+    p.add_argument("--fields", nargs="+", default=None, help="text columns of a JSON/CSV/datasets corpus")
+    p.add_argument("--n-tokens", type=int, default=131072, help="tokens to profile (default 131072)")
+    p.add_argument("--window", type=int, default=512, help="tokens per window (default 512)")
+    p.add_argument(
+        "--sparsity", type=float, default=0.5,
+        help="SwiGLU models: target fraction of inactive neurons the thresholds are calibrated for (default 0.5)",
+    )
+    p.add_argument("--samples", type=int, default=0, help="also keep this many predictor training samples per layer")
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True, help="where to write the profile (.npz)")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+
+
+def run(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    import jpinfer
+
+    engine = jpinfer.load(args.model, dtype=args.dtype)
+    prof = jpinfer.profile(
+        engine, args.corpus, fields=args.fields, n_tokens=args.n_tokens, window=args.window, seed=args.seed,
+        sparsity=args.sparsity, n_samples=args.samples, batch_size=args.batch_size, progress=args.progress,
+    )
+    path = prof.save(args.out)
+    sparsity = prof.sparsity()
+    capacity = prof.capacity(0.99)
+    print(f"profiled {prof.n_tokens} tokens of {prof.meta['corpus'].get('source', args.corpus)} "
+          f"through {engine.cfg.name} ({prof.n_layers} layers x {prof.d_ff} neurons)")
+    print(f"sparsity per token: mean {np.mean(sparsity):.3f} (layers {np.min(sparsity):.3f}..{np.max(sparsity):.3f}); "
+          f"99th-percentile active neurons per layer: {int(np.min(capacity))}..{int(np.max(capacity))}")
+    if prof.meta.get("samples"):
+        print(f"predictor samples: {prof.meta['samples']}")
+    print(f"saved {path}")
+    return 0
