@@ -20,6 +20,9 @@ class CharTokenizer:
     def encode(self, text, add_special_tokens=False):
         return [3 + ord(c) - ord("a") if "a" <= c <= "z" else 29 for c in text.lower()]
 
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(ord("a") + i - 3) if 3 <= i <= 28 else "?" for i in ids if i > 2 or not skip_special_tokens)
+
 
 def tiny_engine(kind: str, seed: int = 0, n_layers: int = 2) -> Engine:
     cfg = ModelConfig(vocab_size=40, d_model=32, n_layers=n_layers, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=48,
