@@ -1,0 +1,191 @@
+"""llama.cpp as a bench peer (optional extra ``peers``: the llama-cpp-python package).
+
+jpinfer computes in float32 from dequantized weights, so the fair peer runs the same
+float32 weights: ``float32_gguf`` writes (once, cached) a float32 copy of a quantized
+GGUF file in llama.cpp's own layout, and ``LlamaCppEngine`` decodes greedily on token
+ids with the same RunStats timings as the other bench engines.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import importlib.util
+import os
+import pathlib
+import tempfile
+import time
+
+import numpy as np
+from gguf import GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType
+from gguf.quants import dequantize
+
+from jpinfer.bench.engines import RunStats
+from jpinfer.cache import cache_dir
+
+INSTALL_MESSAGE = (
+    "the llama.cpp peer needs llama-cpp-python; install it with: pip install 'jpinfer[peers]' "
+    "(it builds llama.cpp from source: about 15 minutes on 2 cores)"
+)
+
+_FILE_TYPE_KEY = "general.file_type"
+_ARCH_KEY = "general.architecture"
+_ALIGNMENT_KEY = "general.alignment"
+
+
+def float32_gguf(source: os.PathLike | str) -> pathlib.Path:
+    """A float32 GGUF with the same metadata and weights as ``source`` (cached; written once).
+
+    Every tensor is dequantized with ``gguf.quants`` (as jpinfer's loader does) and kept in
+    the file's own layout, so llama.cpp and jpinfer compute from identical float32 weights.
+    """
+    source = pathlib.Path(source).resolve()
+    stat = source.stat()
+    key = hashlib.sha256(f"{source}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    target = cache_dir("peers") / f"{key}.gguf"
+    if target.is_file():
+        return target
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{key}.", suffix=".partial")
+    os.close(fd)
+    try:
+        _write_float32(source, pathlib.Path(tmp))
+        os.replace(tmp, target)  # atomic: an interrupted write never leaves a complete-looking file
+    except BaseException:
+        pathlib.Path(tmp).unlink(missing_ok=True)
+        raise
+    return target
+
+
+def _write_float32(source: pathlib.Path, target: pathlib.Path) -> None:
+    """Stream ``source``'s metadata and float32-dequantized tensors into ``target``."""
+    reader = GGUFReader(source)
+    arch = reader.fields[_ARCH_KEY].contents()
+    writer = GGUFWriter(target, arch)
+    if _ALIGNMENT_KEY in reader.fields:
+        writer.data_alignment = int(reader.fields[_ALIGNMENT_KEY].contents())
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == _ARCH_KEY:  # header fields; the writer adds the architecture
+            continue
+        vtype = field.types[0]
+        if name == _FILE_TYPE_KEY:
+            writer.add_key_value(name, int(LlamaFileType.ALL_F32), vtype)
+            continue
+        value = field.contents()  # str, Python scalars, or lists of them
+        if vtype == GGUFValueType.ARRAY:
+            if len(field.types) > 2:
+                raise ValueError(f"{source}: nested array field {name!r} cannot be copied")
+            if not value:
+                raise ValueError(f"{source}: empty array field {name!r} cannot be written by GGUFWriter")
+            writer.add_key_value(name, value, vtype, sub_type=field.types[-1])
+        else:
+            writer.add_key_value(name, value, vtype)
+    if _FILE_TYPE_KEY not in reader.fields:
+        writer.add_uint32(_FILE_TYPE_KEY, int(LlamaFileType.ALL_F32))
+
+    shapes = {}
+    for t in reader.tensors:
+        shape = tuple(int(n) for n in reversed(t.shape.tolist()))  # numpy order
+        shapes[t.name] = shape
+        writer.add_tensor_info(t.name, shape, np.dtype(np.float32), 4 * int(np.prod(shape)))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for t in reader.tensors:  # one tensor in memory at a time
+        w = np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shapes[t.name])
+        writer.write_tensor_data(w)
+    writer.close()
+
+
+def _weight_bytes_per_token(reader: GGUFReader) -> int:
+    """Tensor bytes one decode step reads: all, less the embedding table when ``output.weight`` is separate."""
+    sizes = {t.name: int(t.n_bytes) for t in reader.tensors}
+    total = sum(sizes.values())
+    return total - sizes.get("token_embd.weight", 0) if "output.weight" in sizes else total
+
+
+def _file_type_label(reader: GGUFReader) -> str:
+    """The file's weight type as in its name: F32, Q4_1, ..."""
+    field = reader.fields.get(_FILE_TYPE_KEY)
+    if field is None:
+        return "GGUF"
+    try:
+        return LlamaFileType(int(field.contents())).name.split("_", 1)[1]
+    except ValueError:
+        return f"file type {int(field.contents())}"
+
+
+class LlamaCppEngine:
+    """llama.cpp (llama-cpp-python) on CPU, greedy on token ids, timed like the other engines.
+
+    Uses ``Llama.eval`` and argmax of the last logits row read straight from the context,
+    so neither llama-cpp-python's sampler chain nor text (de)tokenization is timed.
+    """
+
+    def __init__(
+        self,
+        model_path: os.PathLike | str,
+        n_threads: int = 2,
+        label: str | None = None,
+        n_ctx: int = 2048,
+    ) -> None:
+        import llama_cpp
+
+        self.model_path = pathlib.Path(model_path)
+        reader = GGUFReader(self.model_path)
+        self.weight_bytes_per_token = _weight_bytes_per_token(reader)
+        self.eos_ids = {
+            int(reader.fields[k].contents())
+            for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
+            if k in reader.fields
+        }
+        self.name = f"llama.cpp {label or _file_type_label(reader)} ({n_threads} threads)"
+        del reader
+        self._llama_cpp = llama_cpp
+        self.llm = llama_cpp.Llama(
+            model_path=str(self.model_path),
+            n_threads=n_threads,
+            n_threads_batch=n_threads,
+            n_ctx=n_ctx,
+            verbose=False,
+        )
+        self.n_ctx = self.llm.n_ctx()
+        self.n_vocab = self.llm.n_vocab()
+
+    @staticmethod
+    def available() -> bool:
+        return importlib.util.find_spec("llama_cpp") is not None
+
+    def _greedy(self) -> int:
+        """Argmax of the logits of the last evaluated token.
+
+        ``Llama.scores``/``eval_logits`` are only filled with ``logits_all=True`` (which
+        would compute the LM head for every prompt token), so read the context's row.
+        """
+        ptr = self._llama_cpp.llama_get_logits_ith(self.llm.ctx, -1)
+        row = np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), shape=(self.n_vocab,))
+        return int(np.argmax(row))
+
+    def run(self, prompt_ids: list[int], max_new_tokens: int) -> RunStats:
+        n = len(prompt_ids)
+        if n >= self.n_ctx:
+            raise ValueError(f"prompt has {n} tokens but the llama.cpp context is {self.n_ctx}")
+        max_new = min(max_new_tokens, self.n_ctx - n)
+        self.llm.reset()
+        t0 = time.perf_counter()
+        self.llm.eval(list(prompt_ids))
+        token = self._greedy()
+        prefill_s = time.perf_counter() - t0
+        tokens: list[int] = []
+        step_s: list[float] = []
+        while token not in self.eos_ids:  # stop at end-of-sequence, as jpinfer's engine does
+            tokens.append(token)
+            if len(tokens) >= max_new:
+                break
+            t = time.perf_counter()
+            self.llm.eval([token])
+            token = self._greedy()
+            step_s.append(time.perf_counter() - t)
+        return RunStats(n, tokens, prefill_s, step_s)
+
+    def host_overhead(self, prompt_ids: list[int], max_new_tokens: int) -> None:
+        return None
