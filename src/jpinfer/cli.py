@@ -2,7 +2,7 @@
 
 Subcommands live next to what they run: each module named in ``COMMANDS`` has
 ``add_arguments(parser)`` and ``run(args) -> int``. Only the invoked subcommand's module is
-imported, so ``jpinfer --help`` answers without loading JAX. Problems with the user's input
+imported, so one command does not pay for another's imports (cvxpy, PyTorch). Problems with the user's input
 (``jpinfer.JpinferError`` and other ``ValueError``s, missing files) print one ``error:``
 line and exit with status 2; the placement solver exits with 3 when no placement fits.
 """

@@ -15,6 +15,7 @@ import os
 import pathlib
 import tempfile
 import time
+import weakref
 
 import numpy as np
 from gguf import GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType
@@ -150,6 +151,9 @@ class LlamaCppEngine:
         )
         self.n_ctx = self.llm.n_ctx()
         self.n_vocab = self.llm.n_vocab()
+        # Free the model when the engine goes, at the latest at interpreter exit: Llama.__del__
+        # run during module teardown fails (TypeError on already torn-down ctypes bindings).
+        weakref.finalize(self, self.llm.close)
 
     @staticmethod
     def available() -> bool:

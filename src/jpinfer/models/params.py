@@ -3,9 +3,9 @@
 Every projection is stored (out_features, in_features), like ``nn.Linear.weight``, and
 applied as W @ x; projections that read the same input are fused into one matrix:
 ``w_qkv`` = [wq; wk; wv] and ``w_gate_up`` = [w_gate; w_up]. Measured on XLA:CPU (the
-decode is a chain of matrix-vector products): W @ x over (out, in) rows is 1.5-1.8x faster
-than x @ W over (in, out) for a 7B FFN layer, and fusing the projections cut a 30-layer
-stack by 15-20% (fewer, larger ops; docs/architecture.md has the commands).
+decode is a chain of matrix-vector products): x @ W over (in, out) matrices takes 1.4-1.8x
+as long as W @ x over (out, in) rows for a 7B FFN layer; fusing removes 3 of the 7 products
+per layer (fewer, larger ops); bench/results/weight_layout.md has the command and numbers.
 
 Loaders produce a flat dict keyed like ``expected_shapes`` with the unfused (out, in)
 tensors of Hugging Face's naming convention; ``build_weights`` fuses them.
