@@ -31,7 +31,7 @@ from jpinfer.profiler.passes import batches
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _hidden(weights, chunk, cfg):
-    cache = transformer.KVCache.create(cfg, chunk.shape[0], chunk.shape[1], weights.embed.dtype)
+    cache = transformer.KVCache.create(cfg, chunk.shape[0], chunk.shape[1], weights.dtype)
     return transformer.forward(weights, chunk, cache, cfg)[0]
 
 

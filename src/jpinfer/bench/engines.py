@@ -33,11 +33,12 @@ class BenchEngine(Protocol):
 
 
 def weights_read_per_token(engine: Engine) -> int:
-    """Weight bytes one decode step reads: everything but the untied embedding table."""
+    """Weight bytes one decode step reads: everything but an untied input embedding table
+    (one row of it is read; a tied table is read whole as the head)."""
     from jpinfer.models.params import nbytes
 
-    total = nbytes(engine.weights)
-    return total if engine.cfg.tie_embeddings else total - int(engine.weights.embed.nbytes)
+    embed = engine.weights.embed
+    return nbytes(engine.weights) - (0 if embed is None else int(embed.nbytes))
 
 
 class JaxEngine:

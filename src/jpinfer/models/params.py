@@ -12,7 +12,7 @@ tensors of Hugging Face's naming convention; ``build_weights`` fuses them.
 The FFN of layer l: ``w_gate_up`` (2 d_ff, d_model) with the gate rows first (kind
 ``relu`` has no gate: (d_ff, d_model) up rows), ``w_down`` (d_model, d_ff). Neuron i is
 gate row i, up row i and column i of ``w_down``. Optional tensors (biases, norm bias,
-lm_head when tied) are ``None``.
+the input embedding when tied to the head) are ``None``.
 """
 
 from __future__ import annotations
@@ -56,11 +56,20 @@ class Layer:
 @_register
 @dataclasses.dataclass
 class Weights:
-    embed: jax.Array  # (vocab, d_model)
+    """The whole model. ``head`` is stored (d_model, vocab) and applied as h @ head: for the
+    default model's 49152 x 576 table that took 4.4-4.6 ms against 5.5-6.8 ms for the (vocab,
+    d_model) form (short rows), measured in one run. A tied model keeps only ``head``: its
+    input embedding of token t is column t (``embed`` is then None, nothing stored twice)."""
+
+    head: jax.Array  # (d_model, vocab)
     layers: list[Layer]
     final_norm: Norm
-    lm_head: jax.Array | None = None  # (vocab, d_model); None when tied to embed
+    embed: jax.Array | None = None  # (vocab, d_model) input embedding; None when tied to head
     positions: jax.Array | None = None  # learned position table (OPT)
+
+    @property
+    def dtype(self):
+        return self.head.dtype
 
 
 
@@ -147,11 +156,12 @@ def build_weights(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype=jnp.fl
                 b_down=get(p + "b_down"),
             )
         )
+    head = tensors["embed"] if cfg.tie_embeddings else tensors["lm_head"]
     return Weights(
-        embed=get("embed"),
+        head=jnp.asarray(np.ascontiguousarray(np.asarray(head).T), dtype=dtype),
         layers=layers,
         final_norm=norm("final_norm"),
-        lm_head=get("lm_head"),
+        embed=None if cfg.tie_embeddings else get("embed"),
         positions=get("positions"),
     )
 

@@ -30,25 +30,29 @@ FfnImpl = Callable[[int, Layer, jax.Array, Any], tuple[jax.Array, Any]]
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v", "length"], meta_fields=[])
 @dataclasses.dataclass
 class KVCache:
-    """Preallocated keys/values, (n_layers, batch, n_kv_heads, capacity, head_dim) each.
+    """Preallocated keys/values: per layer one (batch, n_kv_heads, capacity, head_dim) array each.
 
     Heads before positions: each head's keys are one contiguous (capacity, head_dim) matrix.
+    One array per layer, not one stacked (n_layers, ...) array: reading layer i of a stacked
+    cache after updating it made XLA:CPU copy the layer's whole slice, twice per layer and
+    step (~24 MB per token on the default model, ~2.6 ms; docs/architecture.md).
 
     ``length`` is the number of positions already written (shared by the batch).
     """
 
-    k: jax.Array
-    v: jax.Array
+    k: list[jax.Array]
+    v: list[jax.Array]
     length: jax.Array
 
     @classmethod
     def create(cls, cfg: ModelConfig, batch: int, capacity: int, dtype=jnp.float32) -> "KVCache":
-        shape = (cfg.n_layers, batch, cfg.n_kv_heads, capacity, cfg.head_dim)
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((), jnp.int32))
+        shape = (batch, cfg.n_kv_heads, capacity, cfg.head_dim)
+        zeros = lambda: [jnp.zeros(shape, dtype) for _ in range(cfg.n_layers)]
+        return cls(zeros(), zeros(), jnp.zeros((), jnp.int32))
 
     @property
     def capacity(self) -> int:
-        return self.k.shape[3]
+        return self.k[0].shape[2]
 
 
 def norm(p: Norm, x: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -91,16 +95,19 @@ def attention_block(
     x: jax.Array,
     positions: jax.Array,
     rope_cs: tuple[jax.Array, jax.Array] | None,
-    cache: KVCache,
-    layer_index: int,
+    cache_k: jax.Array,
+    cache_v: jax.Array,
     cfg: ModelConfig,
-) -> tuple[jax.Array, KVCache]:
-    """Causal grouped-query attention over the cache plus the T new positions.
+    attend: int | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Causal grouped-query attention over the layer's cache plus the T new positions.
 
     x: (B, T, d) normalised input at ``positions`` (T,); ``rope_cs`` from ``rope_tables``
-    (None for learned positions). The new keys and values are
-    written into the stacked cache in place (the caller donates it), so a decode step
-    never copies the whole cache. Returns the output projection (B, T, d) and the cache.
+    (None for learned positions). The new keys and values are written into the layer's
+    cache in place (the caller donates it), so a step never copies the cache. Attention
+    reads the first ``attend`` cache slots (static; None = all), which must hold every
+    position so far: a decode step at position 40 of a 2048-slot cache reads 64, not 2048.
+    Returns the output projection (B, T, d) and the layer's updated keys and values.
     """
     b, t, _ = x.shape
     qkv = linear(x, layer.w_qkv, layer.b_qkv)
@@ -110,25 +117,24 @@ def attention_block(
     if rope_cs is not None:
         q = rope(q, rope_cs)
         k = rope(k, rope_cs)
-    at = (layer_index, 0, 0, positions[0], 0)
-    all_k = jax.lax.dynamic_update_slice(cache.k, k.astype(cache.k.dtype).transpose(0, 2, 1, 3)[None], at)
-    all_v = jax.lax.dynamic_update_slice(cache.v, v.astype(cache.v.dtype).transpose(0, 2, 1, 3)[None], at)
-    cache = dataclasses.replace(cache, k=all_k, v=all_v)
-    cache_k, cache_v = all_k[layer_index], all_v[layer_index]
+    at = (0, 0, positions[0], 0)
+    cache_k = jax.lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype).transpose(0, 2, 1, 3), at)
+    cache_v = jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype).transpose(0, 2, 1, 3), at)
+    keys, values = cache_k[:, :, :attend], cache_v[:, :, :attend]
 
     groups = cfg.n_heads // cfg.n_kv_heads
     qg = q.reshape(b, t, cfg.n_kv_heads, groups, cfg.head_dim)
-    scores = jnp.einsum("btkgh,bksh->bkgts", qg, cache_k, preferred_element_type=jnp.float32)
+    scores = jnp.einsum("btkgh,bksh->bkgts", qg, keys, preferred_element_type=jnp.float32)
     scores = scores * (cfg.head_dim**-0.5)
-    key_pos = jnp.arange(cache_k.shape[2])
+    key_pos = jnp.arange(keys.shape[2])
     visible = key_pos[None, :] <= positions[:, None]  # (T, S)
     if cfg.sliding_window is not None:
         visible &= key_pos[None, :] > positions[:, None] - cfg.sliding_window
     scores = jnp.where(visible[None, None, None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1).astype(cache_v.dtype)
-    out = jnp.einsum("bkgts,bksh->btkgh", probs, cache_v, preferred_element_type=jnp.float32)
+    probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
+    out = jnp.einsum("bkgts,bksh->btkgh", probs, values, preferred_element_type=jnp.float32)
     out = out.reshape(b, t, cfg.q_dim).astype(x.dtype)
-    return linear(out, layer.wo, layer.bo), cache
+    return linear(out, layer.wo, layer.bo), cache_k, cache_v
 
 
 def gate_and_up(layer: Layer, x: jax.Array, cfg: ModelConfig) -> tuple[jax.Array | None, jax.Array]:
@@ -158,7 +164,11 @@ def _dense_ffn_impl(cfg: ModelConfig) -> FfnImpl:
 
 
 def embed(weights: Weights, tokens: jax.Array, positions: jax.Array, cfg: ModelConfig) -> jax.Array:
-    h = weights.embed[tokens]
+    """Input embeddings (B, T, d): rows of ``embed``, or columns of the tied ``head``."""
+    if weights.embed is not None:
+        h = weights.embed[tokens]
+    else:
+        h = jnp.moveaxis(jnp.take(weights.head, tokens, axis=1), 0, -1)
     if cfg.positions == "learned":
         h = h + weights.positions[positions + cfg.position_offset][None]
     return h
@@ -171,39 +181,40 @@ def forward(
     cfg: ModelConfig,
     ffn_impl: FfnImpl | None = None,
     ffn_state: Any = None,
+    attend: int | None = None,
 ) -> tuple[jax.Array, KVCache, list[Any]]:
     """Run T new tokens (B, T) after ``cache.length`` cached positions.
 
-    Returns the final-normalised hidden states (B, T, d), the cache with the new
-    positions written (``length`` advanced by T) and the per-layer FFN aux outputs.
+    ``attend`` (static): cache slots attention reads, at least ``cache.length + T``
+    (None = the whole cache). Returns the final-normalised hidden states (B, T, d), the
+    cache with the new positions written (``length`` advanced by T) and the per-layer FFN
+    aux outputs.
     """
     impl = ffn_impl or _dense_ffn_impl(cfg)
     start = cache.length
     positions = start + jnp.arange(tokens.shape[1], dtype=jnp.int32)
     h = embed(weights, tokens, positions, cfg)
     rope_cs = rope_tables(positions, cfg.head_dim, cfg.rope_theta) if cfg.positions == "rope" else None
-    aux = []
+    aux, keys, values = [], [], []
     for i, layer in enumerate(weights.layers):
-        attn, cache = attention_block(layer, norm(layer.attn_norm, h, cfg), positions, rope_cs, cache, i, cfg)
+        x = norm(layer.attn_norm, h, cfg)
+        attn, k, v = attention_block(layer, x, positions, rope_cs, cache.k[i], cache.v[i], cfg, attend)
+        keys.append(k)
+        values.append(v)
         h = h + attn
         y, aux_i = impl(i, layer, norm(layer.ffn_norm, h, cfg), None if ffn_state is None else ffn_state[i])
         h = h + y.astype(h.dtype)
         aux.append(aux_i)
-    cache = dataclasses.replace(cache, length=start + tokens.shape[1])
+    cache = KVCache(keys, values, start + tokens.shape[1])
     return norm(weights.final_norm, h, cfg), cache, aux
 
 
 def logits(weights: Weights, h: jax.Array) -> jax.Array:
-    """Float32 logits from final hidden states.
-
-    The head is (vocab, d), like the embedding it may be tied to, and is contracted as is:
-    ``embed.T`` would make XLA materialise a transposed copy of the table on every step.
-    """
-    head = weights.embed if weights.lm_head is None else weights.lm_head
-    return jnp.einsum("...d,vd->...v", h, head, preferred_element_type=jnp.float32)
+    """Float32 logits from final hidden states: h @ head, head (d, vocab) (see params.Weights)."""
+    return jnp.dot(h, weights.head, preferred_element_type=jnp.float32)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "ffn_impl"), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("cfg", "ffn_impl", "attend"), donate_argnames=("cache",))
 def prefill(
     weights: Weights,
     tokens: jax.Array,
@@ -212,21 +223,22 @@ def prefill(
     cfg: ModelConfig,
     ffn_impl: FfnImpl | None = None,
     ffn_state: Any = None,
+    attend: int | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """Process a right-padded prompt (B, T_bucket) of which ``n_valid`` tokens are real.
 
     Padding positions are written to the cache but ``length`` ends at ``start + n_valid``,
     so decoding overwrites them and attention never sees them. Returns the logits (B, V)
-    at the last real position.
+    at the last real position. ``attend`` as in ``forward``.
     """
     start = cache.length
-    h, cache, _ = forward(weights, tokens, cache, cfg, ffn_impl, ffn_state)
+    h, cache, _ = forward(weights, tokens, cache, cfg, ffn_impl, ffn_state, attend)
     last = jax.lax.dynamic_index_in_dim(h, n_valid - 1, axis=1, keepdims=False)
     cache = dataclasses.replace(cache, length=start + n_valid)
     return logits(weights, last), cache
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "ffn_impl"), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("cfg", "ffn_impl", "attend"), donate_argnames=("cache",))
 def decode_step(
     weights: Weights,
     token: jax.Array,
@@ -234,9 +246,11 @@ def decode_step(
     cfg: ModelConfig,
     ffn_impl: FfnImpl | None = None,
     ffn_state: Any = None,
+    attend: int | None = None,
 ) -> tuple[jax.Array, KVCache]:
-    """One decoding step for tokens (B,); returns logits (B, V) and the advanced cache."""
-    h, cache, _ = forward(weights, token[:, None], cache, cfg, ffn_impl, ffn_state)
+    """One decoding step for tokens (B,); returns logits (B, V) and the advanced cache.
+    ``attend`` as in ``forward`` (at least ``cache.length + 1``)."""
+    h, cache, _ = forward(weights, token[:, None], cache, cfg, ffn_impl, ffn_state, attend)
     return logits(weights, h[:, 0]), cache
 
 
@@ -249,6 +263,6 @@ def score(
     ffn_state: Any = None,
 ) -> jax.Array:
     """Logits (B, T, V) for every position of full sequences (perplexity, parity tests)."""
-    cache = KVCache.create(cfg, tokens.shape[0], tokens.shape[1], weights.embed.dtype)
+    cache = KVCache.create(cfg, tokens.shape[0], tokens.shape[1], weights.dtype)
     h, _, _ = forward(weights, tokens, cache, cfg, ffn_impl, ffn_state)
     return logits(weights, h)

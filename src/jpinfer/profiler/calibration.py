@@ -163,11 +163,11 @@ class _PerturbableFFN:
 def _window_derivatives(weights, tokens, valid, level_thresholds, cfg, score):
     """(B, n_layers, n_levels): dL_w/dlambda for removing each layer's sub-threshold part."""
     b, t = tokens.shape
-    probes = [jnp.zeros((b, t, cfg.d_model), weights.embed.dtype) for _ in range(cfg.n_layers)]
+    probes = [jnp.zeros((b, t, cfg.d_model), weights.dtype) for _ in range(cfg.n_layers)]
     impl = _PerturbableFFN(cfg, score)
 
     def loss(probes):
-        cache = transformer.KVCache.create(cfg, b, t, weights.embed.dtype)
+        cache = transformer.KVCache.create(cfg, b, t, weights.dtype)
         h, _, aux = transformer.forward(weights, tokens, cache, cfg, impl, probes)
         lg = transformer.logits(weights, h[:, :-1])
         nll = jax.nn.logsumexp(lg, -1) - jnp.take_along_axis(lg, tokens[:, 1:, None], -1)[..., 0]

@@ -54,7 +54,7 @@ def as_tokens(windows: TokenWindows | np.ndarray, vocab_size: int) -> np.ndarray
 @functools.partial(jax.jit, static_argnames=("cfg", "collector"))
 def collect(weights, tokens: jax.Array, state: LayerState, cfg, collector) -> list[Any]:
     """One batch through the model with ``collector`` as the FFN; returns its per-layer aux."""
-    cache = transformer.KVCache.create(cfg, tokens.shape[0], tokens.shape[1], weights.embed.dtype)
+    cache = transformer.KVCache.create(cfg, tokens.shape[0], tokens.shape[1], weights.dtype)
     _, _, aux = transformer.forward(weights, tokens, cache, cfg, collector, state)
     return aux
 

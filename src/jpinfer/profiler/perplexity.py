@@ -40,7 +40,7 @@ class OracleSparseFFN:
 @functools.partial(jax.jit, static_argnames=("cfg", "ffn_impl"))
 def _nll_sum(weights, tokens, valid, thresholds, cfg, ffn_impl):
     """Summed next-token negative log-likelihood over the valid windows (B,) of a batch."""
-    cache = transformer.KVCache.create(cfg, tokens.shape[0], tokens.shape[1], weights.embed.dtype)
+    cache = transformer.KVCache.create(cfg, tokens.shape[0], tokens.shape[1], weights.dtype)
     h, _, _ = transformer.forward(weights, tokens, cache, cfg, ffn_impl, thresholds)
     lg = transformer.logits(weights, h[:, :-1])
     nll = jax.nn.logsumexp(lg, -1) - jnp.take_along_axis(lg, tokens[:, 1:, None], -1)[..., 0]
