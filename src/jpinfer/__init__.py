@@ -16,7 +16,7 @@ from jpinfer.profiler import ActivationProfile, profile
 from jpinfer.runtime.engine import Engine, FfnStrategy, GenerationConfig, GenerationResult
 
 __all__ = [
-    "load", "generate", "Engine", "FfnStrategy", "GenerationConfig", "GenerationResult", "ModelConfig",
+    "load", "load_model", "generate", "Engine", "FfnStrategy", "GenerationConfig", "GenerationResult", "ModelConfig",
     "LoadedModel", "JpinferError", "CheckpointError", "profile", "ActivationProfile",
 ]
 __version__ = "0.1.0"
