@@ -82,3 +82,43 @@ def thresholds_in_gaps(scores: list[np.ndarray], sparsity: float) -> np.ndarray:
         k = near[np.argmax((v[near] - v[near - 1]) / v[near])]  # the widest relative gap nearby
         out.append((v[k - 1] + v[k]) / 2)
     return np.array(out, np.float32)
+
+
+def reference_window_losses(engine: Engine, tokens: np.ndarray, layer: int, lam: float, tau: float):
+    """float64 numpy forward of tiny_engine's architecture (RMSNorm, rotate-half RoPE, GQA, gated FFN, no
+    biases), written out apart from transformer.forward: per window, the summed next-token NLL when layer
+    ``layer``'s activations with |a| <= tau are scaled by (1 - lam). Also returns each layer's scores |a|."""
+    cfg = engine.cfg
+    assert (cfg.norm_kind, cfg.positions, cfg.has_gate, cfg.qkv_bias, cfg.attn_out_bias, cfg.ffn_bias,
+            cfg.tie_embeddings, cfg.sliding_window) == ("rmsnorm", "rope", True, False, False, False, False, None)
+    w = jax.tree.map(lambda v: np.asarray(v, np.float64), engine.weights)
+    b, t = tokens.shape
+    hd, half, rep = cfg.head_dim, cfg.head_dim // 2, cfg.n_heads // cfg.n_kv_heads
+    rms = lambda p, v: v / np.sqrt(np.mean(v * v, -1, keepdims=True) + cfg.norm_eps) * p.scale
+    angle = np.arange(t)[:, None] * cfg.rope_theta ** -(np.arange(half) / half)
+    cos, sin = np.cos(angle)[:, None], np.sin(angle)[:, None]  # (T, 1, half): broadcast over heads
+    rope = lambda v: np.concatenate([v[..., :half] * cos - v[..., half:] * sin,
+                                     v[..., half:] * cos + v[..., :half] * sin], -1)
+    relu = lambda v: np.maximum(v, 0.0)
+    act = {"swiglu": lambda g, u: g / (1 + np.exp(-g)) * u, "reglu": lambda g, u: relu(g) * u,
+           "drelu": lambda g, u: relu(g) * relu(u)}[cfg.ffn_kind]
+    h, scores = w.embed[tokens], []
+    for i, lw in enumerate(w.layers):
+        qkv = rms(lw.attn_norm, h) @ lw.w_qkv.T
+        q = rope(qkv[..., :cfg.q_dim].reshape(b, t, cfg.n_heads, hd))
+        k = rope(qkv[..., cfg.q_dim:cfg.q_dim + cfg.kv_dim].reshape(b, t, cfg.n_kv_heads, hd))
+        v = qkv[..., cfg.q_dim + cfg.kv_dim:].reshape(b, t, cfg.n_kv_heads, hd)
+        s = np.einsum("bthd,bshd->bhts", q, np.repeat(k, rep, 2)) / np.sqrt(hd)  # query head h reads kv h // rep
+        s = np.where(np.tril(np.ones((t, t), bool)), s, -np.inf)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        h = h + np.einsum("bhts,bshd->bthd", p / p.sum(-1, keepdims=True), np.repeat(v, rep, 2)).reshape(b, t, -1) @ lw.wo.T
+        gate, up = np.split(rms(lw.ffn_norm, h) @ lw.w_gate_up.T, 2, -1)
+        a = act(gate, up)
+        scores.append(np.abs(a))
+        if i == layer:
+            a = a - lam * np.where(np.abs(a) <= tau, a, 0.0)
+        h = h + a @ lw.w_down.T
+    lg = rms(w.final_norm, h)[:, :-1] @ w.head  # head is stored (d_model, vocab)
+    top = lg.max(-1, keepdims=True)
+    nll = top[..., 0] + np.log(np.exp(lg - top).sum(-1)) - np.take_along_axis(lg, tokens[:, 1:, None], -1)[..., 0]
+    return nll.sum(1), scores

@@ -77,5 +77,6 @@ def test_profile_writes_a_profile_of_the_default_model(tmp_path):
     assert f"saved {path}" in out.stdout
     prof = ActivationProfile.load(path)
     assert prof.n_tokens == 1024 and prof.counts.shape == (30, 1536)
-    # SwiGLU thresholds calibrated for 50% sparsity on the same corpus
+    # SwiGLU thresholds calibrated for 50% sparsity on the same 1024 tokens (calibration_tokens 16384 > 1024):
+    # within SPARSITY_ATOL (0.01) per layer by test_profiler; 0.1 only checks that the CLI calibrated for 0.5
     assert np.mean(prof.sparsity()) == pytest.approx(0.5, abs=0.1)

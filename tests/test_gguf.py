@@ -49,7 +49,11 @@ def reference_dequantize(data: np.ndarray, qtype: Q, n_cols: int) -> np.ndarray:
     return vals.reshape(rows.shape[0], n_cols).astype(np.float32)
 
 
-# Largest error of one element relative to the tensor's largest magnitude.
+# Largest error of one element relative to the tensor's largest magnitude M (numpy arithmetic, the same on every
+# machine). F16 / BF16 round to nearest: <= 2^-11 / 2^-8 of the value, bounds 2x that. Q8_0: step d = M_block/127,
+# error <= d/2 plus 127 * d * 2^-11 from d's float16 rounding, < M/127. Q4_0: d = M_block/8, and the end opposite
+# the block's largest value clips from 8 to 7 steps: error <= d = M/8, plus float16 rounding of d: 1.1/8.
+# Q4_1: d = (max - min)/15 <= 2M/15, error <= d/2 <= M/15, plus float16 rounding of d and min: 1.1/15.
 _ERROR_BOUND = {Q.F32: 0.0, Q.F16: 2**-10, Q.BF16: 2**-7, Q.Q8_0: 1 / 127, Q.Q4_0: 1.1 / 8, Q.Q4_1: 1.1 / 15}
 
 

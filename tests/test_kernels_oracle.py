@@ -9,6 +9,7 @@ import pytest
 from jpinfer.config import ModelConfig
 from jpinfer.models import params, transformer
 from jpinfer.runtime.oracle import OracleFFN, oracle_state
+from tolerances import DECODER_ATOL, KERNEL_ATOL, KERNEL_RTOL
 
 
 def _model(kind="swiglu", d_ff=48):
@@ -52,13 +53,17 @@ def test_full_list_decoder_equals_dense(kind):
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, size=(2, 10)))
     dense = transformer.score(weights, tokens, cfg)
     sparse = transformer.score(weights, tokens, cfg, oracle, state)
-    np.testing.assert_allclose(np.asarray(sparse), np.asarray(dense), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(np.asarray(sparse), np.asarray(dense), atol=DECODER_ATOL, rtol=0)
 
     prompt = [1, 5, 9, 2]
     dense_tokens, dense_logits = _greedy(weights, cfg, prompt, 32)
     sparse_tokens, sparse_logits = _greedy(weights, cfg, prompt, 32, oracle, state)
+    # well posed: logits within DECODER_ATOL whose top two lie more than twice that apart (>= 0.018 here) pick
+    # the same token, on any machine
+    top2 = np.sort(dense_logits.reshape(-1, cfg.vocab_size), -1)[:, -2:]
+    assert (top2[:, 1] - top2[:, 0]).min() > 2 * DECODER_ATOL
     assert sparse_tokens == dense_tokens
-    np.testing.assert_allclose(sparse_logits, dense_logits, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(sparse_logits, dense_logits, atol=DECODER_ATOL, rtol=0)
 
 
 def test_relu_kind_oracle_is_exact_without_threshold():
@@ -70,7 +75,7 @@ def test_relu_kind_oracle_is_exact_without_threshold():
     cache = transformer.KVCache.create(cfg, 1, 12)
     h, _, aux = transformer.forward(weights, tokens, cache, cfg, oracle, state)
     h_dense, _, _ = transformer.forward(weights, tokens, transformer.KVCache.create(cfg, 1, 12), cfg)
-    np.testing.assert_allclose(np.asarray(h), np.asarray(h_dense), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(np.asarray(h), np.asarray(h_dense), atol=DECODER_ATOL, rtol=0)
     active_share = np.mean([np.asarray(a.n_active).mean() / cfg.d_ff for a in aux])
     assert 0.2 < active_share < 0.8  # the test really skips neurons
 
@@ -96,10 +101,10 @@ def test_oracle_masks_equal_masked_dense_decoder(kind, threshold, capacity):
     assert (clipped > 0) == (capacity < cfg.d_ff)  # small capacities really clip some tokens
 
     h_ref, _, _ = transformer.forward(weights, tokens, transformer.KVCache.create(cfg, 2, 9), cfg, _MaskedDense(cfg), masks)
-    np.testing.assert_allclose(np.asarray(h), np.asarray(h_ref), atol=1e-4, rtol=0)
-    if kind == "swiglu":  # the masks matter: dropping neurons moved the hidden states
+    np.testing.assert_allclose(np.asarray(h), np.asarray(h_ref), atol=DECODER_ATOL, rtol=0)
+    if kind == "swiglu":  # the masks matter: dropping neurons moved the hidden states (by 0.48), 100x DECODER_ATOL
         h_dense, _, _ = transformer.forward(weights, tokens, transformer.KVCache.create(cfg, 2, 9), cfg)
-        assert np.abs(np.asarray(h) - np.asarray(h_dense)).max() > 1e-2
+        assert np.abs(np.asarray(h) - np.asarray(h_dense)).max() > 100 * DECODER_ATOL
 
 
 @pytest.mark.parametrize("backend", ["xla", "pallas"])
@@ -125,7 +130,7 @@ def test_oracle_layer_selects_exact_active_set(backend):
         got = np.asarray(aux.ids[m, : int(aux.count[m])])
         np.testing.assert_array_equal(np.sort(got), np.sort(want))
         ref = (g[m, want] / (1 + np.exp(-g[m, want])) * u[m, want]) @ np.asarray(layer.w_down, np.float64)[:, want].T
-        np.testing.assert_allclose(np.asarray(y[m]), ref, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(y[m]), ref, rtol=KERNEL_RTOL, atol=KERNEL_ATOL)
 
 
 def test_bad_oracle_settings_are_value_errors():

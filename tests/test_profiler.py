@@ -14,7 +14,8 @@ from jpinfer.profiler import (
     profile, score_histogram, uniform,
 )
 from jpinfer.profiler import calibration as calibration_module
-from profiler_fixtures import ffn_inputs, reference_scores, thresholds_in_gaps, tiny_engine
+from profiler_fixtures import ffn_inputs, reference_scores, reference_window_losses, thresholds_in_gaps, tiny_engine
+from tolerances import PPL_RTOL, SPARSITY_ATOL, U32
 
 KINDS = ("swiglu", "reglu", "drelu", "relu")
 
@@ -66,9 +67,9 @@ def test_swiglu_thresholds_hit_the_requested_sparsity(sparsity, score):
     engine, tokens = tiny_engine("swiglu"), windows(8, 32, seed=3)
     cal = calibrate(engine, tokens, sparsity, score=score, batch_size=3)
     for layer, s in enumerate(reference_scores(engine, tokens, score)):
-        assert abs((s <= cal.thresholds[layer]).mean() - sparsity) <= 0.01
+        assert abs((s <= cal.thresholds[layer]).mean() - sparsity) <= SPARSITY_ATOL
     prof = profile(engine, tokens, thresholds=cal, score=score, progress=False)
-    np.testing.assert_allclose(prof.sparsity(), sparsity, atol=0.01)
+    np.testing.assert_allclose(prof.sparsity(), sparsity, atol=SPARSITY_ATOL)
 
 
 def test_profile_calibrates_uniform_thresholds_on_its_first_tokens():
@@ -76,7 +77,7 @@ def test_profile_calibrates_uniform_thresholds_on_its_first_tokens():
     prof = profile(engine, tokens, sparsity=0.7, calibration_tokens=64, progress=False)
     assert prof.meta["calibration"]["calibration_tokens"] == 64
     for layer, s in enumerate(reference_scores(engine, tokens[:2])):
-        assert abs((s <= prof.thresholds[layer]).mean() - 0.7) <= 0.01
+        assert abs((s <= prof.thresholds[layer]).mean() - 0.7) <= SPARSITY_ATOL
 
 
 def test_histogram_bins_hold_their_values():
@@ -86,41 +87,70 @@ def test_histogram_bins_hold_their_values():
     idx = np.asarray(calibration_module.bin_index(jnp.asarray(values)))
     assert np.all(edges[idx] <= values) and np.all(values < edges[idx + 1])
     assert np.all(np.diff(edges) > 0)
-    assert np.all(edges[2:] / edges[1:-1] <= 1 + 1 / 64 + 1e-12)  # at most 1/64 of an octave
+    # 64 equal steps per octave: the widest bin is an octave's first, 65/64 exactly; 1e-12 covers the float64
+    # rounding of the other ratios (1e-16)
+    assert np.all(edges[2:] / edges[1:-1] <= 1 + 1 / 64 + 1e-12)
 
 
 def test_sensitivity_is_the_derivative_of_the_window_loss():
-    """dL_w/dlambda from one backward pass equals a finite difference of the loss when
-    layer l's sub-threshold part is scaled away by lambda."""
+    """dL_w/dlambda from one float32 backward pass equals a float64 central difference of the loss when
+    layer l's sub-threshold part is scaled away by lambda (a numpy forward apart from transformer.forward)."""
     engine, tokens = tiny_engine("swiglu", n_layers=3), windows(2, 12, seed=5)
     cfg = engine.cfg
-    hist = score_histogram(engine, tokens)
-    levels = np.array([0.0, 0.5, 0.8])
-    thr = np.stack([hist.thresholds(np.full(cfg.n_layers, s)) for s in levels], 1)
+    # levels 0, 0.5, 0.8, each threshold in a wide gap of the float64 scores (>= 2.6e-3 relative from any score,
+    # where float32 scores are within 1.1e-5 relative of them): float32 and float64 remove the same parts
+    ref0, scores = reference_window_losses(engine, tokens, 0, 0.0, 0.0)
+    thr = np.stack([np.zeros(cfg.n_layers), thresholds_in_gaps(scores, 0.5), thresholds_in_gaps(scores, 0.8)], 1)
+    for k in (1, 2):
+        assert min(np.abs(s / t - 1).min() for s, t in zip(scores, thr[:, k])) > 1e-3
     got = np.asarray(calibration_module._window_derivatives(
         engine.weights, jnp.asarray(tokens), jnp.ones(2, bool), jnp.asarray(thr), cfg, "product"))
+    np.testing.assert_array_equal(got[:, :, 0], 0.0)  # level 0 removes nothing: exact
 
     @dataclasses.dataclass(frozen=True)
     class Scaled:
         def __call__(self, i, layer, x, state):
-            lam, tau = state  # this layer's scale of the removed part, and its threshold
+            lam, tau = state  # this layer's scale of the removed part (scalar or per token and neuron), threshold
             a = transformer.ffn_activations(layer, x, cfg)
             return transformer.ffn_down(layer, a - lam * jnp.where(jnp.abs(a) <= tau, a, 0)), None
 
     @jax.jit
-    def window_losses(lam, tau):
+    def window_losses(lam, tau):  # float32, the model as the code runs it
         cache = transformer.KVCache.create(cfg, 2, tokens.shape[1])
         h, _, _ = transformer.forward(engine.weights, jnp.asarray(tokens), cache, cfg, Scaled(), list(zip(lam, tau)))
         lg = transformer.logits(engine.weights, h[:, :-1])
         return (jax.nn.logsumexp(lg, -1) - jnp.take_along_axis(lg, jnp.asarray(tokens)[:, 1:, None], -1)[..., 0]).sum(1)
 
-    eps = 1e-2
-    for layer in range(cfg.n_layers):
-        for k in (1, 2):
-            lam = eps * (np.arange(cfg.n_layers) == layer)
-            fd = (window_losses(lam, thr[:, k]) - window_losses(-lam, thr[:, k])) / (2 * eps)
-            np.testing.assert_allclose(got[:, layer, k], np.asarray(fd), rtol=2e-2, atol=2e-4)
-    np.testing.assert_array_equal(got[:, :, 0], 0.0)  # level 0 removes nothing
+    # float32 roundings along one forward pass (a length-n sum counts n): per layer norm 32, qkv 32, rope 2,
+    # scores 8, softmax and weighted sum 2 * 12, wo 32, norm 32, gate/up 32, activation 3, down 48, residuals 2
+    # (~250); 3 layers and the head (norm 32, logits 32, logsumexp 40): ~850.
+    n_forward = 900
+    # The reference is the function the code runs: the float32 loss is within n_forward * U32 (5e-5) relative.
+    np.testing.assert_allclose(window_losses(np.zeros(cfg.n_layers), thr[:, 1]), ref0, rtol=n_forward * U32)
+
+    # float64 central difference: rounding 1e-16 * |L| (~50) / eps = 5e-12; truncation eps^2 |L'''| / 6
+    # (Richardson estimate with 2 eps: < 1e-6), both far below the float32 tolerance below.
+    eps = 1e-3
+    fd, scale = np.zeros_like(got, np.float64), np.zeros_like(got, np.float64)
+    for k in (1, 2):
+        for layer in range(cfg.n_layers):
+            plus, minus = (reference_window_losses(engine, tokens, layer, s * eps, thr[layer, k])[0] for s in (1, -1))
+            fd[:, layer, k] = (plus - minus) / (2 * eps)
+        # The derivative is a float32 sum over (token, neuron) of the terms a_ti * (dL/dy_t . w_down[:, i]);
+        # scale = sum |term| per window and layer, from the gradient of the float32 loss w.r.t. a per-term lambda.
+        terms = jax.grad(lambda lam: window_losses(lam, thr[:, k]).sum())(jnp.zeros((cfg.n_layers, *tokens.shape, cfg.d_ff)))
+        scale[:, :, k] = np.abs(np.asarray(terms, np.float64)).sum((2, 3)).T
+    # float32 rounding of `got`: each term carries at most the roundings along the forward pass, the backward pass
+    # (as many) and the final sum over T * d_ff terms, each u relative: |got - exact| <= n * U32 * scale with
+    # n = 2 * 900 + 12 * 48 ~ 2400 (first-order worst case; 1.4e-4 * scale). Measured here: <= 9 * U32 * scale.
+    tol = (2 * n_forward + tokens.shape[1] * cfg.d_ff) * U32 * scale
+    np.testing.assert_array_less(np.abs(got - fd)[:, :, 1:], tol[:, :, 1:])
+    # The check has teeth: twice the derivative, or another layer's, or another level's, would fail it (they are
+    # off by >= 40x, 5x and 395x the tolerance here).
+    assert np.all(np.abs(fd[:, :, 1:]) > tol[:, :, 1:])
+    for other in range(1, cfg.n_layers):
+        assert np.all(np.abs(np.roll(fd, other, 1) - fd)[:, :, 1:] > tol[:, :, 1:])
+    assert np.all(np.abs(fd[:, :, 2] - fd[:, :, 1]) > tol[:, :, 1])
 
 
 def test_greedy_spends_the_budget_where_the_cost_is_least():
@@ -131,6 +161,7 @@ def test_greedy_spends_the_budget_where_the_cost_is_least():
     # than layer 0's first (5): the six steps go 1, 1, 1, 2, 2, 0 (total cost 7.3, uniform 12.2)
     cost = np.array([[0, 5, 10, 20], [0, 0.1, 0.2, 0.3], [0, 1, 2, 30]], float)
     cal = greedy(hist, Sensitivity(levels, cost, 100), 0.5)
+    # float64 sums of a few levels: exact up to ~1e-16, within approx's default 1e-6 and assert_allclose's 1e-7
     assert cal.layer_sparsity.mean() == pytest.approx(0.5)
     np.testing.assert_allclose(cal.layer_sparsity, [0.25, 0.75, 0.5])
     assert cal.thresholds[0] < cal.thresholds[2] < cal.thresholds[1]
@@ -143,7 +174,7 @@ def test_greedy_spends_the_budget_where_the_cost_is_least():
 def test_greedy_calibration_end_to_end_hits_the_mean_sparsity():
     engine = tiny_engine("swiglu")
     cal = calibrate(engine, windows(2, 16, seed=6), 0.6, method="greedy", heldout=windows(2, 16, seed=7))
-    assert cal.method == "greedy" and cal.layer_sparsity.mean() == pytest.approx(0.6)
+    assert cal.method == "greedy" and cal.layer_sparsity.mean() == pytest.approx(0.6)  # float64, ~1e-16
     with pytest.raises(ValueError, match="heldout"):
         calibrate(engine, windows(), 0.5, method="greedy")
 
@@ -154,7 +185,7 @@ def test_dense_perplexity_equals_numpy_from_logits():
     logp = lg - lg.max(-1, keepdims=True)
     logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
     nll = -np.take_along_axis(logp, tokens[:, 1:, None], -1).mean()
-    assert perplexity(engine, tokens, batch_size=2) == pytest.approx(np.exp(nll), rel=1e-5)
+    assert perplexity(engine, tokens, batch_size=2) == pytest.approx(np.exp(nll), rel=PPL_RTOL)
 
 
 def test_oracle_sparse_perplexity_zeroes_inactive_neurons():
@@ -164,6 +195,9 @@ def test_oracle_sparse_perplexity_zeroes_inactive_neurons():
     no_ffn = dataclasses.replace(engine.weights, layers=[dataclasses.replace(l, w_down=jnp.zeros_like(l.w_down))
                                                          for l in engine.weights.layers])
     expected = perplexity(dataclasses.replace(engine.model, weights=no_ffn), tokens)
+    # Exact: both sides run the same float32 operations on the same values (masked or zero-weight FFN outputs are
+    # exact zeros; a threshold of 0 keeps every non-zero activation as is), with reductions of the same shapes,
+    # compiled for the same CPU (measured difference 0); 1e-6 (~17 u) is a few units of slack.
     assert perplexity(engine, tokens, np.full(n, 1e9)) == pytest.approx(expected, rel=1e-6)
     assert perplexity(engine, tokens, np.zeros(n)) == pytest.approx(perplexity(engine, tokens), rel=1e-6)
     with pytest.raises(ValueError, match="one value per layer"):
@@ -187,8 +221,9 @@ def test_oracle_sparse_perplexity_matches_a_precomputed_mask():
     logp = lg - lg.max(-1, keepdims=True)
     logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
     expected = np.exp(-np.take_along_axis(logp, tokens[:, 1:, None], -1).mean())
-    assert perplexity(engine, tokens, thr) == pytest.approx(expected, rel=1e-5)
-    assert perplexity(engine, tokens, thr) > perplexity(engine, tokens) * (1 + 1e-4)
+    assert perplexity(engine, tokens, thr) == pytest.approx(expected, rel=PPL_RTOL)
+    # the mask matters (+2.5% here): 10x PPL_RTOL, the float32 noise
+    assert perplexity(engine, tokens, thr) > perplexity(engine, tokens) * (1 + 10 * PPL_RTOL)
 
 
 def test_predictor_samples_are_real_tokens_with_their_masks(tmp_path):
@@ -203,7 +238,8 @@ def test_predictor_samples_are_real_tokens_with_their_masks(tmp_path):
         ref_x = xs[layer].astype(np.float16).astype(np.float32)
         rows = [int(np.argmin(np.abs(ref_x - row).sum(1))) for row in x]
         assert len(set(rows)) == 30  # sampled without replacement
-        np.testing.assert_allclose(x, ref_x[rows], rtol=2**-10)  # float16, give or take one unit
+        # float16, give or take one unit: 2^-10 relative for normal numbers, 2^-24 absolute for subnormals
+        np.testing.assert_allclose(x, ref_x[rows], rtol=2**-10, atol=2**-24)
         np.testing.assert_array_equal(active, scores[layer][rows] != 0)
 
 
@@ -235,6 +271,7 @@ def test_profile_summaries():
     hist[0, [1, 2, 3]] = [6, 3, 1]  # 10 tokens: 1 active on 6, 2 on 3, 3 on 1
     hist[1, 4] = 10
     prof = ActivationProfile("m", "f", "relu", counts, 10, hist, np.zeros(2))
+    # ratios of small integers, float64: exact up to ~1e-16, within assert_allclose's default 1e-7
     np.testing.assert_allclose(prof.neurons_for_share(0.5), [0.25, 0.5])
     np.testing.assert_allclose(prof.neurons_for_share(0.9), [0.5, 1.0])
     np.testing.assert_array_equal(prof.capacity(0.6), [1, 4])

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 import jpinfer
+from tolerances import SPARSITY_ATOL
 from jpinfer.profiler import ActivationProfile, PredictorSamples, perplexity, profile, token_windows
 
 pytestmark = pytest.mark.slow
@@ -15,15 +16,15 @@ def test_profile_calibrates_counts_and_round_trips(tmp_path, monkeypatch):
     prof = profile(engine, "wikitext2-valid", n_tokens=256, window=128, sparsity=0.5, n_samples=32, progress=False)
     assert prof.n_tokens == 256 and prof.d_ff == engine.cfg.d_ff
     # calibrated on these same 256 tokens: every layer skips half its neurons
-    np.testing.assert_allclose(prof.sparsity(), 0.5, atol=0.01)
+    np.testing.assert_allclose(prof.sparsity(), 0.5, atol=SPARSITY_ATOL)
     assert np.all(prof.active_hist.sum(1) == 256)
     samples = PredictorSamples.open(prof.meta["samples"])
     x, active = samples.layer(3)
     assert x.shape == (32, engine.cfg.d_model) and active.shape == (32, engine.cfg.d_ff)
     back = ActivationProfile.load(prof.save(tmp_path / "p"), model=engine)
     np.testing.assert_array_equal(back.counts, prof.counts)
-    # zeroing half the neurons changes the perplexity, but little (26.15 -> 26.76 on the full protocol;
-    # on 256 tokens it may move either way)
+    # zeroing half the neurons changes the perplexity, but little (26.15 -> 26.76, +2.3%, on the full protocol;
+    # on 256 tokens it may move either way): 0.1 is ~4x the full protocol's change
     test = token_windows("wikitext2-test", engine.tokenizer, window=128, n_tokens=256)
     dense, sparse = perplexity(engine, test), perplexity(engine, test, prof.thresholds)
     assert sparse != dense and abs(sparse / dense - 1) < 0.1

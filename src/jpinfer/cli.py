@@ -75,13 +75,13 @@ def add_arguments(p: argparse.ArgumentParser, command: str) -> None:
 def run(args: argparse.Namespace) -> int:
     import jpinfer
 
-    engine = jpinfer.load(args.model, dtype=args.dtype)
     if args.command == "info":
-        return _info(engine, args)
-    config = jpinfer.GenerationConfig(
+        return _info(jpinfer.load(args.model, dtype=args.dtype), args)
+    config = jpinfer.GenerationConfig(  # checked before the model loads: bad settings fail fast
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
         top_p=args.top_p, seed=args.seed, stop=tuple(args.stop), chat=args.command == "chat" or args.chat,
     )
+    engine = jpinfer.load(args.model, dtype=args.dtype)
     if args.command == "chat":
         return _chat(engine, config, args.system)
     result = None

@@ -20,7 +20,7 @@ class ModelConfig:
     """Architecture of a decoder-only transformer (Llama family or OPT).
 
     Weight conventions (see models/params.py): every projection is stored as
-    (in_features, out_features) so that ``y = x @ w``.
+    (out_features, in_features) and applied as W @ x; q|k|v and gate|up are fused.
     """
 
     vocab_size: int
