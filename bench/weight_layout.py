@@ -12,7 +12,10 @@ one process, variants alternating in rounds (fastest call counts):
   v) issuing q, k, v, gate and up as five products against two fused ones
   (``w_qkv``, ``w_gate_up``), all (out, in), one jit for the whole stack;
 - ``matvec``: the read rate XLA reaches on each matrix shape of the default model (30
-  matrices in one jit, the tied LM head alone), and on a 7B FFN matrix for scale.
+  matrices in one jit, the tied LM head alone), and on a 7B FFN matrix for scale;
+- ``head``: the default model's LM head (vocab 49152, d_model 576) with greedy argmax, as
+  (vocab, d) rows contracted against h against a (d, vocab) matrix applied as h @ head
+  (``transformer.logits``, the decoder's form).
 
     python bench/weight_layout.py
     python bench/weight_layout.py --parts fuse matvec --rounds 3    # a quick check
@@ -30,7 +33,7 @@ import numpy as np
 
 from jpinfer.models.transformer import linear
 
-PARTS = ("ffn", "fuse", "matvec")
+PARTS = ("ffn", "fuse", "matvec", "head")
 
 
 def fastest(calls, rounds: int, per_round: int = 3) -> list[float]:
@@ -136,6 +139,22 @@ def matvec_part(rounds: int, rng) -> None:
         print(f"  {n:>2} x {name:<24} {t * 1e3:7.2f} ms  {n_bytes / t / 1e9:5.1f} GB/s  ({n_bytes / 1e6:.0f} MB)")
 
 
+def head_part(vocab: int, d: int, rounds: int, rng) -> None:
+    """Greedy logits through the LM head: (vocab, d) rows against a (d, vocab) matrix."""
+    rows = _randn(rng, vocab, d)
+    cols = jnp.asarray(np.ascontiguousarray(np.asarray(rows).T))
+    h = _randn(rng, d)
+    by_rows = jax.jit(lambda w, h: jnp.argmax(jnp.einsum("d,vd->v", h, w)))
+    by_cols = jax.jit(lambda w, h: jnp.argmax(h @ w))
+    assert int(by_rows(rows, h)) == int(by_cols(cols, h))
+    t_rows, t_cols = fastest([lambda: by_rows(rows, h), lambda: by_cols(cols, h)], rounds)
+    n_bytes = vocab * d * 4
+    print(f"\nhead: LM head vocab={vocab} d_model={d}, float32, greedy argmax ({n_bytes / 1e6:.0f} MB)")
+    print(f"  (vocab, d) rows, einsum      {t_rows * 1e3:7.2f} ms  {n_bytes / t_rows / 1e9:5.1f} GB/s")
+    print(f"  (d, vocab), h @ head         {t_cols * 1e3:7.2f} ms  {n_bytes / t_cols / 1e9:5.1f} GB/s"
+          f"  (rows take {t_rows / t_cols:.2f}x as long)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
@@ -155,6 +174,8 @@ def main() -> None:
         fuse_part(args.layers, args.rounds, rng)
     if "matvec" in args.parts:
         matvec_part(args.rounds, rng)
+    if "head" in args.parts:
+        head_part(49152, 576, args.rounds, rng)
 
 
 if __name__ == "__main__":

@@ -3,9 +3,10 @@
 Every projection is stored (out_features, in_features), like ``nn.Linear.weight``, and
 applied as W @ x; projections that read the same input are fused into one matrix:
 ``w_qkv`` = [wq; wk; wv] and ``w_gate_up`` = [w_gate; w_up]. Measured on XLA:CPU (the
-decode is a chain of matrix-vector products): x @ W over (in, out) matrices takes 1.4-1.8x
-as long as W @ x over (out, in) rows for a 7B FFN layer; fusing removes 3 of the 7 products
-per layer (fewer, larger ops); bench/results/weight_layout.md has the command and numbers.
+decode is a chain of matrix-vector products): x @ W over (in, out) matrices took 1.2-1.8x
+as long as W @ x over (out, in) rows for a 7B FFN layer, and fusing (3 fewer products per
+layer) cut a 30-layer stack at the default model's shapes by 9% on a quiet machine
+(bench/results/weight_layout.md has the command and numbers).
 
 Loaders produce a flat dict keyed like ``expected_shapes`` with the unfused (out, in)
 tensors of Hugging Face's naming convention; ``build_weights`` fuses them.
@@ -57,9 +58,9 @@ class Layer:
 @dataclasses.dataclass
 class Weights:
     """The whole model. ``head`` is stored (d_model, vocab) and applied as h @ head: for the
-    default model's 49152 x 576 table that took 4.4-4.6 ms against 5.5-6.8 ms for the (vocab,
-    d_model) form (short rows), measured in one run. A tied model keeps only ``head``: its
-    input embedding of token t is column t (``embed`` is then None, nothing stored twice)."""
+    default model's 49152 x 576 head the (vocab, d_model) form (short rows) took 1.5x as long
+    (bench/results/weight_layout.md). A tied model keeps only ``head``: its input embedding of
+    token t is column t (``embed`` is then None, nothing is stored twice)."""
 
     head: jax.Array  # (d_model, vocab)
     layers: list[Layer]

@@ -288,23 +288,30 @@ class Engine:
         return (time.perf_counter() - t0) / n_steps
 
     def events(self, prompt, config: GenerationConfig) -> Iterator[str | GenerationResult]:
-        """Yield text pieces as they are generated, then the GenerationResult (streaming with stats)."""
+        """Yield text pieces as they are generated, then the GenerationResult (streaming with stats).
+
+        The loop runs one step ahead: step i + 1 is dispatched (asynchronously) before token i's
+        host work (detokenizing, stop strings, yielding), so that work overlaps the device step
+        instead of adding to it. A step dispatched past a stop string is discarded.
+        ``step_s`` holds the time between consecutive tokens.
+        """
         prompt_ids = self.encode_prompt(prompt, chat=config.chat)
         sampler, eos_ids = config.sampler, self._eos_ids()
         t0 = time.perf_counter()
         token, cache, key, max_new = self._start(prompt_ids, config.max_new_tokens, sampler, config.seed)
         token_id = int(token[0])
-        prefill_s = time.perf_counter() - t0
+        last = time.perf_counter()
+        prefill_s = last - t0
 
         out: list[int] = []
         step_s: list[float] = []
         text = emitted = ""
         finish = "length"
-        while True:
-            if token_id in eos_ids:
-                finish = "eos"
-                break
+        while token_id not in eos_ids:
             out.append(token_id)
+            ahead = None
+            if len(out) < max_new:
+                ahead = self._step(token, cache, key, sampler, len(prompt_ids) + len(out) - 1)
             text = self._decode(out)
             cut = _find_stop(text, config.stop)
             if cut is not None:
@@ -313,12 +320,15 @@ class Engine:
             if safe > len(emitted):
                 yield text[len(emitted) : safe]
                 emitted = text[:safe]
-            if finish == "stop" or len(out) >= max_new:
+            if ahead is None or finish == "stop":
                 break
-            t = time.perf_counter()
-            token, cache, key = self._step(token, cache, key, sampler, len(prompt_ids) + len(out) - 1)
+            token, cache, key = ahead
             token_id = int(token[0])
-            step_s.append(time.perf_counter() - t)
+            now = time.perf_counter()
+            step_s.append(now - last)
+            last = now
+        else:
+            finish = "eos"
         if len(text) > len(emitted):  # the held-back tail: no stop string completed it
             yield text[len(emitted) :]
         yield GenerationResult(text, out, prompt_ids, finish, prefill_s, step_s)
