@@ -13,5 +13,5 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF checkpoint directory or .gguf file (default: SmolLM2-135M-Instruct)")
     p.add_argument(
         "--dtype", default="float32", choices=DTYPE_CHOICES,
-        help="weight dtype (default float32; on the CPU bfloat16 decodes ~5x slower, see README)",
+        help="weight dtype (default float32; on the CPU bfloat16 decodes 5-8x slower, see README)",
     )

@@ -151,7 +151,7 @@ def add_arguments(parser: argparse.ArgumentParser, command: str = "bench") -> No
     parser.add_argument("--model", default=None, help="HF directory or .gguf (default: the default model)")
     parser.add_argument(
         "--dtypes", nargs="+", default=None,
-        help="dense engines to run (default: float32 on a CPU, where bfloat16 decodes ~5x slower; float32 and "
+        help="dense engines to run (default: float32 on a CPU, where bfloat16 decodes 5-8x slower; float32 and "
              "bfloat16 on an accelerator)",
     )
     parser.add_argument("--prompts", type=int, default=5, help="number of ChatGPT prompts")

@@ -1,0 +1,74 @@
+"""Where a dense decode step's time goes on XLA:CPU: the compiled step's operations, timed.
+
+Runs the default model's jitted decode step (greedy) under ``jax.profiler`` at decode
+positions after a prompt, and sums the profiler's per-operation times over the steps:
+matrix-vector products (``dot``) against everything else (norms, RoPE, cache update,
+attention, softmax, residuals), with the count of each operation kind per step.
+
+    python bench/decode_profile.py [--prompt-tokens 120] [--steps 24]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+import tempfile
+import time
+
+import jax
+
+import jpinfer
+from jpinfer.runtime.engine import GenerationConfig
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompt-tokens", type=int, default=120)
+    ap.add_argument("--steps", type=int, default=24)
+    args = ap.parse_args()
+    engine = jpinfer.load()
+    prompt = [1000 + i for i in range(args.prompt_tokens)]
+    config = GenerationConfig(max_new_tokens=args.steps + 8)
+    engine.warmup(len(prompt), config)
+    token, cache, key, _ = engine._start(prompt, config.max_new_tokens, config.sampler, 0)
+    position = len(prompt)
+    for _ in range(4):  # past the first step's one-time work
+        token, cache, key = engine._step(token, cache, key, config.sampler, position)
+        position += 1
+    jax.block_until_ready(token)
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                token, cache, key = engine._step(token, cache, key, config.sampler, position)
+                position += 1
+            jax.block_until_ready(token)
+            wall = (time.perf_counter() - t0) / args.steps
+        trace = json.load(gzip.open(glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True)[0]))
+    ms, count = collections.defaultdict(float), collections.Counter()
+    for event in trace["traceEvents"]:
+        name = event.get("name", "")
+        if event.get("ph") != "X" or "dur" not in event or name.startswith(("end:", "$")) or "::" in name:
+            continue
+        if name[0].isupper():  # runtime spans (PjRt, executors), not compiled operations
+            continue
+        kind = re.sub(r"[.\d]+$", "", name)
+        ms[kind] += event["dur"] / 1e3 / args.steps
+        count[kind] += 1
+    dots = ms.pop("dot", 0.0)
+    print(f"jax {jax.__version__}, default model float32, decode positions {len(prompt)}-{position}, "
+          f"load average {os.getloadavg()[0]:.2f}")
+    print(f"step (under the profiler): {wall * 1e3:.2f} ms")
+    print(f"  matrix-vector products: {dots:6.2f} ms  ({count['dot'] // args.steps} per step)")
+    print(f"  other operations:       {sum(ms.values()):6.2f} ms  ({sum(count.values()) // args.steps - count['dot'] // args.steps} per step)")
+    for kind, t in sorted(ms.items(), key=lambda kv: -kv[1])[:12]:
+        print(f"    {kind:<40} {t:6.3f} ms  x{count[kind] // args.steps}")
+
+
+if __name__ == "__main__":
+    main()
