@@ -25,29 +25,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jpinfer.bench.timing import fastest
 from jpinfer.models.transformer import linear
 
 PARTS = ("ffn", "fuse", "matvec", "head")
-
-
-def fastest(calls, rounds: int, per_round: int = 3) -> list[float]:
-    """Fastest seconds of each no-argument call, alternating between them in rounds."""
-    for call in calls:
-        jax.block_until_ready(call())
-    best = [float("inf")] * len(calls)
-    for _ in range(rounds):
-        for i, call in enumerate(calls):
-            for _ in range(per_round):
-                t0 = time.perf_counter()
-                jax.block_until_ready(call())
-                best[i] = min(best[i], time.perf_counter() - t0)
-    return best
 
 
 def _randn(rng, *shape):

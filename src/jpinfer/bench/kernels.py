@@ -16,13 +16,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jpinfer.activations import activate
+from jpinfer.bench.timing import fastest
 from jpinfer.config import ModelConfig
 from jpinfer.models import params, transformer
 from jpinfer.sparse import neurons
@@ -50,15 +50,6 @@ CACHE_FLUSH_BYTES = 256 << 20  # cycle through this much weight memory: far abov
 N_LISTS = 8
 
 
-def _times(call, n: int) -> list[float]:
-    out = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        jax.block_until_ready(call())
-        out.append(time.perf_counter() - t0)
-    return out
-
-
 def _cycle(f, arg_sets):
     """A no-argument call that runs f on the next argument set each time (cold caches)."""
     state = {"i": 0}
@@ -70,19 +61,6 @@ def _cycle(f, arg_sets):
     for _ in range(len(arg_sets)):  # compile and touch every set once
         jax.block_until_ready(call())
     return call
-
-
-def _interleaved(calls, rounds: int) -> list[float]:
-    """Fastest seconds of each call, measured in alternating rounds of 3 calls each.
-
-    The minimum, not the median: on a machine shared with other jobs the median mostly
-    measures their load, while the fastest of many cold-cache calls is the op's own speed.
-    """
-    times = [[] for _ in calls]
-    for _ in range(rounds):
-        for call, t in zip(calls, times):
-            t += _times(call, 3)
-    return [float(np.min(t)) for t in times]
 
 
 def _layer(shape: Shape, rng: np.random.Generator, place) -> params.Layer:
@@ -155,7 +133,7 @@ def bench_shape(
         before = _cycle(
             _scan_before(shape.kind, k), [(separate[i % copies], x, lists[i % N_LISTS]) for i in range(n_sets)]
         )
-        t_dense, t_before, t_sparse = _interleaved([dense, before, sparse], rounds)
+        t_dense, t_before, t_sparse = fastest([dense, before, sparse], rounds)
         speedup = t_dense / t_sparse
         rows.append(dict(
             shape=shape.name, s=s, k=k, dense_ms=t_dense * 1e3, sparse_ms=t_sparse * 1e3,
@@ -207,10 +185,10 @@ def primitive_rates(shape: Shape, s: float, rounds: int, seed: int, huge_pages: 
     out = []
     for name, (piece, out_shape, n_rows) in pieces.items():
         call = _cycle(_chunk_loop(piece, k, chunk, out_shape), [(ffn.rows, x, ids) for ids in lists])
-        t = float(np.min(_times(call, 3 * rounds)))
+        (t,) = fastest([call], rounds)
         out.append((name, t * 1e3, k * n_rows * d * 4))
     op = jax.jit(lambda ffn, x, ids: sparse_ffn(ffn, x, ids, k, backend="xla"))
-    t = float(np.min(_times(_cycle(op, [(ffn, x, ids) for ids in lists]), 3 * rounds)))
+    (t,) = fastest([_cycle(op, [(ffn, x, ids) for ids in lists])], rounds)
     out.append(("whole sparse op", t * 1e3, k * 3 * d * 4))
     return out
 
