@@ -290,15 +290,17 @@ class Engine:
     def events(self, prompt, config: GenerationConfig) -> Iterator[str | GenerationResult]:
         """Yield text pieces as they are generated, then the GenerationResult (streaming with stats).
 
-        The loop runs one step ahead: step i + 1 is dispatched (asynchronously) before token i's
-        host work (detokenizing, stop strings, yielding), so that work overlaps the device step
-        instead of adding to it. A step dispatched past a stop string is discarded.
+        The device never waits for the host: the step that produces token i + 1 is dispatched
+        (asynchronously, from token i still on the device) before token i is read back, so the
+        read, detokenizing, stop strings and the consumer's work overlap the device's next step.
+        At most one step past the end (EOS, a stop string) is computed and discarded.
         ``step_s`` holds the time between consecutive tokens.
         """
         prompt_ids = self.encode_prompt(prompt, chat=config.chat)
-        sampler, eos_ids = config.sampler, self._eos_ids()
+        sampler, eos_ids, n = config.sampler, self._eos_ids(), len(prompt_ids)
         t0 = time.perf_counter()
         token, cache, key, max_new = self._start(prompt_ids, config.max_new_tokens, sampler, config.seed)
+        ahead = self._step(token, cache, key, sampler, n) if max_new > 1 else None
         token_id = int(token[0])
         last = time.perf_counter()
         prefill_s = last - t0
@@ -309,9 +311,6 @@ class Engine:
         finish = "length"
         while token_id not in eos_ids:
             out.append(token_id)
-            ahead = None
-            if len(out) < max_new:
-                ahead = self._step(token, cache, key, sampler, len(prompt_ids) + len(out) - 1)
             text = self._decode(out)
             cut = _find_stop(text, config.stop)
             if cut is not None:
@@ -323,6 +322,7 @@ class Engine:
             if ahead is None or finish == "stop":
                 break
             token, cache, key = ahead
+            ahead = self._step(token, cache, key, sampler, n + len(out)) if len(out) + 1 < max_new else None
             token_id = int(token[0])
             now = time.perf_counter()
             step_s.append(now - last)
