@@ -56,7 +56,9 @@ def _engines(args: argparse.Namespace) -> list:
         else:
             print("writing (once, cached) a float32 GGUF of the same weights for llama.cpp ...", file=sys.stderr)
             engines.append(LlamaCppEngine(float32_gguf(source), n_threads=args.threads))
-            engines.append(LlamaCppEngine(source, n_threads=args.threads))
+            original = LlamaCppEngine(source, n_threads=args.threads)
+            if original.name != engines[-1].name:  # the file itself, unless it is float32 already
+                engines.append(original)
     if "transformers" in args.peers:
         if TransformersEager.available():
             engines.append(TransformersEager(str(source)))
