@@ -293,6 +293,8 @@ class Engine:
         The device never waits for the host: the step that produces token i + 1 is dispatched
         (asynchronously, from token i still on the device) before token i is read back, so the
         read, detokenizing, stop strings and the consumer's work overlap the device's next step.
+        Token i is read as a host copy of its buffer (``np.asarray``), not with ``token[0]``: that
+        indexing is itself a device computation, queued behind step i + 1, and waited for it.
         At most one step past the end (EOS, a stop string) is computed and discarded.
         ``step_s`` holds the time between consecutive tokens.
         """
@@ -301,7 +303,7 @@ class Engine:
         t0 = time.perf_counter()
         token, cache, key, max_new = self._start(prompt_ids, config.max_new_tokens, sampler, config.seed)
         ahead = self._step(token, cache, key, sampler, n) if max_new > 1 else None
-        token_id = int(token[0])
+        token_id = int(np.asarray(token)[0])
         last = time.perf_counter()
         prefill_s = last - t0
 
@@ -323,7 +325,7 @@ class Engine:
                 break
             token, cache, key = ahead
             ahead = self._step(token, cache, key, sampler, n + len(out)) if len(out) + 1 < max_new else None
-            token_id = int(token[0])
+            token_id = int(np.asarray(token)[0])
             now = time.perf_counter()
             step_s.append(now - last)
             last = now
