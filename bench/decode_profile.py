@@ -1,7 +1,8 @@
 """Where a dense decode step's time goes on XLA:CPU: the compiled step's operations, timed.
 
-Runs the default model's jitted decode step (greedy) under ``jax.profiler`` at decode
-positions after a prompt, and sums the profiler's per-operation times over the steps:
+Runs the default model's jitted decode step (``transformer.decode_step`` with the engine's
+attention length, then greedy argmax) under ``jax.profiler`` at decode positions after a
+prompt, and sums the profiler's per-operation times over the steps:
 matrix-vector products (``dot``) against everything else (norms, RoPE, cache update,
 attention, softmax, residuals), with the count of each operation kind per step.
 
@@ -21,9 +22,12 @@ import tempfile
 import time
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 import jpinfer
-from jpinfer.runtime.engine import GenerationConfig
+from jpinfer.models import transformer
+from jpinfer.runtime.engine import attend_length
 
 
 def main() -> None:
@@ -31,23 +35,33 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=120)
     ap.add_argument("--steps", type=int, default=24)
     args = ap.parse_args()
-    engine = jpinfer.load()
-    prompt = [1000 + i for i in range(args.prompt_tokens)]
-    config = GenerationConfig(max_new_tokens=args.steps + 8)
-    engine.warmup(len(prompt), config)
-    token, cache, key, _ = engine._start(prompt, config.max_new_tokens, config.sampler, 0)
-    position = len(prompt)
-    for _ in range(4):  # past the first step's one-time work
-        token, cache, key = engine._step(token, cache, key, config.sampler, position)
+    model = jpinfer.load_model()
+    weights, cfg = model.weights, model.cfg
+    prompt = np.array([[1000 + i for i in range(args.prompt_tokens)]], np.int32)
+    capacity = 256 * -(-(args.prompt_tokens + args.steps + 8) // 256)
+    cache = transformer.KVCache.create(cfg, 1, capacity)
+    logits, cache = transformer.prefill(weights, jnp.asarray(prompt), jnp.int32(prompt.shape[1]), cache, cfg)
+    position = prompt.shape[1]
+
+    def step(logits, cache, position):
+        token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return transformer.decode_step(weights, token, cache, cfg, attend=attend_length(position + 1, capacity))
+
+    # compile every attention length the timed steps reach, on a throwaway cache
+    spare = transformer.KVCache.create(cfg, 1, capacity)
+    for attend in sorted({attend_length(p + 1, capacity) for p in range(position, position + args.steps + 4)}):
+        _, spare = transformer.decode_step(weights, jnp.zeros((1,), jnp.int32), spare, cfg, attend=attend)
+    for _ in range(4):  # past the first steps' one-time work
+        logits, cache = step(logits, cache, position)
         position += 1
-    jax.block_until_ready(token)
+    jax.block_until_ready(logits)
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir):
             t0 = time.perf_counter()
             for _ in range(args.steps):
-                token, cache, key = engine._step(token, cache, key, config.sampler, position)
+                logits, cache = step(logits, cache, position)
                 position += 1
-            jax.block_until_ready(token)
+            jax.block_until_ready(logits)
             wall = (time.perf_counter() - t0) / args.steps
         trace = json.load(gzip.open(glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True)[0]))
     ms, count = collections.defaultdict(float), collections.Counter()
@@ -61,7 +75,7 @@ def main() -> None:
         ms[kind] += event["dur"] / 1e3 / args.steps
         count[kind] += 1
     dots = ms.pop("dot", 0.0)
-    print(f"jax {jax.__version__}, default model float32, decode positions {len(prompt)}-{position}, "
+    print(f"jax {jax.__version__}, default model float32, decode positions {prompt.shape[1] + 4}-{position}, "
           f"load average {os.getloadavg()[0]:.2f}")
     print(f"step (under the profiler): {wall * 1e3:.2f} ms")
     print(f"  matrix-vector products: {dots:6.2f} ms  ({count['dot'] // args.steps} per step)")
