@@ -19,7 +19,7 @@ def test_attend_length_ladder():
         assert n <= length <= capacity  # sees every position, never past the cache
         assert length <= max(MIN_ATTEND, 1.5 * n)  # reads at most 1.5x the used cache
     assert lengths == sorted(lengths)
-    assert len(set(lengths)) <= 13  # one compiled step per rung: 64, 96, ..., 3072, 4096
+    assert len(set(lengths)) <= 11  # one compiled step per rung: 128, 192, ..., 3072, 4096
     assert attend_length(300, 256) == 256 and attend_length(1, 16) == 16
 
 
@@ -42,13 +42,13 @@ def test_decoding_across_rungs_equals_scoring_the_whole_sequence(sliding_window)
                                         attend=attend_length(32, capacity))
     np.testing.assert_allclose(np.asarray(logits)[0], full[n_prompt - 1], atol=DECODER_ATOL, rtol=0)
     rungs = set()
-    for pos in range(n_prompt, len(tokens)):  # crosses the rungs 64, 96, 128, 192
+    for pos in range(n_prompt, len(tokens)):  # crosses the rungs 128, 192, 256
         attend = attend_length(pos + 1, capacity)
         rungs.add(attend)
         logits, cache = transformer.decode_step(weights, jnp.asarray(tokens[pos : pos + 1]), cache, cfg,
                                                 attend=attend)
         np.testing.assert_allclose(np.asarray(logits)[0], full[pos], atol=DECODER_ATOL, rtol=0, err_msg=str(pos))
-    assert rungs == {64, 96, 128, 192, 256}
+    assert rungs == {128, 192, 256}
 
 
 def test_engine_generation_across_rungs_is_greedy_under_full_attention():

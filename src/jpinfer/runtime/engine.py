@@ -19,7 +19,7 @@ from jpinfer.runtime.sampling import Sampler, sample
 
 MIN_PROMPT_BUCKET = 16
 CACHE_ROUNDING = 256
-MIN_ATTEND = 64
+MIN_ATTEND = 128  # each rung is one more compilation of the step; below 128 slots attention is cheap
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,12 +96,12 @@ def _bucket(n: int) -> int:
 
 
 def attend_length(n: int, capacity: int) -> int:
-    """Cache slots a step reads to see n positions: the next of 64, 96, 128, 192, 256, 384, ...
+    """Cache slots a step reads to see n positions: the next of 128, 192, 256, 384, 512, ...
     (each step of the ladder at most 1.5x the last), capped at the cache capacity.
 
-    Attention then reads at most 1.5x the used part of the cache instead of all of it, and
-    a generation compiles the decode step once per rung it reaches (a few times), not per
-    position. Reading all 512 slots of a cache instead of the used prefix made a default-model
+    Attention then reads at most 1.5x the used part of the cache (or 128 slots) instead of all
+    of it, and a generation compiles the decode step once per rung it reaches (a few times),
+    not per position; starting at 128 keeps short generations to one compilation. Reading all 512 slots of a cache instead of the used prefix made a default-model
     decode step 1.13-1.15x slower (docs/architecture.md).
     """
     length = MIN_ATTEND
