@@ -1,7 +1,5 @@
 """The engine's FFN strategy: a sparse strategy plugs into generate/stream unchanged."""
 
-import numpy as np
-import pytest
 
 from jpinfer import Engine, FfnStrategy, GenerationConfig, LoadedModel
 from jpinfer.runtime.oracle import oracle_strategy

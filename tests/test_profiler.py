@@ -7,7 +7,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jpinfer import Engine
 from jpinfer.models import params, transformer
 from jpinfer.profiler import (
     ActivationProfile, PredictorSamples, ProfileError, ProfileMismatchError, Sensitivity, calibrate, greedy, perplexity,

@@ -64,7 +64,7 @@ class HasModel(Protocol):
 ModelArg = LoadedModel | HasModel | str | os.PathLike | None
 
 
-def resolve_model(model: ModelArg, dtype: Any = "float32") -> LoadedModel:
+def resolve_model(model: ModelArg) -> LoadedModel:
     """The LoadedModel behind ``model``: itself, the one an Engine wraps, or a checkpoint
     path (None = the default model) loaded now."""
     if isinstance(model, LoadedModel):
@@ -72,7 +72,7 @@ def resolve_model(model: ModelArg, dtype: Any = "float32") -> LoadedModel:
     if isinstance(model, HasModel):
         return model.model
     if model is None or isinstance(model, (str, os.PathLike)):
-        return load_model(model, dtype=dtype)
+        return load_model(model)
     raise JpinferError(
         f"model must be an Engine (jpinfer.load), a LoadedModel, a checkpoint path or None, got {type(model).__name__}"
     )

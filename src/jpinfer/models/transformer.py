@@ -106,7 +106,7 @@ def attention_block(
     (None for learned positions). The new keys and values are written into the layer's
     cache in place (the caller donates it), so a step never copies the cache. Attention
     reads the first ``attend`` cache slots (static; None = all), which must hold every
-    position so far: a decode step at position 40 of a 2048-slot cache reads 64, not 2048.
+    position so far: a decode step at position 40 of a 2048-slot cache reads 128 slots, not 2048.
     Returns the output projection (B, T, d) and the layer's updated keys and values.
     """
     b, t, _ = x.shape

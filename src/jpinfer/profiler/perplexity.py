@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from jpinfer.config import ModelConfig
 from jpinfer.models import transformer
-from jpinfer.models.loading import LoadedModel, ModelArg, resolve_model
+from jpinfer.models.loading import ModelArg, resolve_model
 from jpinfer.models.params import Layer
 from jpinfer.profiler import passes
 from jpinfer.profiler.activity import Score, activation_and_score, check_score
