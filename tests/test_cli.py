@@ -24,6 +24,8 @@ from jpinfer.cli import COMMANDS, main
         (["profile", "--model", "/nonexistent/model.gguf", "--out", "x.npz"], "no such checkpoint"),
         (["bench", "--prompts", "0"], "--prompts must be >= 1"),
         (["bench-kernels", "--sparsity", "1.5"], "--sparsity values must lie in [0, 1)"),
+        (["train-predictors", "--recall", "1.5"], "recall must lie in (0, 1]"),
+        (["train-predictors", "--profile", "/nonexistent/prof.npz"], "no such profile file"),
     ],
 )
 def test_bad_arguments_exit_with_a_message(argv, message, capsys):
@@ -40,7 +42,7 @@ def test_unknown_command_and_help_list_every_subcommand(capsys):
         main(["--help"])
     out = capsys.readouterr().out
     assert all(name in out for name in COMMANDS)
-    assert {"generate", "chat", "info", "bench", "profile", "place"} <= set(COMMANDS)
+    assert {"generate", "chat", "info", "bench", "profile", "train-predictors", "place"} <= set(COMMANDS)
 
 
 def test_console_script_and_module_entry_points_agree():
@@ -80,3 +82,19 @@ def test_profile_writes_a_profile_of_the_default_model(tmp_path):
     # SwiGLU thresholds calibrated for 50% sparsity on the same 1024 tokens (calibration_tokens 16384 > 1024):
     # within SPARSITY_ATOL (0.01) per layer by test_profiler; 0.1 only checks that the CLI calibrated for 0.5
     assert np.mean(prof.sparsity()) == pytest.approx(0.5, abs=0.1)
+
+
+@pytest.mark.slow
+def test_train_predictors_from_a_saved_profile(tmp_path):
+    from jpinfer.predictor import Predictors
+
+    profile_path, out_dir = tmp_path / "prof.npz", tmp_path / "predictors"
+    env = os.environ | {"JPINFER_CACHE": str(tmp_path / "cache")}
+    run = dict(capture_output=True, text=True, timeout=900, check=True, env=env)
+    subprocess.run([sys.executable, "-m", "jpinfer", "profile", "--n-tokens", "4096", "--window", "256", "--samples",
+                    "2048", "--out", str(profile_path), "--no-progress"], **run)
+    out = subprocess.run([sys.executable, "-m", "jpinfer", "train-predictors", "--profile", str(profile_path),
+                          "--rank", "16", "--epochs", "1", "--out", str(out_dir), "--no-progress"], **run)
+    assert f"saved {out_dir}" in out.stdout and "trained 30 predictors" in out.stdout
+    predictors = Predictors.load(out_dir, profile=ActivationProfile.load(profile_path))
+    assert predictors.ranks == [16] * 30 and predictors.meta["recall"] == 0.99

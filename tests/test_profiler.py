@@ -9,8 +9,8 @@ import pytest
 
 from jpinfer.models import params, transformer
 from jpinfer.profiler import (
-    ActivationProfile, PredictorSamples, ProfileError, ProfileMismatchError, Sensitivity, calibrate, greedy, perplexity,
-    profile, score_histogram, uniform,
+    ActivationProfile, PredictorSamples, ProfileError, ProfileMismatchError, Sensitivity, calibrate, evaluate, greedy,
+    perplexity, profile, score_histogram, uniform,
 )
 from jpinfer.profiler import calibration as calibration_module
 from profiler_fixtures import ffn_inputs, reference_scores, reference_window_losses, thresholds_in_gaps, tiny_engine
@@ -185,6 +185,24 @@ def test_dense_perplexity_equals_numpy_from_logits():
     logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
     nll = -np.take_along_axis(logp, tokens[:, 1:, None], -1).mean()
     assert perplexity(engine, tokens, batch_size=2) == pytest.approx(np.exp(nll), rel=PPL_RTOL)
+
+
+@dataclasses.dataclass(frozen=True)
+class _CountingFFN:
+    """Dense FFN whose aux is, per token, its layer index + 1."""
+
+    cfg: object
+
+    def __call__(self, i, layer, x, state):
+        return transformer.ffn_dense(layer, x, self.cfg), {"ones": jnp.full(x.shape[:-1], i + 1)}
+
+
+def test_evaluate_sums_aux_over_real_tokens_only():
+    """5 windows in batches of 2: the last batch is padded with a copy, which must not be counted."""
+    engine, tokens = tiny_engine("swiglu"), windows(5, 16)
+    ppl, sums = evaluate(engine, tokens, _CountingFFN(engine.cfg), batch_size=2)
+    assert ppl == pytest.approx(perplexity(engine, tokens), rel=1e-6)  # same model, same batch shapes
+    assert [s["ones"] for s in sums] == [(i + 1) * tokens.size for i in range(engine.cfg.n_layers)]
 
 
 def test_oracle_sparse_perplexity_zeroes_inactive_neurons():

@@ -1,7 +1,8 @@
 """jpinfer: activation-sparse LLM inference in JAX.
 
 Public API: ``load`` a model into an ``Engine``, ``generate`` text, configure with
-``GenerationConfig``, ``profile`` neuron activity into an ``ActivationProfile``. See README.md.
+``GenerationConfig``, ``profile`` neuron activity into an ``ActivationProfile``,
+``train_predictors`` from its samples into ``Predictors``. See README.md.
 """
 
 from __future__ import annotations
@@ -18,10 +19,20 @@ from jpinfer.runtime.engine import Engine, FfnStrategy, GenerationConfig, Genera
 __all__ = [
     "load", "load_model", "generate", "Engine", "FfnStrategy", "GenerationConfig", "GenerationResult", "ModelConfig",
     "LoadedModel", "JpinferError", "CheckpointError", "profile", "ActivationProfile",
+    "train_predictors", "Predictors",
 ]
 __version__ = "0.1.0"
 
 _engines: dict[str, Engine] = {}
+_LAZY = {"train_predictors", "Predictors"}  # from jpinfer.predictor: Flax and optax load only when used
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        from jpinfer import predictor
+
+        return getattr(predictor, name)
+    raise AttributeError(f"module 'jpinfer' has no attribute {name!r}")
 
 
 def load(source: str | pathlib.Path | None = None, *, dtype: Any = "float32", ffn_kind: str | None = None) -> Engine:

@@ -12,7 +12,7 @@ from jpinfer.profiler.calibration import (
 )
 from jpinfer.profiler.collect import profile
 from jpinfer.profiler.corpus import Corpus, CorpusError, TokenWindows, token_windows
-from jpinfer.profiler.perplexity import OracleSparseFFN, perplexity
+from jpinfer.profiler.perplexity import OracleSparseFFN, evaluate, perplexity
 from jpinfer.profiler.samples import PredictorSamples
 from jpinfer.profiler.stats import ActivationProfile, ProfileError, ProfileMismatchError, model_fingerprint
 
@@ -20,5 +20,5 @@ __all__ = [
     "profile", "ActivationProfile", "ProfileError", "ProfileMismatchError", "model_fingerprint",
     "Corpus", "CorpusError", "TokenWindows", "token_windows",
     "Calibration", "ScoreHistogram", "Sensitivity", "calibrate", "score_histogram", "uniform", "sensitivity", "greedy",
-    "perplexity", "OracleSparseFFN", "PredictorSamples",
+    "perplexity", "evaluate", "OracleSparseFFN", "PredictorSamples",
 ]

@@ -38,13 +38,44 @@ class OracleSparseFFN:
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "ffn_impl"))
-def _nll_sum(weights, tokens, valid, thresholds, cfg, ffn_impl):
-    """Summed next-token negative log-likelihood over the valid windows (B,) of a batch."""
+def _nll_sum(weights, tokens, valid, ffn_state, cfg, ffn_impl):
+    """Summed next-token NLL over the valid windows (B,) of a batch, and per-layer aux
+    sums over the valid windows' tokens (every aux leaf is (B, T))."""
     cache = transformer.KVCache.create(cfg, tokens.shape[0], tokens.shape[1], weights.dtype)
-    h, _, _ = transformer.forward(weights, tokens, cache, cfg, ffn_impl, thresholds)
+    h, _, aux = transformer.forward(weights, tokens, cache, cfg, ffn_impl, ffn_state)
     lg = transformer.logits(weights, h[:, :-1])
     nll = jax.nn.logsumexp(lg, -1) - jnp.take_along_axis(lg, tokens[:, 1:, None], -1)[..., 0]
-    return jnp.sum(nll.sum(-1) * valid)
+    aux_sums = jax.tree_util.tree_map(lambda a: jnp.sum(a * valid[:, None], dtype=jnp.float32), aux)
+    return jnp.sum(nll.sum(-1) * valid), aux_sums
+
+
+def evaluate(
+    model: ModelArg,
+    windows: Any,
+    ffn_impl: transformer.FfnImpl | None = None,
+    ffn_state: Any = None,
+    *,
+    batch_size: int = 4,
+    progress: bool = False,
+) -> tuple[float, Any]:
+    """(perplexity, aux sums) of the model with ``ffn_impl`` as its FFN (None: dense).
+
+    Perplexity is exp(mean next-token NLL) over the windows, predicting every token after
+    the first of each. ``ffn_impl``'s per-layer aux must be a pytree of (B, T) arrays (e.g.
+    per-token neuron counts); each is summed over all real tokens (float32, exact to 2^24).
+    """
+    loaded = resolve_model(model)
+    tokens = passes.as_tokens(windows, loaded.cfg.vocab_size)
+    total, sums = 0.0, None
+    with tqdm(total=int(tokens.size), unit="tok", desc="perplexity", disable=not progress) as bar:
+        for _, chunk, valid in passes.batches(tokens, batch_size):
+            nll, aux = _nll_sum(loaded.weights, jnp.asarray(chunk), jnp.asarray(valid[:, 0]), ffn_state, loaded.cfg,
+                                ffn_impl)
+            total += float(nll)
+            aux = jax.tree_util.tree_map(float, aux)
+            sums = aux if sums is None else jax.tree_util.tree_map(lambda a, b: a + b, sums, aux)
+            bar.update(int(valid.sum()))
+    return math.exp(total / (tokens.shape[0] * (tokens.shape[1] - 1))), sums
 
 
 def perplexity(
@@ -56,14 +87,11 @@ def perplexity(
     batch_size: int = 4,
     progress: bool = False,
 ) -> float:
-    """exp(mean next-token NLL) over windows, predicting every token after the first of each.
-
-    ``thresholds`` None runs the dense model; otherwise neurons whose score is at most the
-    layer's threshold are zeroed (a Calibration brings its own score).
-    """
+    """Perplexity (see ``evaluate``) of the dense model, or with ``thresholds`` of the model
+    whose neurons with score at most the layer's threshold are zeroed (a Calibration brings
+    its own score)."""
     loaded = resolve_model(model)
     cfg = loaded.cfg
-    tokens = passes.as_tokens(windows, cfg.vocab_size)
     impl, thr = None, None
     if thresholds is not None:
         if isinstance(thresholds, Calibration):
@@ -73,9 +101,4 @@ def perplexity(
         if thr.shape != (cfg.n_layers,):
             raise ValueError(f"thresholds must have one value per layer ({cfg.n_layers}), got shape {thr.shape}")
         impl, thr = OracleSparseFFN(cfg, score), jnp.asarray(thr)
-    total = 0.0
-    with tqdm(total=int(tokens.size), unit="tok", desc="perplexity", disable=not progress) as bar:
-        for _, chunk, valid in passes.batches(tokens, batch_size):
-            total += float(_nll_sum(loaded.weights, jnp.asarray(chunk), jnp.asarray(valid[:, 0]), thr, cfg, impl))
-            bar.update(int(valid.sum()))
-    return math.exp(total / (tokens.shape[0] * (tokens.shape[1] - 1)))
+    return evaluate(loaded, windows, impl, thr, batch_size=batch_size, progress=progress)[0]

@@ -1,0 +1,219 @@
+"""Activation predictors on the default model: training time, sizes, quality end to end, cost.
+
+Protocol:
+- profile: WikiText-2 valid, 131072 tokens (the profiler's default), uniform thresholds for
+  50% sparsity, ``--samples`` predictor samples per layer (cached under $JPINFER_CACHE/bench);
+- ``train_predictors`` with its defaults (adaptive widths, recall 0.99, budget 10% of the
+  model), timed; then every layer at one fixed width with the same total parameters;
+- quality: WikiText-2 test perplexity (the first ``--test-windows`` windows of 512 tokens, as
+  bench/sparsity_ppl.py) of the model computing only the predicted neurons
+  (``PredictedMaskFFN``), with the cut-offs re-chosen for each recall in ``--recalls`` (no
+  retraining), next to dense and to the oracle (exact active sets, uniform thresholds) at
+  the same mean number of computed neurons per token; test-text recall per layer;
+- greedy tokens against dense on ``--prompts`` ChatGPT prompts at the best operating point;
+- cost: decode step time with predictors (the masked FFN: dense FFN + predictor + mask, an
+  upper bound on the predictor's own cost) against the dense step, interleaved rounds.
+
+    python bench/predictors.py --out bench/results/predictors.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import platform
+import time
+
+import jax
+import numpy as np
+
+import jpinfer
+from jpinfer.cache import cache_dir
+from jpinfer.data import chatgpt_prompts
+from jpinfer.predictor import PredictedMaskFFN, Predictors, mask_states, train_predictors
+from jpinfer.predictor.fit import model_params, retune
+from jpinfer.predictor.sizing import predictor_params
+from jpinfer.profiler import ActivationProfile, calibrate, evaluate, perplexity, profile, token_windows
+
+
+def cached_profile(engine, n_samples: int) -> ActivationProfile:
+    path = cache_dir("bench") / f"predictors-profile-{n_samples}.npz"
+    if path.is_file():
+        prof = ActivationProfile.load(path, engine)
+        if prof.meta.get("samples") and pathlib.Path(prof.meta["samples"]).is_dir():
+            return prof
+    prof = profile(engine, n_samples=n_samples)
+    prof.save(path)
+    return prof
+
+
+def trained(engine, prof, name: str, reuse: bool, **kwargs) -> tuple[Predictors, float]:
+    path = cache_dir("bench") / f"predictors-{name}"
+    if reuse and path.is_dir():
+        loaded = Predictors.load(path, engine, prof)
+        return loaded, loaded.meta["seconds"]
+    t = time.perf_counter()
+    predictors = train_predictors(engine, prof, **kwargs)
+    seconds = time.perf_counter() - t
+    predictors.meta["seconds"] = seconds
+    predictors.save(path)
+    return predictors, seconds
+
+
+def masked(engine, predictors: Predictors, prof: ActivationProfile) -> jpinfer.FfnStrategy:
+    return jpinfer.FfnStrategy(PredictedMaskFFN(engine.cfg), mask_states(predictors.layers, prof.thresholds),
+                               "predicted masks")
+
+
+def quality(engine, predictors, prof, test) -> dict:
+    """Perplexity and per-layer test-text counts of the predicted-mask model."""
+    strategy = masked(engine, predictors, prof)
+    ppl, sums = evaluate(engine, test, strategy.impl, strategy.state, progress=True)
+    n_tokens = test.size
+    per_layer = [{k: v / n_tokens for k, v in layer.items()} for layer in sums]
+    return {"ppl": ppl, "neurons": float(np.mean([c["predicted"] for c in per_layer])),
+            "test_recall": [c["hits"] / c["active"] for c in per_layer],
+            "test_recall_all": sum(c["hits"] for c in per_layer) / sum(c["active"] for c in per_layer),
+            "per_layer_predicted": [c["predicted"] for c in per_layer]}
+
+
+def agreement(engine, strategy, prompts, new_tokens) -> dict:
+    """Position-wise equal greedy tokens against dense, and prompts whose outputs are identical."""
+    other = engine.with_ffn(strategy)
+    equal = total = identical = 0
+    for p in prompts:
+        a = engine.generate(p, max_new_tokens=new_tokens).token_ids
+        b = other.generate(p, max_new_tokens=new_tokens).token_ids
+        n = min(len(a), len(b))
+        equal += sum(x == y for x, y in zip(a[:n], b[:n]))
+        total += n
+        identical += a == b
+    return {"token_agreement": equal / total, "identical_prompts": identical, "prompts": len(prompts)}
+
+
+def step_cost(engine, strategy, prompt, rounds: int) -> dict:
+    """Median decode step (no host round trips) of dense and of the masked model, interleaved."""
+    other = engine.with_ffn(strategy)
+    dense, with_predictor = [], []
+    for _ in range(rounds):
+        dense.append(engine.device_step_seconds(prompt, 64))
+        with_predictor.append(other.device_step_seconds(prompt, 64))
+    d, p = float(np.median(dense)), float(np.median(with_predictor))
+    return {"dense_ms": d * 1e3, "masked_ms": p * 1e3, "overhead": p / d - 1, "load": os.getloadavg()[0]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--samples", type=int, default=65536)
+    ap.add_argument("--test-windows", type=int, default=64)
+    ap.add_argument("--recalls", default="0.99,0.95,0.9,0.8")
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--reuse", action="store_true", help="reuse predictors trained by an earlier run")
+    ap.add_argument("--out", type=pathlib.Path, default=None)
+    args = ap.parse_args()
+    recalls = [float(r) for r in args.recalls.split(",")]
+
+    engine = jpinfer.load()
+    cfg = engine.cfg
+    prof = cached_profile(engine, args.samples)
+    adaptive, adaptive_s = trained(engine, prof, "adaptive", args.reuse)
+    fixed_rank = max(1, round(adaptive.n_params / cfg.n_layers / predictor_params(1, cfg.d_model, cfg.d_ff)))
+    fixed, fixed_s = trained(engine, prof, f"fixed{fixed_rank}", args.reuse, ranks=fixed_rank)
+    print(f"adaptive {adaptive.ranks} ({adaptive.n_params:,}) in {adaptive_s:.0f} s; fixed {fixed_rank} "
+          f"({fixed.n_params:,}) in {fixed_s:.0f} s", flush=True)
+
+    w = 512
+    test = token_windows("wikitext2-test", engine.tokenizer, window=w, n_tokens=args.test_windows * w).tokens
+    calib = token_windows("wikitext2-valid", engine.tokenizer, window=w).tokens[:32]
+    rows = []
+    dense_ppl = perplexity(engine, test, progress=True)
+    for name, predictors in (("adaptive", adaptive), ("fixed", fixed)):
+        for recall in recalls:
+            tuned = predictors if recall == predictors.meta["recall"] else retune(predictors, prof, recall)
+            q = quality(engine, tuned, prof, test)
+            oracle_sparsity = 1 - q["neurons"] / cfg.d_ff
+            q["oracle_ppl"] = perplexity(engine, test, calibrate(engine, calib, oracle_sparsity), progress=True)
+            rows.append({"predictors": name, "recall": recall, **q})
+            print(json.dumps({k: v for k, v in rows[-1].items() if not isinstance(v, list)}), flush=True)
+
+    ok = [r for r in rows if r["ppl"] <= 1.05 * dense_ppl]
+    best = min(ok, key=lambda r: r["neurons"]) if ok else max(rows, key=lambda r: r["recall"])
+    best_predictors = adaptive if best["predictors"] == "adaptive" else fixed
+    best_tuned = best_predictors if best["recall"] == best_predictors.meta["recall"] else retune(
+        best_predictors, prof, best["recall"])
+    strategy = masked(engine, best_tuned, prof)
+    prompts = [engine.encode_prompt(t, chat=True)[:128] for t in chatgpt_prompts()[: args.prompts]]
+    agree = agreement(engine, strategy, prompts, args.new_tokens)
+    cost = step_cost(engine, masked(engine, adaptive, prof), prompts[0], args.rounds)
+    n_model = model_params(engine)
+
+    meta = adaptive.meta
+    lines = [
+        "# Activation predictors on the default model", "",
+        f"Command: `python bench/predictors.py --samples {args.samples} --test-windows {args.test_windows} "
+        f"--recalls {args.recalls} --prompts {args.prompts} --new-tokens {args.new_tokens} --rounds {args.rounds}`", "",
+        f"Date {datetime.date.today()}, jax {jax.__version__}, {platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} CPUs, load average at the end {os.getloadavg()[0]:.1f}. Labels: |silu(g)*u| over the "
+        f"profile's uniform 50% thresholds; {meta['n_samples']} samples per layer (held-out tail "
+        f"{meta['train_config']['held_out']:.0%}).", "",
+        "## Training", "",
+        f"- `train_predictors(model, profile)` (adaptive widths, recall {meta['recall']}, budget "
+        f"{meta['budget']:.0%}): {adaptive_s / 60:.1f} min on this machine; widths {adaptive.ranks}; "
+        f"{adaptive.n_params:,} parameters = {adaptive.n_params / n_model:.2%} of the model's {n_model:,}.",
+        f"- one fixed width {fixed_rank} for every layer (equal total parameters: {fixed.n_params:,}): "
+        f"{fixed_s / 60:.1f} min.", "",
+        "## Quality (WikiText-2 test, the first "
+        f"{args.test_windows} windows of {w} tokens)", "",
+        f"Dense perplexity {dense_ppl:.2f}; 1.05x dense = {1.05 * dense_ppl:.2f}. \"neurons\": mean neurons computed "
+        f"per token and layer (of {cfg.d_ff}); oracle: exact active sets at the same mean count (uniform "
+        "thresholds).", "",
+        "| predictors | recall target | neurons / token | share | perplexity | ppl / dense | oracle ppl | test recall |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['predictors']} | {r['recall']} | {r['neurons']:.0f} | {r['neurons'] / cfg.d_ff:.1%} | "
+                     f"{r['ppl']:.2f} | {r['ppl'] / dense_ppl:.3f} | {r['oracle_ppl']:.2f} | "
+                     f"{r['test_recall_all']:.3f} |")
+    lines += [
+        "", f"Best operating point at perplexity <= 1.05x dense: "
+        + (f"{best['predictors']} predictors, recall target {best['recall']}: {best['neurons']:.0f} of {cfg.d_ff} "
+           f"neurons per token ({best['neurons'] / cfg.d_ff:.1%}), perplexity {best['ppl']:.2f}." if ok else
+           "none of the measured points (shown: the highest recall)."),
+        f"Greedy tokens there against dense, {agree['prompts']} ChatGPT prompts x {args.new_tokens} tokens: "
+        f"{agree['token_agreement']:.1%} of positions equal, {agree['identical_prompts']} prompts identical.", "",
+        "## Cost per decode step", "",
+        f"Median of {args.rounds} interleaved rounds of 64 steps: dense {cost['dense_ms']:.2f} ms, with predictors "
+        f"(dense FFN + predictor + mask) {cost['masked_ms']:.2f} ms: predictor overhead <= {cost['overhead']:.1%} "
+        f"of the dense step (load {cost['load']:.1f}).", "",
+        "## Per layer (adaptive vs fixed)", "",
+        "| layer | width | params | held-out precision @ 0.99 | computed @ 0.99 | test recall | fixed: precision | "
+        "fixed: computed | start width | trials (width: computed) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    adaptive_rows = [r for r in rows if r["predictors"] == "adaptive" and r["recall"] == meta["recall"]]
+    test_recall = adaptive_rows[0]["test_recall"] if adaptive_rows else [float("nan")] * cfg.n_layers
+    sizing = meta.get("sizing") or {}
+    for layer in range(cfg.n_layers):
+        a, f = meta["held_out_scores"][layer], fixed.meta["held_out_scores"][layer]
+        trials = sizing.get("trials", {}).get(str(layer), {})
+        trial_text = ", ".join(f"{r}: {t['predicted']:.3f}" for r, t in sorted(trials.items(), key=lambda kv: int(kv[0])))
+        lines.append(f"| {layer} | {adaptive.ranks[layer]} | {adaptive.layers[layer].n_params:,} | "
+                     f"{a['precision']:.3f} | {a['predicted']:.3f} | {test_recall[layer]:.3f} | {f['precision']:.3f} | "
+                     f"{f['predicted']:.3f} | {sizing.get('start', ['-'] * cfg.n_layers)[layer]} | {trial_text} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+        args.out.with_suffix(".json").write_text(json.dumps(
+            {"rows": rows, "dense_ppl": dense_ppl, "agreement": agree, "cost": cost,
+             "adaptive": {"ranks": adaptive.ranks, "seconds": adaptive_s, "n_params": adaptive.n_params},
+             "fixed": {"rank": fixed_rank, "seconds": fixed_s, "n_params": fixed.n_params}}, indent=1, default=float))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,296 @@
+"""Activation predictors: learning a known active set, the cut-off search, adaptive sizing,
+the predicted-mask FFN against a float64 reference, and the verified checkpoint format."""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jpinfer.predictor import (
+    LayerData, PredictedMaskFFN, PredictorError, PredictorMismatchError, Predictors, PredictorWeights, TrainConfig,
+    cutoff_for_recall, mask_states, predict_logits, train_layer, train_predictors,
+)
+from jpinfer.predictor import sizing
+from jpinfer.predictor.fit import retune
+from jpinfer.profiler import evaluate, profile
+from profiler_fixtures import ffn_inputs, tiny_engine
+from tolerances import KERNEL_ATOL, KERNEL_RTOL
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("JPINFER_CACHE", str(tmp_path / "cache"))
+
+
+def windows(n, t=32, seed=1):
+    return np.random.default_rng(seed).integers(0, 40, (n, t)).astype(np.int32)
+
+
+@pytest.fixture(scope="module")
+def relu_setup(tmp_path_factory):
+    """A tiny ReLU model (a neuron is active iff up . x + b > 0: a known, linear function of the
+    FFN input), profiled with samples, and predictors trained on them."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("JPINFER_CACHE", str(tmp_path_factory.mktemp("cache")))
+    engine = tiny_engine("relu")
+    prof = profile(engine, windows(192), n_samples=6144, progress=False)
+    config = TrainConfig(recall=0.97, max_epochs=30, batch_size=128, learning_rate=1e-2)  # ~1200 steps
+    predictors = train_predictors(engine, prof, ranks=32, config=config,
+                                  progress=False)
+    yield engine, prof, predictors
+    mp.undo()
+
+
+def test_predictor_learns_a_known_active_set(relu_setup):
+    engine, prof, predictors = relu_setup
+    for scores in predictors.meta["held_out_scores"]:
+        assert scores["recall"] >= 0.97
+        assert scores["precision"] > 0.95
+    # fresh text: the predicted-mask model counts predicted / truly active / both per token
+    ppl, sums = evaluate(engine, windows(16, seed=7), PredictedMaskFFN(engine.cfg),
+                         mask_states(predictors.layers, prof.thresholds))
+    assert math.isfinite(ppl)
+    for layer in sums:
+        assert layer["hits"] / layer["active"] > 0.95
+        assert layer["hits"] / layer["predicted"] > 0.95
+
+
+def test_an_untrained_predictor_does_not_pass_the_learning_bar(relu_setup):
+    """The bar above can fail: random weights with a recall-0.97 cut-off are far less precise."""
+    _, prof, predictors = relu_setup
+    rng = np.random.default_rng(0)
+    random_layers = [
+        PredictorWeights(*(jnp.asarray(rng.normal(size=np.shape(a)), jnp.float32) for a in (p.w_in, p.b_in, p.w_out, p.b_out)),
+                         p.cutoff)
+        for p in predictors.layers
+    ]
+    samples = _layer_data(prof, 0)
+    _, scores = _retuned(random_layers[0], samples, 0.97)
+    assert scores.precision < 0.9
+
+
+def _layer_data(prof, layer):
+    from jpinfer.profiler import PredictorSamples
+
+    s = PredictorSamples.open(prof.meta["samples"])
+    return LayerData(np.asarray(s.inputs[layer]), np.asarray(s.masks[layer]), s.d_ff)
+
+
+def _retuned(weights, data, recall):
+    from jpinfer.predictor.train import with_cutoff
+
+    return with_cutoff(weights, data, recall)
+
+
+def test_predicted_mask_ffn_equals_a_float64_reference():
+    """Dense activations with unpredicted neurons zeroed, against numpy float64."""
+    engine = tiny_engine("swiglu", n_layers=1)
+    cfg, layer = engine.cfg, engine.weights.layers[0]
+    tokens = windows(2, t=8, seed=3)
+    x = ffn_inputs(engine, tokens)[0]  # (16, d_model) float64
+    rng = np.random.default_rng(1)
+    rank = 8
+    arrays = [rng.normal(size=s) * 0.5 for s in ((rank, cfg.d_model), (rank,), (cfg.d_ff, rank), (cfg.d_ff,))]
+    p = PredictorWeights(*(jnp.asarray(a, jnp.float32) for a in arrays), jnp.float32(0.3))
+    w_in, b_in, w_out, b_out = arrays
+    logits = np.maximum(x @ w_in.T + b_in, 0) @ w_out.T + b_out
+    keep = logits > 0.3
+    # the float32 run may decide differently only for logits within float32 rounding of the
+    # cut-off: require a clear margin so the reference decides the same on any CPU
+    assert np.min(np.abs(logits - 0.3)) > 1e-3
+    w = np.asarray(layer.w_gate_up, np.float64)
+    gate, up = x @ w[: cfg.d_ff].T, x @ w[cfg.d_ff :].T
+    a = gate / (1 + np.exp(-gate)) * up
+    expected = (a * keep) @ np.asarray(layer.w_down, np.float64).T
+    state = mask_states([p], [0.0])[0]
+    y, counts = PredictedMaskFFN(cfg)(0, layer, jnp.asarray(x, jnp.float32), state)
+    np.testing.assert_allclose(np.asarray(y), expected, rtol=KERNEL_RTOL, atol=KERNEL_ATOL)  # a tiny-model FFN
+    assert np.array_equal(np.asarray(counts["predicted"]), keep.sum(-1))
+    assert np.array_equal(np.asarray(counts["active"]), (np.abs(a) > 0).sum(-1))
+
+
+def test_all_active_predictor_decodes_like_dense():
+    engine = tiny_engine("swiglu")
+    cfg = engine.cfg
+    d = cfg.d_model
+    keep_all = PredictorWeights(jnp.zeros((4, d)), jnp.zeros(4), jnp.zeros((cfg.d_ff, 4)), jnp.zeros(cfg.d_ff),
+                                jnp.float32(-1.0))
+    from jpinfer import FfnStrategy
+
+    strategy = FfnStrategy(PredictedMaskFFN(cfg), mask_states([keep_all] * cfg.n_layers, [0.0] * cfg.n_layers), "all")
+    prompt = [3, 4, 5, 6, 7]
+    dense = engine.generate(prompt, max_new_tokens=12).token_ids
+    masked = engine.with_ffn(strategy).generate(prompt, max_new_tokens=12).token_ids
+    assert masked == dense
+
+
+# ----- cut-off search
+
+@pytest.mark.parametrize("recall", [0.5, 0.9, 0.97, 0.99, 1.0])
+def test_cutoff_is_the_largest_that_meets_the_recall_target(recall):
+    rng = np.random.default_rng(0)
+    active = rng.random((300, 40)) < 0.3
+    logits = (rng.normal(size=active.shape) + 1.5 * active).astype(np.float32)
+    logits[0, :5] = logits[1, :5]  # ties
+    c = cutoff_for_recall(logits, active, recall)
+    positives = logits[active]
+    assert np.mean(positives > c) >= recall
+    # brute force: every larger candidate (the next distinct positive logit up) misses the target
+    larger = np.unique(positives[positives > c])
+    assert np.mean(positives > larger[0]) < recall if larger.size else True
+    assert np.mean(positives > np.nextafter(np.float32(c), np.float32(np.inf))) < recall or c == np.max(positives)
+
+
+def test_cutoff_without_active_pairs_predicts_nothing():
+    assert cutoff_for_recall(np.zeros((3, 4)), np.zeros((3, 4), bool), 0.99) == math.inf
+
+
+def test_retuned_cutoffs_meet_their_targets_on_held_out_samples(relu_setup):
+    engine, prof, predictors = relu_setup
+    lower = retune(predictors, prof, 0.8)
+    for p, q, scores in zip(predictors.layers, lower.layers, lower.meta["held_out_scores"]):
+        assert float(q.cutoff) >= float(p.cutoff)
+        assert scores["recall"] >= 0.8
+        assert scores["predicted"] <= scores["active"] * 1.05
+
+
+# ----- adaptive sizing
+
+def _trial_table(costs: dict[int, dict[int, float]]):
+    calls = []
+
+    def trial(layer, rank):
+        calls.append((layer, rank))
+        n_params = rank * 10
+        return sizing.Trial(rank, n_params, 0.0, costs[layer][rank])
+    return trial, calls
+
+
+def test_sizing_finds_each_layers_cheapest_width_on_unimodal_costs():
+    ranks = (16, 32, 64, 128, 256)
+    rng = np.random.default_rng(0)
+    costs = {}
+    for layer in range(6):
+        best = int(rng.integers(0, len(ranks)))
+        costs[layer] = {r: float(abs(k - best) + rng.random() * 0.1) for k, r in enumerate(ranks)}
+    trial, calls = _trial_table(costs)
+    start = [64] * 6
+    chosen, trials = sizing.search(6, trial, start, budget_params=10**9, ranks=ranks)
+    assert chosen == [min(costs[layer], key=costs[layer].get) for layer in range(6)]  # brute force
+    assert len(calls) == len(set(calls)) < 6 * len(ranks)  # each pair trained at most once, not all of them
+
+
+def test_sizing_shrinks_the_cheapest_layers_to_fit_the_budget():
+    ranks = (16, 32, 64)
+    # layer 0 gains little from width, layer 1 a lot: the budget must cut layer 0 first
+    costs = {0: {16: 10.0, 32: 9.9, 64: 9.8}, 1: {16: 10.0, 32: 5.0, 64: 1.0}}
+    trial, _ = _trial_table(costs)
+    chosen, _ = sizing.search(2, trial, [64, 64], budget_params=(16 + 64) * 10, ranks=ranks)
+    assert chosen == [16, 64]
+    # brute force over all pairs within the budget agrees
+    feasible = [(a, b) for a in ranks for b in ranks if (a + b) * 10 <= (16 + 64) * 10]
+    assert tuple(chosen) == min(feasible, key=lambda ab: costs[0][ab[0]] + costs[1][ab[1]])
+    with pytest.raises(ValueError, match="budget"):
+        sizing.search(2, trial, [64, 64], budget_params=100, ranks=ranks)
+
+
+def test_adaptive_training_stays_within_its_budget(relu_setup):
+    engine, prof, _ = relu_setup
+    from jpinfer.predictor import SearchConfig
+    from jpinfer.predictor.fit import model_params
+
+    predictors = train_predictors(engine, prof, budget=0.2, config=TrainConfig(max_epochs=2),
+                                  search=SearchConfig(samples=2048, max_epochs=1, start_rank=32), progress=False)
+    assert predictors.n_params <= 0.2 * model_params(engine)
+    assert all(r in sizing.RANKS for r in predictors.ranks)
+    assert predictors.meta["sizing"]["trials"]
+
+
+# ----- files
+
+def test_save_and_load_round_trip_bit_exactly(relu_setup, tmp_path):
+    engine, prof, predictors = relu_setup
+    path = predictors.save(tmp_path / "pred")
+    loaded = Predictors.load(path, engine, prof)
+    assert loaded.meta == json.loads(json.dumps(predictors.meta))
+    for a, b in zip(predictors.layers, loaded.layers):
+        for name, value in a.arrays().items():
+            other = b.arrays()[name]
+            assert other.dtype == value.dtype and np.array_equal(other, value)
+
+
+def test_foreign_model_or_profile_is_refused(relu_setup, tmp_path):
+    engine, prof, predictors = relu_setup
+    path = predictors.save(tmp_path / "pred")
+    with pytest.raises(PredictorMismatchError, match="trained for model"):
+        Predictors.load(path, tiny_engine("relu", seed=5))
+    other_profile = profile(engine, windows(16, seed=4), progress=False)
+    with pytest.raises(PredictorMismatchError, match="another profile"):
+        Predictors.load(path, engine, other_profile)
+
+
+def _data_files(path: pathlib.Path) -> list[pathlib.Path]:
+    files = [f for f in (path / "arrays").rglob("*") if f.is_file() and f.stat().st_size > 64]
+    return sorted(files, key=lambda f: f.stat().st_size)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "zero", "no-meta", "bad-meta", "future", "no-arrays"])
+def test_a_damaged_checkpoint_is_a_clear_error(relu_setup, tmp_path, damage):
+    _, _, predictors = relu_setup
+    path = predictors.save(tmp_path / "pred")
+    if damage in ("flip", "truncate", "zero"):
+        target = _data_files(path)[-1]  # the largest file: array data
+        data = bytearray(target.read_bytes())
+        if damage == "flip":
+            data[len(data) // 2] ^= 0xFF
+        elif damage == "truncate":
+            data = data[: len(data) // 2]
+        else:
+            data = bytearray(len(data))
+        target.write_bytes(bytes(data))
+    elif damage == "no-meta":
+        (path / "predictors.json").unlink()
+    elif damage == "bad-meta":
+        (path / "predictors.json").write_text("{not json")
+    elif damage == "future":
+        header = json.loads((path / "predictors.json").read_text())
+        (path / "predictors.json").write_text(json.dumps(header | {"version": header["version"] + 1}))
+    else:
+        import shutil
+
+        shutil.rmtree(path / "arrays")
+    with pytest.raises(PredictorError, match=str(path.name)):
+        Predictors.load(path)
+
+
+def test_training_rejects_bad_input(relu_setup):
+    engine, prof, _ = relu_setup
+    with pytest.raises(ValueError, match="recall"):
+        TrainConfig(recall=1.5)
+    with pytest.raises(ValueError, match="rank"):
+        train_layer(_layer_data(prof, 0), 0)
+    with pytest.raises(ValueError, match="ranks"):
+        train_predictors(engine, prof, ranks=[8], progress=False)
+    no_samples = profile(engine, windows(8), progress=False)
+    with pytest.raises(ValueError, match="n_samples"):
+        train_predictors(engine, no_samples, progress=False)
+    with pytest.raises(ValueError, match="budget"):
+        train_predictors(engine, prof, budget=0, progress=False)
+
+
+def test_logits_from_the_exported_arrays_equal_the_trained_module():
+    from flax import nnx
+
+    from jpinfer.predictor import LayerPredictor
+
+    module = LayerPredictor(6, 4, 10, rngs=nnx.Rngs(3))
+    x = jnp.asarray(np.random.default_rng(2).normal(size=(5, 6)), jnp.float32)
+    exported = PredictorWeights.from_module(module, 0.0)
+    # two float32 programs summing the same <= 6 O(1) products in other orders: |error| ~ 6 u ~ 7e-7 per logit
+    # (|logits| <~ 3); 1e-5 absolute is over 10x that, a wrong layout or missing transpose moves logits by ~1
+    np.testing.assert_allclose(np.asarray(predict_logits(exported, x)), np.asarray(module(x)), rtol=0, atol=1e-5)
