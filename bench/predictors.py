@@ -122,7 +122,10 @@ def main() -> None:
     cfg = engine.cfg
     prof = cached_profile(engine, args.samples)
     adaptive, adaptive_s = trained(engine, prof, "adaptive", args.reuse)
-    fixed_rank = max(1, round(adaptive.n_params / cfg.n_layers / predictor_params(1, cfg.d_model, cfg.d_ff)))
+    # predictor_params(r) = c + r * slope (the output bias does not grow with r): solve for equal totals
+    slope = predictor_params(2, cfg.d_model, cfg.d_ff) - predictor_params(1, cfg.d_model, cfg.d_ff)
+    per_layer = adaptive.n_params / cfg.n_layers - (predictor_params(1, cfg.d_model, cfg.d_ff) - slope)
+    fixed_rank = max(1, round(per_layer / slope))
     fixed, fixed_s = trained(engine, prof, f"fixed{fixed_rank}", args.reuse, ranks=fixed_rank)
     print(f"adaptive {adaptive.ranks} ({adaptive.n_params:,}) in {adaptive_s:.0f} s; fixed {fixed_rank} "
           f"({fixed.n_params:,}) in {fixed_s:.0f} s", flush=True)

@@ -1,9 +1,10 @@
 """``train_predictors``: every layer's predictor for a model, from a profile's samples.
 
-Input choice, measured (``bench/predictor_inputs.py``, bench/results/predictors.md): the
-layer's own normalised FFN input predicts its active set best; the residual stream before
-attention (Deja Vu's lookahead) and the previous layer's FFN input are worse at equal
-width, so predictors read the FFN input, which the profiler's samples hold.
+Input, measured (``bench/predictor_inputs.py``, bench/results/predictor_inputs.md): the
+layer's normalised FFN input, the residual before attention (Deja Vu's lookahead) and the
+previous layer's FFN input predict a layer's active set equally well at equal width (within
+0.006 of the neurons needed for recall 0.9 and 0.99). Predictors read the FFN input, which
+the profiler's samples hold and the decoder hands to every FFN strategy.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import dataclasses
 import time
 from typing import Sequence
 
+import jax
 import numpy as np
 from tqdm.auto import tqdm
 
@@ -20,7 +22,7 @@ from jpinfer.models.loading import ModelArg, resolve_model
 from jpinfer.predictor import sizing
 from jpinfer.predictor.store import Predictors, profile_fingerprint
 from jpinfer.predictor.train import LayerData, TrainConfig, train_layer, with_cutoff
-from jpinfer.profiler import ActivationProfile, PredictorSamples, model_fingerprint, profile as run_profile
+from jpinfer.profiler import ActivationProfile, PredictorSamples, profile as run_profile
 
 DEFAULT_SAMPLES = 65536
 BUDGET = 0.10  # of the model's parameters
@@ -36,8 +38,7 @@ class SearchConfig:
 
 
 def model_params(model: ModelArg) -> int:
-    import jax
-
+    """Parameters of the model's weights (what the predictor budget is a fraction of)."""
     return sum(int(np.prod(leaf.shape)) for leaf in jax.tree_util.tree_leaves(resolve_model(model).weights))
 
 
@@ -50,6 +51,11 @@ def _samples(profile: ActivationProfile) -> PredictorSamples:
         return PredictorSamples.open(directory)
     except (OSError, ValueError) as e:
         raise JpinferError(f"the profile's predictor samples cannot be read ({e}): profile again with n_samples > 0") from None
+
+
+def _layer_data(samples: PredictorSamples, layer: int, count: int) -> LayerData:
+    """The first ``count`` samples of one layer, read into memory."""
+    return LayerData(np.asarray(samples.inputs[layer, :count]), np.asarray(samples.masks[layer, :count]), samples.d_ff)
 
 
 def train_predictors(
@@ -67,16 +73,16 @@ def train_predictors(
 
     ``profile`` None profiles the model first (default corpus, ``DEFAULT_SAMPLES`` samples).
     ``ranks``: None sizes each layer adaptively (``sizing``) under ``budget`` (a fraction of
-    the model's parameters); an int gives every layer that width; a sequence one per layer.
+    the model's parameters); an int gives every layer that width, a sequence one per layer
+    (given widths are not held to the budget).
     ``config.recall`` is the held-out recall each layer's cut-off is chosen for.
     """
     loaded = resolve_model(model)
     cfg = loaded.cfg
     if profile is None:
         profile = run_profile(loaded, n_samples=DEFAULT_SAMPLES, progress=progress)
-    fingerprint = model_fingerprint(cfg, loaded.weights)
-    if profile.model_fingerprint != fingerprint:
-        profile.check_model(loaded)
+    profile.check_model(loaded)
+    fingerprint = profile.model_fingerprint
     samples = _samples(profile)
     if samples.meta.get("model_fingerprint") != fingerprint or samples.inputs.shape[0] != cfg.n_layers:
         raise JpinferError(f"{samples.directory}: these predictor samples were not taken from this model: profile again")
@@ -88,7 +94,7 @@ def train_predictors(
     t0 = time.perf_counter()
 
     def layer_data(layer: int, count: int) -> LayerData:
-        return LayerData(np.asarray(samples.inputs[layer, :count]), np.asarray(samples.masks[layer, :count]), cfg.d_ff)
+        return _layer_data(samples, layer, count)
 
     budget_params = int(budget * model_params(loaded))
     search_record = None
@@ -127,8 +133,7 @@ def retune(predictors: Predictors, profile: ActivationProfile, recall: float) ->
     n, held_out = predictors.meta["n_samples"], predictors.meta["train_config"]["held_out"]
     layers, scores = [], []
     for layer, weights in enumerate(predictors.layers):
-        data = LayerData(np.asarray(samples.inputs[layer, :n]), np.asarray(samples.masks[layer, :n]), profile.d_ff)
-        weights, layer_scores = with_cutoff(weights, data.split(held_out)[1], recall)
+        weights, layer_scores = with_cutoff(weights, _layer_data(samples, layer, n).split(held_out)[1], recall)
         layers.append(weights)
         scores.append(dataclasses.asdict(layer_scores))
     return Predictors(layers, predictors.meta | {"recall": recall, "held_out_scores": scores})
@@ -152,7 +157,7 @@ def _search(profile, layer_data, n, config, search, budget_params, progress) -> 
         bar.update(1)
         bar.set_postfix(layer=layer, rank=rank, predicted=f"{predicted:.3f}")
         return sizing.Trial(rank, n_params, predicted,
-                            sizing.layer_cost(n_params, predicted, d_ff, (3 if profile.ffn_kind != "relu" else 2) * d_model))
+                            sizing.layer_cost(n_params, predicted, d_ff, sizing.neuron_params(profile.ffn_kind, d_model)))
 
     try:
         start = sizing.start_ranks(profile, search.start_rank)

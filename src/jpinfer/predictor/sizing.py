@@ -44,6 +44,11 @@ def layer_cost(n_params: int, predicted: float, d_ff: int, neuron_params: int) -
     return n_params + predicted * d_ff * neuron_params
 
 
+def neuron_params(ffn_kind: str, d_model: int) -> int:
+    """Weights one neuron reads: gate row, up row and down column (no gate for kind relu)."""
+    return (2 if ffn_kind == "relu" else 3) * d_model
+
+
 def predictor_params(rank: int, d_model: int, d_ff: int) -> int:
     return rank * (d_model + 1) + d_ff * (rank + 1)
 
