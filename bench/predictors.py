@@ -7,9 +7,11 @@ Protocol:
   model), timed; then every layer at one fixed width with the same total parameters;
 - quality: WikiText-2 test perplexity (the first ``--test-windows`` windows of 512 tokens, as
   bench/sparsity_ppl.py) of the model computing only the predicted neurons
-  (``PredictedMaskFFN``), with the cut-offs re-chosen for each recall in ``--recalls`` (no
+  (``PredictedMaskFFN``), with the cut-offs re-chosen for each operating point in ``--points``
+  (recall of active neurons / recall of the strong ones, the largest 10% contributions; no
   retraining), next to dense and to the oracle (exact active sets, uniform thresholds) at
-  the same mean number of computed neurons per token; test-text recall per layer;
+  the same mean number of computed neurons per token; test-text recall per layer (the
+  fixed-width predictors at the first and last point only, without the oracle);
 - greedy tokens against dense on ``--prompts`` ChatGPT prompts at the best operating point;
 - cost: decode step time with predictors (the masked FFN: dense FFN + predictor + mask, an
   upper bound on the predictor's own cost) against the dense step, interleaved rounds.
@@ -109,14 +111,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--samples", type=int, default=65536)
     ap.add_argument("--test-windows", type=int, default=64)
-    ap.add_argument("--recalls", default="0.99,0.95,0.9,0.8")
+    ap.add_argument("--points", default="0.99/0.999,0.95/0.999,0.9/0.995,0.8/0.99",
+                    help="operating points: recall/strong recall, comma-separated")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--reuse", action="store_true", help="reuse predictors trained by an earlier run")
     ap.add_argument("--out", type=pathlib.Path, default=None)
     args = ap.parse_args()
-    recalls = [float(r) for r in args.recalls.split(",")]
+    points = [tuple(float(v) for v in point.split("/")) for point in args.points.split(",")]
 
     engine = jpinfer.load()
     cfg = engine.cfg
@@ -133,23 +136,22 @@ def main() -> None:
     w = 512
     test = token_windows("wikitext2-test", engine.tokenizer, window=w, n_tokens=args.test_windows * w).tokens
     calib = token_windows("wikitext2-valid", engine.tokenizer, window=w).tokens[:32]
-    rows = []
+    rows, tuned_by_row = [], []
     dense_ppl = perplexity(engine, test, progress=True)
-    for name, predictors in (("adaptive", adaptive), ("fixed", fixed)):
-        for recall in recalls:
-            tuned = predictors if recall == predictors.meta["recall"] else retune(predictors, prof, recall)
+    for name, predictors, at in (("adaptive", adaptive, points), ("fixed", fixed, points[:: max(1, len(points) - 1)])):
+        for recall, strong_recall in at:
+            tuned = retune(engine, predictors, prof, recall, strong_recall)
             q = quality(engine, tuned, prof, test)
             oracle_sparsity = 1 - q["neurons"] / cfg.d_ff
-            q["oracle_ppl"] = perplexity(engine, test, calibrate(engine, calib, oracle_sparsity), progress=True)
-            rows.append({"predictors": name, "recall": recall, **q})
+            q["oracle_ppl"] = (perplexity(engine, test, calibrate(engine, calib, oracle_sparsity), progress=True)
+                               if name == "adaptive" else float("nan"))
+            rows.append({"predictors": name, "recall": recall, "strong_recall": strong_recall, **q})
+            tuned_by_row.append(tuned)
             print(json.dumps({k: v for k, v in rows[-1].items() if not isinstance(v, list)}), flush=True)
 
     ok = [r for r in rows if r["ppl"] <= 1.05 * dense_ppl]
-    best = min(ok, key=lambda r: r["neurons"]) if ok else max(rows, key=lambda r: r["recall"])
-    best_predictors = adaptive if best["predictors"] == "adaptive" else fixed
-    best_tuned = best_predictors if best["recall"] == best_predictors.meta["recall"] else retune(
-        best_predictors, prof, best["recall"])
-    strategy = masked(engine, best_tuned, prof)
+    best = min(ok, key=lambda r: r["neurons"]) if ok else min(rows, key=lambda r: r["ppl"])
+    strategy = masked(engine, tuned_by_row[rows.index(best)], prof)
     prompts = [engine.encode_prompt(t, chat=True)[:128] for t in chatgpt_prompts()[: args.prompts]]
     agree = agreement(engine, strategy, prompts, args.new_tokens)
     cost = step_cost(engine, masked(engine, adaptive, prof), prompts[0], args.rounds)
@@ -159,7 +161,7 @@ def main() -> None:
     lines = [
         "# Activation predictors on the default model", "",
         f"Command: `python bench/predictors.py --samples {args.samples} --test-windows {args.test_windows} "
-        f"--recalls {args.recalls} --prompts {args.prompts} --new-tokens {args.new_tokens} --rounds {args.rounds}`", "",
+        f"--points {args.points} --prompts {args.prompts} --new-tokens {args.new_tokens} --rounds {args.rounds}`", "",
         f"Date {datetime.date.today()}, jax {jax.__version__}, {platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} CPUs, load average at the end {os.getloadavg()[0]:.1f}. Labels: |silu(g)*u| over the "
         f"profile's uniform 50% thresholds; {meta['n_samples']} samples per layer (held-out tail "
@@ -175,18 +177,20 @@ def main() -> None:
         f"Dense perplexity {dense_ppl:.2f}; 1.05x dense = {1.05 * dense_ppl:.2f}. \"neurons\": mean neurons computed "
         f"per token and layer (of {cfg.d_ff}); oracle: exact active sets at the same mean count (uniform "
         "thresholds).", "",
-        "| predictors | recall target | neurons / token | share | perplexity | ppl / dense | oracle ppl | test recall |",
+        "| predictors | recall / strong recall | neurons / token | share | perplexity | ppl / dense | oracle ppl | "
+        "test recall |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        lines.append(f"| {r['predictors']} | {r['recall']} | {r['neurons']:.0f} | {r['neurons'] / cfg.d_ff:.1%} | "
-                     f"{r['ppl']:.2f} | {r['ppl'] / dense_ppl:.3f} | {r['oracle_ppl']:.2f} | "
+        lines.append(f"| {r['predictors']} | {r['recall']} / {r['strong_recall']} | {r['neurons']:.0f} | "
+                     f"{r['neurons'] / cfg.d_ff:.1%} | {r['ppl']:.2f} | {r['ppl'] / dense_ppl:.3f} | {r['oracle_ppl']:.2f} | "
                      f"{r['test_recall_all']:.3f} |")
     lines += [
-        "", f"Best operating point at perplexity <= 1.05x dense: "
-        + (f"{best['predictors']} predictors, recall target {best['recall']}: {best['neurons']:.0f} of {cfg.d_ff} "
+        "", "Best operating point at perplexity <= 1.05x dense: "
+        + (f"{best['predictors']} predictors, recall {best['recall']} / strong {best['strong_recall']}: "
+           f"{best['neurons']:.0f} of {cfg.d_ff} "
            f"neurons per token ({best['neurons'] / cfg.d_ff:.1%}), perplexity {best['ppl']:.2f}." if ok else
-           "none of the measured points (shown: the highest recall)."),
+           "none of the measured points (below: the point with the lowest perplexity)."),
         f"Greedy tokens there against dense, {agree['prompts']} ChatGPT prompts x {args.new_tokens} tokens: "
         f"{agree['token_agreement']:.1%} of positions equal, {agree['identical_prompts']} prompts identical.", "",
         "## Cost per decode step", "",
@@ -198,7 +202,8 @@ def main() -> None:
         "fixed: computed | start width | trials (width: computed) |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    adaptive_rows = [r for r in rows if r["predictors"] == "adaptive" and r["recall"] == meta["recall"]]
+    adaptive_rows = [r for r in rows if r["predictors"] == "adaptive" and r["recall"] == meta["recall"]
+                     and r["strong_recall"] == meta["strong_recall"]]
     test_recall = adaptive_rows[0]["test_recall"] if adaptive_rows else [float("nan")] * cfg.n_layers
     sizing = meta.get("sizing") or {}
     for layer in range(cfg.n_layers):

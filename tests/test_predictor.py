@@ -152,7 +152,7 @@ def test_cutoff_without_active_pairs_predicts_nothing():
 
 def test_retuned_cutoffs_meet_their_targets_on_held_out_samples(relu_setup):
     engine, prof, predictors = relu_setup
-    lower = retune(predictors, prof, 0.8)
+    lower = retune(engine, predictors, prof, 0.8)
     for p, q, scores in zip(predictors.layers, lower.layers, lower.meta["held_out_scores"]):
         assert float(q.cutoff) >= float(p.cutoff)
         assert scores["recall"] >= 0.8
@@ -294,3 +294,44 @@ def test_logits_from_the_exported_arrays_equal_the_trained_module():
     # two float32 programs summing the same <= 6 O(1) products in other orders: |error| ~ 6 u ~ 7e-7 per logit
     # (|logits| <~ 3); 1e-5 absolute is over 10x that, a wrong layout or missing transpose moves logits by ~1
     np.testing.assert_allclose(np.asarray(predict_logits(exported, x)), np.asarray(module(x)), rtol=0, atol=1e-5)
+
+
+# ----- strong (large-contribution) pairs
+
+def test_strong_masks_hold_the_largest_contributions():
+    from jpinfer.predictor.fit import STRONG_QUANTILE, strong_masks
+
+    engine = tiny_engine("swiglu", n_layers=1)
+    cfg, layer = engine.cfg, engine.weights.layers[0]
+    x = ffn_inputs(engine, windows(24, t=32, seed=5))[0]  # (768, d_model) float64
+    w = np.asarray(layer.w_gate_up, np.float64)
+    gate, up = x @ w[: cfg.d_ff].T, x @ w[cfg.d_ff :].T
+    contribution = np.abs(gate / (1 + np.exp(-gate)) * up) * np.linalg.norm(np.asarray(layer.w_down, np.float64), axis=0)
+    active = np.abs(gate / (1 + np.exp(-gate)) * up) > np.median(np.abs(gate / (1 + np.exp(-gate)) * up))
+    strong = np.unpackbits(strong_masks(engine.model, 0, x.astype(np.float16), np.packbits(active, axis=-1), chunk=256),
+                           axis=-1, count=cfg.d_ff).astype(bool)
+    assert not np.any(strong & ~active)
+    # about the top 10% of active pairs (the limit is estimated on the first chunk of 256 samples)
+    assert abs(strong.sum() / active.sum() - (1 - STRONG_QUANTILE)) < 0.02
+    # every strong pair contributes more than every other active pair, up to the float16 inputs' rounding
+    # (relative 2^-11 per input, carried through two products: 1e-2 relative is a wide bound)
+    assert contribution[strong].min() > contribution[active & ~strong].max() * (1 - 1e-2)
+
+
+def test_cutoff_keeps_both_recall_targets():
+    from jpinfer.predictor.train import with_cutoff
+
+    rng = np.random.default_rng(4)
+    n, d, d_ff, rank = 400, 6, 16, 3
+    x = rng.normal(size=(n, d)).astype(np.float16)
+    active = rng.random((n, d_ff)) < 0.4
+    strong = active & (rng.random((n, d_ff)) < 0.2)
+    data = LayerData(x, np.packbits(active, axis=-1), d_ff, np.packbits(strong, axis=-1))
+    p = PredictorWeights(*(jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((rank, d), (rank,), (d_ff, rank), (d_ff,))),
+                         jnp.float32(0))
+    _, only_recall = with_cutoff(p, data, 0.6)
+    tuned, both = with_cutoff(p, data, 0.6, strong_recall=0.99)
+    assert both.recall >= 0.6 and both.strong_recall >= 0.99
+    assert only_recall.strong_recall is not None and both.predicted >= only_recall.predicted
+    logits = np.asarray(predict_logits(tuned, jnp.asarray(x, jnp.float32)))
+    assert np.mean(logits[strong] > float(tuned.cutoff)) >= 0.99

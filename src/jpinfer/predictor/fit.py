@@ -10,15 +10,20 @@ the profiler's samples hold and the decoder hands to every FFN strategy.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from jpinfer.config import ModelConfig
 from jpinfer.errors import JpinferError
-from jpinfer.models.loading import ModelArg, resolve_model
+from jpinfer.models import transformer
+from jpinfer.models.loading import LoadedModel, ModelArg, resolve_model
+from jpinfer.models.params import Layer
 from jpinfer.predictor import sizing
 from jpinfer.predictor.store import Predictors, profile_fingerprint
 from jpinfer.predictor.train import LayerData, TrainConfig, train_layer, with_cutoff
@@ -26,6 +31,7 @@ from jpinfer.profiler import ActivationProfile, PredictorSamples, profile as run
 
 DEFAULT_SAMPLES = 65536
 BUDGET = 0.10  # of the model's parameters
+STRONG_QUANTILE = 0.9  # strong pairs: the top 10% of a layer's active pairs by contribution
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,9 +59,39 @@ def _samples(profile: ActivationProfile) -> PredictorSamples:
         raise JpinferError(f"the profile's predictor samples cannot be read ({e}): profile again with n_samples > 0") from None
 
 
-def _layer_data(samples: PredictorSamples, layer: int, count: int) -> LayerData:
-    """The first ``count`` samples of one layer, read into memory."""
-    return LayerData(np.asarray(samples.inputs[layer, :count]), np.asarray(samples.masks[layer, :count]), samples.d_ff)
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _contributions(layer: Layer, x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """|a_i| * ||down_i||: how far each neuron moves the FFN output, per sample (n, d_ff)."""
+    a = transformer.ffn_activations(layer, x.astype(jnp.float32), cfg)
+    return jnp.abs(a) * jnp.linalg.norm(layer.w_down.astype(jnp.float32), axis=0)
+
+
+def strong_masks(model: LoadedModel, layer: int, inputs: np.ndarray, masks: np.ndarray,
+                 quantile: float = STRONG_QUANTILE, chunk: int = 4096) -> np.ndarray:
+    """Packed masks of the active pairs whose contribution |a_i| * ||down_i|| exceeds the
+    ``quantile`` of the layer's active contributions (estimated on the first ``chunk`` samples).
+
+    Why: measured on the default model, predictors cut off for 0.99 recall of active neurons
+    still raised perplexity 6.6% while computing 94% of the neurons (the oracle at that count:
+    +0.0%): the 1% they miss include large activations. Contributions are recomputed from the
+    stored float16 inputs and the model's weights, so the samples need no extra field.
+    """
+    cfg, weights = model.cfg, model.weights.layers[layer]
+    head = np.asarray(_contributions(weights, jnp.asarray(inputs[:chunk]), cfg))
+    active_head = np.unpackbits(masks[:chunk], axis=-1, count=cfg.d_ff).astype(bool)
+    limit = np.quantile(head[active_head], quantile) if active_head.any() else np.inf
+    out = np.empty_like(masks)
+    for start in range(0, len(inputs), chunk):
+        c = np.asarray(_contributions(weights, jnp.asarray(inputs[start : start + chunk]), cfg))
+        active = np.unpackbits(masks[start : start + chunk], axis=-1, count=cfg.d_ff).astype(bool)
+        out[start : start + chunk] = np.packbits(active & (c > limit), axis=-1)
+    return out
+
+
+def _layer_data(model: LoadedModel, samples: PredictorSamples, layer: int, count: int) -> LayerData:
+    """The first ``count`` samples of one layer, read into memory, with their strong masks."""
+    inputs, masks = np.asarray(samples.inputs[layer, :count]), np.asarray(samples.masks[layer, :count])
+    return LayerData(inputs, masks, samples.d_ff, strong_masks(model, layer, inputs, masks))
 
 
 def train_predictors(
@@ -94,7 +130,7 @@ def train_predictors(
     t0 = time.perf_counter()
 
     def layer_data(layer: int, count: int) -> LayerData:
-        return _layer_data(samples, layer, count)
+        return _layer_data(loaded, samples, layer, count)
 
     budget_params = int(budget * model_params(loaded))
     search_record = None
@@ -116,27 +152,36 @@ def train_predictors(
     meta = {
         "model_name": cfg.name, "model_fingerprint": fingerprint, "profile_fingerprint": profile_fingerprint(profile),
         "thresholds": np.asarray(profile.thresholds, np.float32).tolist(), "score": profile.meta.get("score"),
-        "recall": config.recall, "n_samples": n, "train_config": dataclasses.asdict(config), "ranks": ranks,
+        "recall": config.recall, "strong_recall": config.strong_recall, "strong_quantile": STRONG_QUANTILE,
+        "n_samples": n, "train_config": dataclasses.asdict(config), "ranks": ranks,
         "budget": budget, "budget_params": budget_params, "held_out_scores": scores, "epochs": epochs,
         "sizing": search_record, "seconds": time.perf_counter() - t0,
     }
     return Predictors(layers, meta)
 
 
-def retune(predictors: Predictors, profile: ActivationProfile, recall: float) -> Predictors:
-    """The same predictors with every layer's cut-off chosen for another ``recall`` on the held-out
-    samples they were trained with (no retraining: a new operating point in seconds)."""
-    if not 0 < recall <= 1:
-        raise ValueError(f"recall must lie in (0, 1], got {recall}")
+def retune(model: ModelArg, predictors: Predictors, profile: ActivationProfile, recall: float,
+           strong_recall: float | None = None) -> Predictors:
+    """The same predictors with every layer's cut-off chosen for another ``recall`` (and
+    ``strong_recall``, default: as trained) on the held-out samples they were trained with
+    (no retraining: a new operating point in seconds)."""
+    strong_recall = predictors.meta["train_config"]["strong_recall"] if strong_recall is None else strong_recall
+    for name, value in (("recall", recall), ("strong_recall", strong_recall)):
+        if not 0 < value <= 1:
+            raise ValueError(f"{name} must lie in (0, 1], got {value}")
+    loaded = resolve_model(model)
+    predictors.check_model(loaded)
     predictors.check_profile(profile)
     samples = _samples(profile)
     n, held_out = predictors.meta["n_samples"], predictors.meta["train_config"]["held_out"]
     layers, scores = [], []
     for layer, weights in enumerate(predictors.layers):
-        weights, layer_scores = with_cutoff(weights, _layer_data(samples, layer, n).split(held_out)[1], recall)
+        held = _layer_data(loaded, samples, layer, n).split(held_out)[1]
+        weights, layer_scores = with_cutoff(weights, held, recall, strong_recall)
         layers.append(weights)
         scores.append(dataclasses.asdict(layer_scores))
-    return Predictors(layers, predictors.meta | {"recall": recall, "held_out_scores": scores})
+    return Predictors(layers, predictors.meta | {"recall": recall, "strong_recall": strong_recall,
+                                                 "held_out_scores": scores})
 
 
 def _search(profile, layer_data, n, config, search, budget_params, progress) -> tuple[list[int], dict]:

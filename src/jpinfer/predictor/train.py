@@ -58,11 +58,17 @@ class TrainConfig:
     patience: int = 2
     held_out: float = 0.15
     recall: float = 0.99
+    strong_recall: float = 0.999
+    strong_weight: float = 10.0
     seed: int = 0
 
     def __post_init__(self):
         if not 0 < self.recall <= 1:
             raise ValueError(f"recall must lie in (0, 1], got {self.recall}")
+        if not 0 < self.strong_recall <= 1:
+            raise ValueError(f"strong_recall must lie in (0, 1], got {self.strong_recall}")
+        if self.strong_weight < 0:
+            raise ValueError(f"strong_weight must be >= 0, got {self.strong_weight}")
         if not 0 < self.held_out < 1:
             raise ValueError(f"held_out must lie in (0, 1), got {self.held_out}")
         for name in ("max_epochs", "batch_size", "patience"):
@@ -76,17 +82,22 @@ class TrainConfig:
 @dataclasses.dataclass(frozen=True)
 class LayerData:
     """One layer's samples: ``inputs`` (n, d_model) float16 and ``masks`` (n, ceil(d_ff/8))
-    bit-packed (big-endian bits, as ``np.packbits``) active masks."""
+    bit-packed (big-endian bits, as ``np.packbits``) active masks; optionally ``strong``,
+    packed like ``masks``: the active pairs whose contribution to the FFN output is among the
+    largest (``fit.strong_masks``), which training weighs more and the cut-off must keep."""
 
     inputs: np.ndarray
     masks: np.ndarray
     d_ff: int
+    strong: np.ndarray | None = None
 
     def __post_init__(self):
         if self.inputs.ndim != 2 or self.masks.ndim != 2 or len(self.inputs) != len(self.masks):
             raise ValueError(f"inputs (n, d) and masks (n, bytes) disagree: {self.inputs.shape} vs {self.masks.shape}")
         if self.masks.shape[1] != -(-self.d_ff // 8):
             raise ValueError(f"masks hold {self.masks.shape[1] * 8} bits per sample, d_ff is {self.d_ff}")
+        if self.strong is not None and self.strong.shape != self.masks.shape:
+            raise ValueError(f"strong masks {self.strong.shape} must match the masks {self.masks.shape}")
 
     def __len__(self) -> int:
         return len(self.inputs)
@@ -97,12 +108,23 @@ class LayerData:
         if len(self) - n_held < 1:
             raise ValueError(f"{len(self)} samples are too few to hold out {held_out:.0%} and train on the rest")
         cut = len(self) - n_held
-        return (LayerData(self.inputs[:cut], self.masks[:cut], self.d_ff),
-                LayerData(self.inputs[cut:], self.masks[cut:], self.d_ff))
+        head, tail = slice(None, cut), slice(cut, None)
+        return tuple(
+            LayerData(self.inputs[part], self.masks[part], self.d_ff, None if self.strong is None else self.strong[part])
+            for part in (head, tail)
+        )
 
     def active(self) -> np.ndarray:
         """(n, d_ff) bool."""
-        return np.unpackbits(np.asarray(self.masks), axis=-1, count=self.d_ff).astype(bool)
+        return _unpack(self.masks, self.d_ff)
+
+    def strong_active(self) -> np.ndarray | None:
+        """(n, d_ff) bool, or None without strong masks."""
+        return None if self.strong is None else _unpack(self.strong, self.d_ff)
+
+
+def _unpack(packed: np.ndarray, d_ff: int) -> np.ndarray:
+    return np.unpackbits(np.asarray(packed), axis=-1, count=d_ff).astype(bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +135,7 @@ class Scores:
     precision: float
     predicted: float  # mean fraction of neurons predicted active per token
     active: float  # mean fraction truly active per token
+    strong_recall: float | None = None  # recall of the strong pairs, when there are strong masks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,10 +174,12 @@ def positive_weight(masks: np.ndarray, d_ff: int) -> float:
     return float(np.clip(negatives / max(positives, 1), 1.0, MAX_POSITIVE_WEIGHT))
 
 
-def _loss(module: LayerPredictor, x: jax.Array, packed: jax.Array, pos_weight: jax.Array, d_ff: int) -> jax.Array:
+def _loss(module: LayerPredictor, x: jax.Array, packed: jax.Array, strong: jax.Array, pos_weight: jax.Array,
+          strong_weight: float, d_ff: int) -> jax.Array:
     y = jnp.unpackbits(packed, axis=-1, count=d_ff).astype(jnp.float32)
+    big = jnp.unpackbits(strong, axis=-1, count=d_ff).astype(jnp.float32)
     logits = module(x.astype(jnp.float32))
-    weight = 1.0 + (pos_weight - 1.0) * y
+    weight = 1.0 + (pos_weight - 1.0) * y + strong_weight * big
     return jnp.mean(optax.sigmoid_binary_cross_entropy(logits, y) * weight)
 
 
@@ -182,13 +207,13 @@ def _steps(d_model: int, rank: int, d_ff: int, batch: int, steps_per_epoch: int,
         params = nnx.split(LayerPredictor(d_model, rank, d_ff, rngs=nnx.Rngs(seed)), nnx.Param)[1]
         return params, tx.init(params)
 
-    def loss_of(params, x, y, pos_weight):
-        return _loss(nnx.merge(graphdef, params), x, y, pos_weight, d_ff)
+    def loss_of(params, x, y, strong, pos_weight):
+        return _loss(nnx.merge(graphdef, params), x, y, strong, pos_weight, config.strong_weight, d_ff)
 
-    def epoch(params, state, x, y, pos_weight, order):
+    def epoch(params, state, x, y, strong, pos_weight, order):
         def step(carry, idx):
             params, state = carry
-            loss, grads = jax.value_and_grad(loss_of)(params, x[idx], y[idx], pos_weight)
+            loss, grads = jax.value_and_grad(loss_of)(params, x[idx], y[idx], strong[idx], pos_weight)
             updates, state = tx.update(grads, state, params)
             return (optax.apply_updates(params, updates), state), loss
         (params, state), losses = jax.lax.scan(step, (params, state), order.reshape(steps_per_epoch, batch))
@@ -209,8 +234,8 @@ def train_layer(data: LayerData, rank: int, config: TrainConfig = TrainConfig(),
     fns = _steps(data.inputs.shape[1], rank, data.d_ff, batch, steps_per_epoch, config)
     params, opt_state = fns.init(config.seed)
     pos_weight = jnp.float32(positive_weight(train.masks, data.d_ff))
-    x_train, y_train = jnp.asarray(train.inputs), jnp.asarray(train.masks)
-    x_held, y_held = jnp.asarray(held.inputs), jnp.asarray(held.masks)
+    x_train, y_train, s_train = jnp.asarray(train.inputs), jnp.asarray(train.masks), _strong_or_none(train)
+    x_held, y_held, s_held = jnp.asarray(held.inputs), jnp.asarray(held.masks), _strong_or_none(held)
 
     rng = np.random.default_rng(config.seed)
     best, best_loss, history, since_best = params, math.inf, [], 0
@@ -220,8 +245,8 @@ def train_layer(data: LayerData, rank: int, config: TrainConfig = TrainConfig(),
             order = jnp.asarray(rng.permutation(len(train))[: steps_per_epoch * batch].astype(np.int32))
             if best is params:  # the epoch donates its inputs: keep the best epoch's copy alive
                 best = jax.tree_util.tree_map(jnp.copy, params)
-            params, opt_state, _ = fns.epoch(params, opt_state, x_train, y_train, pos_weight, order)
-            loss = float(fns.loss(params, x_held, y_held, pos_weight))
+            params, opt_state, _ = fns.epoch(params, opt_state, x_train, y_train, s_train, pos_weight, order)
+            loss = float(fns.loss(params, x_held, y_held, s_held, pos_weight))
             history.append(loss)
             bar.update(1)
             bar.set_postfix(held_out_loss=f"{loss:.4f}")
@@ -235,16 +260,29 @@ def train_layer(data: LayerData, rank: int, config: TrainConfig = TrainConfig(),
         bar.close()
 
     weights = PredictorWeights.from_module(nnx.merge(fns.graphdef, best), math.inf)
-    weights, scores = with_cutoff(weights, held, config.recall)
+    weights, scores = with_cutoff(weights, held, config.recall, config.strong_recall)
     return LayerResult(weights, scores, len(history), history, time.perf_counter() - t0)
 
 
-def with_cutoff(weights: PredictorWeights, held: LayerData, recall: float) -> tuple[PredictorWeights, Scores]:
-    """The predictor with its cut-off chosen for ``recall`` on held-out samples, and its scores there."""
+def _strong_or_none(data: LayerData) -> jax.Array:
+    """The strong masks, or all-zero ones (one compiled step serves both)."""
+    return jnp.asarray(data.strong if data.strong is not None else np.zeros_like(data.masks))
+
+
+def with_cutoff(weights: PredictorWeights, held: LayerData, recall: float,
+                strong_recall: float | None = None) -> tuple[PredictorWeights, Scores]:
+    """The predictor with its cut-off chosen on held-out samples: the largest that keeps
+    ``recall`` of the active pairs and, given strong masks and ``strong_recall``, that
+    fraction of the strong ones (their recall is reported whenever there are strong masks)."""
     logits = np.asarray(_held_logits(weights, jnp.asarray(held.inputs)))
-    active = held.active()
+    active, strong = held.active(), held.strong_active()
     cutoff = cutoff_for_recall(logits, active, recall)
-    return dataclasses.replace(weights, cutoff=jnp.float32(cutoff)), score(logits, active, cutoff)
+    if strong is not None and strong_recall is not None:
+        cutoff = min(cutoff, cutoff_for_recall(logits, strong, strong_recall))
+    scores = score(logits, active, cutoff)
+    if strong is not None:
+        scores = dataclasses.replace(scores, strong_recall=score(logits, strong, cutoff).recall)
+    return dataclasses.replace(weights, cutoff=jnp.float32(cutoff)), scores
 
 
 @jax.jit
