@@ -36,15 +36,18 @@ from jpinfer.data import chatgpt_prompts
 from jpinfer.predictor import PredictedMaskFFN, Predictors, mask_states, train_predictors
 from jpinfer.predictor.fit import model_params, retune
 from jpinfer.predictor.sizing import predictor_params
-from jpinfer.profiler import ActivationProfile, calibrate, evaluate, perplexity, profile, token_windows
+from jpinfer.profiler import ActivationProfile, SamplesError, calibrate, evaluate, perplexity, profile, token_windows
 
 
 def cached_profile(engine, n_samples: int) -> ActivationProfile:
     path = cache_dir("bench") / f"predictors-profile-{n_samples}.npz"
     if path.is_file():
         prof = ActivationProfile.load(path, engine)
-        if prof.meta.get("samples") and pathlib.Path(prof.meta["samples"]).is_dir():
+        try:
+            prof.samples()
             return prof
+        except SamplesError as e:  # deleted, damaged or an older format: this cached profile is profiled again
+            print(f"profiling again: {e}")
     prof = profile(engine, n_samples=n_samples)
     prof.save(path)
     return prof

@@ -20,7 +20,7 @@ from jpinfer.models.loading import ModelArg, resolve_model
 from jpinfer.predictor import sizing
 from jpinfer.predictor.store import Predictors, profile_fingerprint
 from jpinfer.predictor.train import LayerData, TrainConfig, train_layer, with_cutoff
-from jpinfer.profiler import ActivationProfile, PredictorSamples, model_fingerprint, profile as run_profile
+from jpinfer.profiler import ActivationProfile, model_fingerprint, profile as run_profile
 
 DEFAULT_SAMPLES = 65536
 BUDGET = 0.10  # of the model's parameters
@@ -39,17 +39,6 @@ def model_params(model: ModelArg) -> int:
     import jax
 
     return sum(int(np.prod(leaf.shape)) for leaf in jax.tree_util.tree_leaves(resolve_model(model).weights))
-
-
-def _samples(profile: ActivationProfile) -> PredictorSamples:
-    directory = profile.meta.get("samples")
-    if not directory:
-        raise JpinferError("this profile holds no predictor samples: profile again with n_samples > 0 "
-                           f"(e.g. jpinfer.profile(model, n_samples={DEFAULT_SAMPLES}))")
-    try:
-        return PredictorSamples.open(directory)
-    except (OSError, ValueError) as e:
-        raise JpinferError(f"the profile's predictor samples cannot be read ({e}): profile again with n_samples > 0") from None
 
 
 def train_predictors(
@@ -77,9 +66,7 @@ def train_predictors(
     fingerprint = model_fingerprint(cfg, loaded.weights)
     if profile.model_fingerprint != fingerprint:
         profile.check_model(loaded)
-    samples = _samples(profile)
-    if samples.meta.get("model_fingerprint") != fingerprint or samples.inputs.shape[0] != cfg.n_layers:
-        raise JpinferError(f"{samples.directory}: these predictor samples were not taken from this model: profile again")
+    samples = profile.samples()
     if not 0 < budget <= 1:
         raise ValueError(f"budget must be a fraction of the model's parameters in (0, 1], got {budget}")
     n = len(samples) if max_samples is None else min(len(samples), max_samples)
@@ -88,7 +75,7 @@ def train_predictors(
     t0 = time.perf_counter()
 
     def layer_data(layer: int, count: int) -> LayerData:
-        return LayerData(np.asarray(samples.inputs[layer, :count]), np.asarray(samples.masks[layer, :count]), cfg.d_ff)
+        return LayerData(*samples.arrays(layer, count), cfg.d_ff)
 
     budget_params = int(budget * model_params(loaded))
     search_record = None
@@ -123,11 +110,11 @@ def retune(predictors: Predictors, profile: ActivationProfile, recall: float) ->
     if not 0 < recall <= 1:
         raise ValueError(f"recall must lie in (0, 1], got {recall}")
     predictors.check_profile(profile)
-    samples = _samples(profile)
+    samples = profile.samples()
     n, held_out = predictors.meta["n_samples"], predictors.meta["train_config"]["held_out"]
     layers, scores = [], []
     for layer, weights in enumerate(predictors.layers):
-        data = LayerData(np.asarray(samples.inputs[layer, :n]), np.asarray(samples.masks[layer, :n]), profile.d_ff)
+        data = LayerData(*samples.arrays(layer, n), profile.d_ff)
         weights, layer_scores = with_cutoff(weights, data.split(held_out)[1], recall)
         layers.append(weights)
         scores.append(dataclasses.asdict(layer_scores))
