@@ -672,3 +672,16 @@ def test_a_json_checksum_catches_an_edited_value(tmp_path):
     with pytest.raises(artifacts.Damaged, match="meta.json: contents changed"):
         artifacts.check_json_checksum(path, artifacts.read_json(path))
 
+
+
+def test_a_flipped_byte_anywhere_in_a_profile_is_refused(world, tmp_path):
+    """Zip's CRC-32s cover the members' data but not its bookkeeping (a flip in a local header's
+    extra field reads back fine); the whole-file digest covers every byte."""
+    data = world.profile_file.read_bytes()
+    path = tmp_path / "prof.npz"
+    for i in range(0, len(data), 7):
+        damaged = bytearray(data)
+        damaged[i] ^= 0x01
+        path.write_bytes(bytes(damaged))
+        with pytest.raises(ProfileError, match="prof.npz"):
+            ActivationProfile.load(path)

@@ -153,12 +153,16 @@ class ActivationProfile:
             raise ProfileError(f"{path}: no such profile file")
         try:
             data = path.read_bytes()
+        except OSError as e:
+            raise ProfileError(f"{path}: cannot read the profile ({e.strerror or e})") from None
+        problem = _digest_problem(data)
+        try:
             with np.load(io.BytesIO(data), allow_pickle=False) as f:
                 header = json.loads(str(f["header"]))
                 arrays = {k: f[k] for k in ("counts", "active_hist", "thresholds")}
-        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
-            # BadZipFile covers a truncated file and a member whose CRC-32 no longer matches
-            raise ProfileError(f"{path}: not a jpinfer activation profile, or damaged ({e}): {REMAKE}") from None
+        except Exception as e:  # over damaged bytes zipfile raises BadZipFile, NotImplementedError, zlib.error, ...
+            raise ProfileError(f"{path}: not a jpinfer activation profile, or damaged ({problem or 'checksum matches'}; "
+                               f"{type(e).__name__}: {e}): {REMAKE}") from None
         if not isinstance(header, dict) or header.get("format") != FORMAT:
             raise ProfileError(f"{path}: not a jpinfer activation profile")
         if header.get("version") != VERSION:
@@ -167,7 +171,6 @@ class ActivationProfile:
                 f"{path}: profile format version {header.get('version')}, this jpinfer reads {VERSION}"
                 f"{' (written by a newer jpinfer)' if newer else ''}: {REMAKE}"
             )
-        problem = _digest_problem(data)
         if problem:
             raise ProfileError(f"{path}: {problem}: {REMAKE}")
         profile = cls(header["model_name"], header["model_fingerprint"], header["ffn_kind"], arrays["counts"],
