@@ -138,12 +138,12 @@ class Kind:
         """Assert that what ``read`` returned is the pristine artifact."""
         raise NotImplementedError
 
-    def data_file(self, path: pathlib.Path) -> pathlib.Path:
-        """The file holding the artifact's numbers (truncated, zeroed, flipped)."""
+    def data_files(self, path: pathlib.Path) -> list[pathlib.Path]:
+        """The files holding the artifact's content: each in turn is truncated, zeroed, flipped."""
         raise NotImplementedError
 
     def missing_file(self, path: pathlib.Path) -> pathlib.Path:
-        return self.data_file(path)
+        return self.data_files(path)[0]
 
     def meta_file(self, path: pathlib.Path) -> pathlib.Path:
         """The file holding format, version and metadata."""
@@ -161,6 +161,14 @@ class Kind:
         return path.parent, path.name
 
 
+def fresh_copy(source: pathlib.Path, target: pathlib.Path) -> pathlib.Path:
+    """``target`` as a new copy of ``source`` (a file or a directory), replacing an older copy."""
+    artifacts.remove(target)
+    if source.is_dir():
+        return pathlib.Path(shutil.copytree(source, target))
+    return pathlib.Path(shutil.copy(source, target))
+
+
 def edit_json(path: pathlib.Path, change) -> None:
     path.write_text(json.dumps(change(json.loads(path.read_text()))))
 
@@ -173,7 +181,7 @@ class GGUFCache(Kind):
     name = "gguf-cache"
 
     def make(self):
-        shutil.copytree(self.world.cache, self.tmp / "cache")
+        fresh_copy(self.world.cache, self.tmp / "cache")
         (entry,) = (self.tmp / "cache" / "gguf").iterdir()
         return entry
 
@@ -189,8 +197,8 @@ class GGUFCache(Kind):
         assert model.tokenizer.encode(text) == reference.encode(text)
         assert model.tokenizer.chat_template == reference.chat_template
 
-    def data_file(self, path):
-        return path / loading.CACHE_TENSORS
+    def data_files(self, path):
+        return sorted(f for f in path.rglob("*") if f.is_file() and f.name != loading.CACHE_MANIFEST)
 
     def missing_file(self, path):
         return path / "tokenizer" / "tokenizer.json"
@@ -214,7 +222,7 @@ class Profile(Kind):
     remake = "profile again"
 
     def make(self):
-        return pathlib.Path(shutil.copy(self.world.profile_file, self.tmp / "prof.npz"))
+        return fresh_copy(self.world.profile_file, self.tmp / "prof.npz")
 
     def read(self, path, foreign=False):
         return ActivationProfile.load(path, model=tiny_engine("reglu", seed=7) if foreign else self.world.engine)
@@ -224,10 +232,11 @@ class Profile(Kind):
             np.testing.assert_array_equal(getattr(prof, name), getattr(self.world.profile, name))
         assert (prof.n_tokens, prof.meta) == (self.world.profile.n_tokens, self.world.profile.meta)
 
-    def data_file(self, path):
-        return path
+    def data_files(self, path):
+        return [path]
 
-    meta_file = data_file  # the JSON header is a member of the same zip
+    def meta_file(self, path):
+        return path  # the JSON header is a member of the same zip
 
     def set_future_version(self, path):
         with np.load(path) as f:
@@ -247,7 +256,7 @@ class Samples(Kind):
     remake = "profile again with n_samples"
 
     def make(self):
-        return pathlib.Path(shutil.copytree(self.world.profile.meta["samples"], self.tmp / "samples-copy"))
+        return fresh_copy(pathlib.Path(self.world.profile.meta["samples"]), self.tmp / "samples-copy")
 
     def read(self, path, foreign=False):
         prof = dataclasses.replace(self.world.profile, meta=self.world.profile.meta | {"samples": str(path)})
@@ -260,11 +269,8 @@ class Samples(Kind):
             np.testing.assert_array_equal(inputs, pristine[layer])
             assert masks.shape == (N_SAMPLES, -(-self.world.engine.cfg.d_ff // 8))
 
-    def data_file(self, path):
-        return path / "inputs.npy"
-
-    def missing_file(self, path):
-        return path / "masks.npy"
+    def data_files(self, path):
+        return [path / "inputs.npy", path / "masks.npy"]
 
     def meta_file(self, path):
         return path / "meta.json"
@@ -280,7 +286,7 @@ class PlacementKind(Kind):
     remake = "solve the placement again"
 
     def make(self):
-        return pathlib.Path(shutil.copytree(self.world.placement_dir, self.tmp / "placement"))
+        return fresh_copy(self.world.placement_dir, self.tmp / "placement")
 
     def read(self, path, foreign=False):
         cfg = self.world.engine.cfg
@@ -291,8 +297,8 @@ class PlacementKind(Kind):
             np.testing.assert_array_equal(a, b)
         assert placement.summary() == self.world.placement.summary()
 
-    def data_file(self, path):
-        return path / "placement.npz"
+    def data_files(self, path):
+        return [path / "placement.npz"]
 
     def meta_file(self, path):
         return path / "placement.json"
@@ -314,7 +320,7 @@ class PredictorsKind(Kind):
     remake = "train"
 
     def make(self):
-        return pathlib.Path(shutil.copytree(self.world.predictors_dir, self.tmp / "predictors"))
+        return fresh_copy(self.world.predictors_dir, self.tmp / "predictors")
 
     def read(self, path, foreign=False):
         return Predictors.load(path, tiny_engine("reglu", seed=7) if foreign else self.world.engine, self.world.profile)
@@ -324,9 +330,8 @@ class PredictorsKind(Kind):
             for name, value in a.arrays().items():
                 np.testing.assert_array_equal(value, b.arrays()[name])
 
-    def data_file(self, path):
-        files = [f for f in (path / "arrays").rglob("*") if f.is_file()]
-        return max(files, key=lambda f: f.stat().st_size)
+    def data_files(self, path):
+        return sorted(f for f in (path / "arrays").rglob("*") if f.is_file())  # all orbax wrote, not only data
 
     def meta_file(self, path):
         return path / "predictors.json"
@@ -346,24 +351,18 @@ def kind(request, world, tmp_path) -> Kind:
 
 # ----- damage
 
-def truncate(kind, path):
-    target = kind.data_file(path)
+def truncate(target):
     target.write_bytes(target.read_bytes()[: target.stat().st_size // 2])
-    return target
 
 
-def zero_fill(kind, path):
-    target = kind.data_file(path)
+def zero_fill(target):
     target.write_bytes(bytes(target.stat().st_size))
-    return target
 
 
-def flip_middle(kind, path):
-    target = kind.data_file(path)
+def flip_middle(target):
     data = bytearray(target.read_bytes())
     data[len(data) // 2] ^= 0xFF
     target.write_bytes(bytes(data))
-    return target
 
 
 def remove_file(kind, path):
@@ -400,10 +399,10 @@ def future_version(kind, path):
     return kind.meta_file(path)
 
 
-FAULTS = {"truncated": truncate, "zero-filled": zero_fill, "flipped": flip_middle, "missing-file": remove_file,
-          "missing-metadata": remove_metadata, "garbled-metadata": garble_metadata, "metadata-digit": change_a_digit,
-          "future-version": future_version}
-CASES = [(k, f) for k in KINDS for f in FAULTS if not (k == "profile" and f.startswith("missing"))]  # one file
+DATA_FAULTS = {"truncated": truncate, "zero-filled": zero_fill, "flipped": flip_middle}  # each data file in turn
+FAULTS = {"missing-file": remove_file, "missing-metadata": remove_metadata, "garbled-metadata": garble_metadata,
+          "metadata-digit": change_a_digit, "future-version": future_version}
+CASES = [(k, f) for k in KINDS for f in [*DATA_FAULTS, *FAULTS] if not (k == "profile" and f.startswith("missing"))]
 
 
 def expect_healed(kind: Kind, path: pathlib.Path, damaged: pathlib.Path, monkeypatch) -> None:
@@ -435,12 +434,17 @@ def expect_refused(kind: Kind, path: pathlib.Path, damaged: pathlib.Path) -> Non
 
 @pytest.mark.parametrize("kind, fault", CASES, indirect=["kind"])
 def test_damage_heals_the_cache_and_is_refused_in_artifacts(kind, fault, monkeypatch):
-    path = kind.make()
-    damaged = FAULTS[fault](kind, path)
-    if kind.error is None:
-        expect_healed(kind, path, damaged, monkeypatch)
-    else:
-        expect_refused(kind, path, damaged)
+    for i in range(len(kind.data_files(kind.make())) if fault in DATA_FAULTS else 1):
+        path = kind.make()
+        if fault in DATA_FAULTS:
+            damaged = kind.data_files(path)[i]
+            DATA_FAULTS[fault](damaged)
+        else:
+            damaged = FAULTS[fault](kind, path)
+        if kind.error is None:
+            expect_healed(kind, path, damaged, monkeypatch)
+        else:
+            expect_refused(kind, path, damaged)
 
 
 @pytest.mark.parametrize("kind", list(KINDS), indirect=True)
@@ -516,13 +520,19 @@ def test_samples_in_a_cache_that_cannot_be_created_or_written(world, tmp_path, m
     assert list((tmp_path / "cache" / "samples").iterdir()) == []
 
 
-@pytest.mark.parametrize("kind", OWNED, indirect=True)
+# After a failed write, a tensorstore callback may post to the event loop orbax already closed: an
+# exception orbax's thread cannot raise, reported by pytest; the save itself raised PredictorError.
+ORBAX_LATE_CALLBACK = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+
+
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=ORBAX_LATE_CALLBACK) if k == "predictors" else k for k in OWNED],
+                         indirect=True)
 def test_a_failed_save_is_a_clear_error_and_keeps_the_older_artifact(kind):
     (kind.tmp / "a-file").write_text("")
     with pytest.raises(kind.error, match="cannot write"):
         kind.save_other(kind.tmp / "a-file" / "inside")
     path = kind.make()
-    limit = max(f.stat().st_size for f in ([path] if path.is_file() else path.rglob("*")) if f.is_file()) // 2
+    limit = max(f.stat().st_size for f in kind.data_files(path)) // 2
     with disk_full_beyond(limit), pytest.raises(kind.error, match=f"{path.name}.*cannot write"):
         kind.save_other(path)
     kind.check_same(kind.read(path))
