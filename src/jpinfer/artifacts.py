@@ -34,8 +34,9 @@ import xxhash
 
 from jpinfer.errors import ArtifactError
 
-# xxh3-128: a checksum against damage, not against tampering; at memory speed (measured in
-# docs/architecture.md, "Caches and artifacts"), so even the multi-GB GGUF cache is verified on every load.
+# xxh3-128: a checksum against damage, not against tampering; faster than copying memory (measured
+# in docs/architecture.md, "Caches and artifacts"), so even a multi-GB GGUF cache entry is verified
+# on every load.
 DIGEST = "xxh3_128"
 STALE_SECONDS = 24 * 3600
 TEMP_MARK = ".tmp-"
@@ -43,10 +44,9 @@ _CHUNK = 1 << 22
 
 
 class Damaged(ArtifactError):
-    """A file of an artifact that failed verification: ``path`` names it, ``problem`` says how."""
+    """A file of an artifact that failed verification; the message is "PATH: PROBLEM"."""
 
     def __init__(self, path: os.PathLike | str, problem: str):
-        self.path, self.problem = pathlib.Path(path), problem
         super().__init__(f"{path}: {problem}")
 
 
@@ -161,22 +161,18 @@ def _newest_mtime(path: str) -> float:
     return newest
 
 
-def remove_stale_temps(directory: os.PathLike | str, name: str | None = None,
-                       max_age: float = STALE_SECONDS) -> list[pathlib.Path]:
+def remove_stale_temps(directory: os.PathLike | str, name: str | None = None, max_age: float = STALE_SECONDS) -> None:
     """Remove the temporaries in ``directory`` (of artifact ``name``, or of any artifact) in which
-    nothing changed for ``max_age`` seconds: what killed writers left. Returns what was removed."""
+    nothing changed for ``max_age`` seconds: what killed writers left."""
     prefix = "." if name is None else f".{name}{TEMP_MARK}"
     try:
         entries = [e for e in os.scandir(directory) if e.name.startswith(prefix) and TEMP_MARK in e.name]
-    except OSError:
-        return []
-    removed = []
+    except OSError:  # no directory (yet), or one we cannot list: nothing to clean
+        return
     now = time.time()
     for entry in entries:
         if now - _newest_mtime(entry.path) > max_age:
             remove(entry.path)
-            removed.append(pathlib.Path(entry.path))
-    return removed
 
 
 def temp_path(path: os.PathLike | str, directory: bool = False) -> pathlib.Path:
