@@ -33,20 +33,21 @@ import numpy as np
 import jpinfer
 from jpinfer.cache import cache_dir
 from jpinfer.data import chatgpt_prompts
+from jpinfer.errors import ArtifactError
 from jpinfer.predictor import PredictedMaskFFN, Predictors, mask_states, train_predictors
 from jpinfer.predictor.fit import model_params, retune
 from jpinfer.predictor.sizing import predictor_params
-from jpinfer.profiler import ActivationProfile, SamplesError, calibrate, evaluate, perplexity, profile, token_windows
+from jpinfer.profiler import ActivationProfile, calibrate, evaluate, perplexity, profile, token_windows
 
 
 def cached_profile(engine, n_samples: int) -> ActivationProfile:
     path = cache_dir("bench") / f"predictors-profile-{n_samples}.npz"
     if path.is_file():
-        prof = ActivationProfile.load(path, engine)
         try:
+            prof = ActivationProfile.load(path, engine)
             prof.samples()
             return prof
-        except SamplesError as e:  # deleted, damaged or an older format: this cached profile is profiled again
+        except ArtifactError as e:  # an older format, or samples deleted or damaged: profile again
             print(f"profiling again: {e}")
     prof = profile(engine, n_samples=n_samples)
     prof.save(path)
