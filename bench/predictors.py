@@ -35,6 +35,7 @@ import numpy as np
 import jpinfer
 from jpinfer.cache import cache_dir
 from jpinfer.data import chatgpt_prompts
+from jpinfer.errors import ArtifactError
 from jpinfer.predictor import PredictedMaskFFN, Predictors, mask_states, train_predictors
 from jpinfer.predictor.fit import model_params, retune
 from jpinfer.predictor.sizing import predictor_params
@@ -44,9 +45,12 @@ from jpinfer.profiler import ActivationProfile, calibrate, evaluate, perplexity,
 def cached_profile(engine, n_samples: int) -> ActivationProfile:
     path = cache_dir("bench") / f"predictors-profile-{n_samples}.npz"
     if path.is_file():
-        prof = ActivationProfile.load(path, engine)
-        if prof.meta.get("samples") and pathlib.Path(prof.meta["samples"]).is_dir():
+        try:
+            prof = ActivationProfile.load(path, engine)
+            prof.samples()
             return prof
+        except ArtifactError as e:  # an older format, or samples deleted or damaged: profile again
+            print(f"profiling again: {e}")
     prof = profile(engine, n_samples=n_samples)
     prof.save(path)
     return prof

@@ -14,7 +14,7 @@ def test_gguf_cache_round_trip_and_invalidation(tmp_path, monkeypatch):
     path = fx.write_gguf(tmp_path / "tiny.gguf", cfg, fx.random_tensors(cfg, seed=3))
     first = loading.load_model(path)
     entries = list((tmp_path / "cache" / "gguf").iterdir())
-    assert len(entries) == 1 and (entries[0] / "done").exists()
+    assert len(entries) == 1 and (entries[0] / loading.CACHE_MANIFEST).exists()
 
     calls = []
     monkeypatch.setattr("jpinfer.models.gguf_loader.load_gguf", lambda *a, **k: calls.append(a))

@@ -14,6 +14,7 @@ from jpinfer.solver import (
     PRESETS,
     HardwareProfile,
     Placement,
+    PlacementError,
     PlacementVersionError,
     measure_hardware,
     preset,
@@ -65,7 +66,7 @@ def test_load_rejects_another_version(placement, tmp_path):
     (tmp_path / JSON_NAME).write_text(json.dumps(meta))
     with pytest.raises(PlacementVersionError, match="format version 999"):
         Placement.load(tmp_path)
-    with pytest.raises(FileNotFoundError, match="placement.json"):
+    with pytest.raises(PlacementError, match="placement.json is missing"):
         Placement.load(tmp_path / "missing")
 
 

@@ -11,14 +11,14 @@ import pathlib
 from typing import Any, Sequence
 
 from jpinfer.config import ModelConfig
-from jpinfer.errors import CheckpointError, JpinferError
+from jpinfer.errors import ArtifactError, CacheError, CheckpointError, JpinferError
 from jpinfer.models.loading import LoadedModel, load_model
 from jpinfer.profiler import ActivationProfile, profile
 from jpinfer.runtime.engine import Engine, FfnStrategy, GenerationConfig, GenerationResult
 
 __all__ = [
     "load", "load_model", "generate", "Engine", "FfnStrategy", "GenerationConfig", "GenerationResult", "ModelConfig",
-    "LoadedModel", "JpinferError", "CheckpointError", "profile", "ActivationProfile",
+    "LoadedModel", "JpinferError", "CheckpointError", "ArtifactError", "CacheError", "profile", "ActivationProfile",
     "train_predictors", "Predictors",
 ]
 __version__ = "0.1.0"

@@ -5,10 +5,23 @@ from __future__ import annotations
 import os
 import pathlib
 
+from jpinfer.errors import CacheError
+
+
+class CacheWarning(UserWarning):
+    """Something in the cache was wrong and jpinfer worked around it (a damaged entry rebuilt, an
+    unwritable cache bypassed): the run goes on with correct results, only slower."""
+
 
 def cache_dir(*parts: str) -> pathlib.Path:
-    """A directory under the cache root (created on demand)."""
+    """A directory under the cache root (created on demand); a CacheError when it cannot be."""
     root = pathlib.Path(os.environ.get("JPINFER_CACHE") or pathlib.Path.home() / ".cache" / "jpinfer")
     path = root.joinpath(*parts).expanduser()
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise CacheError(
+            f"cannot create the cache directory {path} ({err.strerror or err}): "
+            "set JPINFER_CACHE to a writable directory"
+        ) from None
     return path

@@ -16,3 +16,15 @@ class JpinferError(ValueError):
 class CheckpointError(JpinferError):
     """A checkpoint that cannot be loaded (HF directory, safetensors, GGUF, tokenizer fields,
     the default model's package); the message names the file and the problem."""
+
+
+class ArtifactError(JpinferError):
+    """A file jpinfer wrote earlier (a profile, predictor samples, a placement, predictors) that
+    cannot be used: missing, damaged, incomplete, of another format version or made for another
+    model. Such files are the user's results, so they are refused, never silently remade: the
+    message names the file, what is wrong and how to make it again."""
+
+
+class CacheError(JpinferError):
+    """The cache directory ($JPINFER_CACHE) cannot be created or written; the message names it
+    and says how to point jpinfer at a writable one."""

@@ -13,7 +13,6 @@ import hashlib
 import importlib.util
 import os
 import pathlib
-import tempfile
 import time
 import weakref
 
@@ -21,6 +20,7 @@ import numpy as np
 from gguf import GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType
 from gguf.quants import dequantize
 
+from jpinfer import artifacts
 from jpinfer.bench.engines import RunStats
 from jpinfer.cache import cache_dir
 
@@ -46,14 +46,8 @@ def float32_gguf(source: os.PathLike | str) -> pathlib.Path:
     target = cache_dir("peers") / f"{key}.gguf"
     if target.is_file():
         return target
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{key}.", suffix=".partial")
-    os.close(fd)
-    try:
-        _write_float32(source, pathlib.Path(tmp))
-        os.replace(tmp, target)  # atomic: an interrupted write never leaves a complete-looking file
-    except BaseException:
-        pathlib.Path(tmp).unlink(missing_ok=True)
-        raise
+    with artifacts.atomic_write(target) as tmp:  # an interrupted write never leaves a complete-looking file
+        _write_float32(source, tmp)
     return target
 
 

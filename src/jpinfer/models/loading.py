@@ -7,23 +7,27 @@ import hashlib
 import json
 import os
 import pathlib
-import shutil
-import tempfile
+import warnings
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 
 import jax.numpy as jnp
 
+from jpinfer import artifacts
+from jpinfer.cache import CacheWarning, cache_dir
 from jpinfer.config import ModelConfig
-from jpinfer.errors import CheckpointError, JpinferError
+from jpinfer.errors import CacheError, CheckpointError, JpinferError
 from jpinfer.models.hf_loader import load_hf
 from jpinfer.models.params import Weights, build_weights
 
 if TYPE_CHECKING:  # transformers is imported only when a tokenizer is built
     from jpinfer.models.tokenizer import Tokenizer
 
-GGUF_CACHE_VERSION = 2  # 2: projections stored (out, in)
+GGUF_CACHE_VERSION = 3  # 2: projections stored (out, in); 3: a verified manifest instead of a `done` marker
+CACHE_FORMAT = "jpinfer-gguf-cache"
+CACHE_MANIFEST = "manifest.json"  # written last: an entry without it is incomplete
+CACHE_TENSORS = "tensors.safetensors"
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -106,32 +110,83 @@ def _load_gguf_cached(path: pathlib.Path) -> tuple[ModelConfig, dict[str, np.nda
     """load_gguf, with the dequantized tensors and tokenizer kept in the cache directory.
 
     Parsing a GGUF's metadata (100k tokenizer strings) and dequantizing take seconds;
-    reading the cached float32 tensors back is memory-mapped and near instant. The key
-    is the file's resolved path, size and modification time.
+    reading the cached float32 tensors back is near instant. The key is the file's resolved
+    path, size and modification time. The cache only saves time, so it never stops a load: a
+    damaged, incomplete or foreign entry is reported once (a ``CacheWarning`` naming the
+    file), removed and rebuilt; an unwritable or full cache is reported and bypassed.
     """
-    from safetensors.numpy import load_file, save_file
-    from transformers import PreTrainedTokenizerFast
+    from safetensors import SafetensorError
 
-    from jpinfer.cache import cache_dir
     from jpinfer.models import gguf_loader
 
     stat = path.stat()
-    key = hashlib.sha256(f"{GGUF_CACHE_VERSION}|{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode())
-    entry = cache_dir("gguf") / key.hexdigest()[:24]
-    if (entry / "done").exists():
+    source = {"path": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    try:
+        root = cache_dir("gguf")
+    except CacheError as err:
+        warnings.warn(f"{err}; loading {path} without the cache", CacheWarning, stacklevel=3)
+        return gguf_loader.load_gguf(path)
+    artifacts.remove_stale_temps(root)
+    key = hashlib.sha256(f"{GGUF_CACHE_VERSION}|{source['path']}|{stat.st_size}|{stat.st_mtime_ns}".encode())
+    entry = root / key.hexdigest()[:24]
+    if entry.exists():
+        try:
+            return _read_cache_entry(entry, source)
+        except artifacts.Damaged as damage:
+            warnings.warn(f"jpinfer cache: {damage}; removing the entry {entry} and rebuilding it from {path}",
+                          CacheWarning, stacklevel=3)
+            artifacts.remove(entry)
+    cfg, tensors, tok = gguf_loader.load_gguf(path)
+    try:
+        with artifacts.atomic_write(entry, directory=True, replace=False) as tmp:
+            _write_cache_entry(tmp, source, cfg, tensors, tok)
+    except (OSError, SafetensorError) as err:  # safetensors reports a failed write as its own error
+        warnings.warn(f"jpinfer cache: cannot write {entry} ({err}); {path} was loaded without "
+                      "caching it: free space there or set JPINFER_CACHE to another directory", CacheWarning,
+                      stacklevel=3)
+    return cfg, tensors, tok
+
+
+def _write_cache_entry(tmp: pathlib.Path, source: dict[str, Any], cfg: ModelConfig, tensors: dict[str, np.ndarray],
+                       tok: Any) -> None:
+    """Fill a cache entry; the manifest (sizes and digests of every file) is written last."""
+    from safetensors.numpy import save_file
+
+    (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
+    save_file({k: np.ascontiguousarray(v, np.float32) for k, v in tensors.items()}, tmp / CACHE_TENSORS)
+    tok.save_pretrained(tmp / "tokenizer")
+    manifest = {"format": CACHE_FORMAT, "version": GGUF_CACHE_VERSION, "source": source,
+                "files": artifacts.directory_records(tmp)}
+    (tmp / CACHE_MANIFEST).write_text(artifacts.json_with_checksum(manifest))
+
+
+def _read_cache_entry(entry: pathlib.Path, source: dict[str, Any]) -> tuple[ModelConfig, dict[str, np.ndarray], Any]:
+    """A verified cache entry's (config, tensors, tokenizer); ``artifacts.Damaged`` for anything wrong.
+
+    Every file's size and digest is checked on every load: the tensors are read whole anyway,
+    and hashing costs a fraction of that (docs/architecture.md, "Caches and artifacts"), while
+    a damaged weight would otherwise be a silently wrong model.
+    """
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+    from transformers import PreTrainedTokenizerFast
+
+    manifest_path = entry / CACHE_MANIFEST
+    manifest = artifacts.read_json(manifest_path)
+    found = (manifest.get("format"), manifest.get("version"))
+    if found != (CACHE_FORMAT, GGUF_CACHE_VERSION):
+        raise artifacts.Damaged(manifest_path, f"format {found[0]!r} version {found[1]!r}, "
+                                               f"not {CACHE_FORMAT!r} version {GGUF_CACHE_VERSION}")
+    artifacts.check_json_checksum(manifest_path, manifest)
+    if manifest["source"] != source:
+        raise artifacts.Damaged(manifest_path, f"an entry for another file ({manifest['source']}), not for {source}")
+    artifacts.check_files(entry, manifest["files"])
+    try:
         raw = json.loads((entry / "config.json").read_text())
         raw["eos_token_ids"] = tuple(raw["eos_token_ids"])
+        cfg = ModelConfig(**raw)
+        tensors = load_file(entry / CACHE_TENSORS)
         tok = PreTrainedTokenizerFast.from_pretrained(entry / "tokenizer")
-        return ModelConfig(**raw), load_file(entry / "tensors.safetensors"), tok
-    cfg, tensors, tok = gguf_loader.load_gguf(path)
-    tmp = pathlib.Path(tempfile.mkdtemp(dir=entry.parent, prefix=".tmp-"))
-    try:
-        (tmp / "config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
-        save_file({k: np.ascontiguousarray(v, np.float32) for k, v in tensors.items()}, tmp / "tensors.safetensors")
-        tok.save_pretrained(tmp / "tokenizer")
-        (tmp / "done").write_text(str(path))
-        shutil.rmtree(entry, ignore_errors=True)
-        tmp.rename(entry)
-    except OSError:  # a read-only or full cache must not stop loading
-        shutil.rmtree(tmp, ignore_errors=True)
+    except (OSError, ValueError, KeyError, TypeError, SafetensorError) as err:
+        raise artifacts.Damaged(entry, f"unreadable ({type(err).__name__}: {err})") from None
     return cfg, tensors, tok

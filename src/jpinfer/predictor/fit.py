@@ -48,17 +48,6 @@ def model_params(model: ModelArg) -> int:
     return sum(int(np.prod(leaf.shape)) for leaf in jax.tree_util.tree_leaves(resolve_model(model).weights))
 
 
-def _samples(profile: ActivationProfile) -> PredictorSamples:
-    directory = profile.meta.get("samples")
-    if not directory:
-        raise JpinferError("this profile holds no predictor samples: profile again with n_samples > 0 "
-                           f"(e.g. jpinfer.profile(model, n_samples={DEFAULT_SAMPLES}))")
-    try:
-        return PredictorSamples.open(directory)
-    except (OSError, ValueError) as e:
-        raise JpinferError(f"the profile's predictor samples cannot be read ({e}): profile again with n_samples > 0") from None
-
-
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _contributions(layer: Layer, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     """|a_i| * ||down_i||: how far each neuron moves the FFN output, per sample (n, d_ff)."""
@@ -89,8 +78,8 @@ def strong_masks(model: LoadedModel, layer: int, inputs: np.ndarray, masks: np.n
 
 
 def _layer_data(model: LoadedModel, samples: PredictorSamples, layer: int, count: int) -> LayerData:
-    """The first ``count`` samples of one layer, read into memory, with their strong masks."""
-    inputs, masks = np.asarray(samples.inputs[layer, :count]), np.asarray(samples.masks[layer, :count])
+    """The first ``count`` samples of one layer (verified on first read), with their strong masks."""
+    inputs, masks = samples.arrays(layer, count)
     return LayerData(inputs, masks, samples.d_ff, strong_masks(model, layer, inputs, masks))
 
 
@@ -119,9 +108,7 @@ def train_predictors(
         profile = run_profile(loaded, n_samples=DEFAULT_SAMPLES, progress=progress)
     profile.check_model(loaded)
     fingerprint = profile.model_fingerprint
-    samples = _samples(profile)
-    if samples.meta.get("model_fingerprint") != fingerprint or samples.inputs.shape[0] != cfg.n_layers:
-        raise JpinferError(f"{samples.directory}: these predictor samples were not taken from this model: profile again")
+    samples = profile.samples()
     if not 0 < budget <= 1:
         raise ValueError(f"budget must be a fraction of the model's parameters in (0, 1], got {budget}")
     n = len(samples) if max_samples is None else min(len(samples), max_samples)
@@ -172,7 +159,7 @@ def retune(model: ModelArg, predictors: Predictors, profile: ActivationProfile, 
     loaded = resolve_model(model)
     predictors.check_model(loaded)
     predictors.check_profile(profile)
-    samples = _samples(profile)
+    samples = profile.samples()
     n, held_out = predictors.meta["n_samples"], predictors.meta["train_config"]["held_out"]
     layers, scores = [], []
     for layer, weights in enumerate(predictors.layers):

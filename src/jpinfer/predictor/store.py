@@ -5,11 +5,14 @@ the profile whose thresholds defined "active" (``profile_fingerprint``). Loading
 another model or profile is a ``PredictorMismatchError``.
 
 On disk, a directory: ``arrays/`` (an orbax PyTree checkpoint of every layer's arrays) and
-``predictors.json`` (format, version, metadata and a blake2b digest of every array). The
-digests are checked on every load: predictors are small (a few percent of the model) and a
-flipped bit in a weight would otherwise be a silently wrong prediction, never an error.
-Written into a temporary sibling directory and renamed, so an interrupted save leaves
-no half-written predictor set under the final name.
+``predictors.json`` (format, version, metadata, a blake2b digest of every array, the size and
+xxh3-128 digest of every file orbax wrote, and a checksum of its own content). All of it is
+checked on every load: predictors are small (a few percent of the model) and a flipped bit
+in a weight would otherwise be a silently wrong prediction, never an error; the file digests
+catch damage orbax would read past (a truncated data file whose lost part it never reads).
+Written into a temporary sibling directory and renamed (``artifacts.atomic_write``), so an
+interrupted save leaves no half-written predictor set under the final name, and the temporaries
+of killed saves are removed by the next save beside them.
 """
 
 from __future__ import annotations
@@ -19,14 +22,13 @@ import hashlib
 import json
 import os
 import pathlib
-import shutil
-import tempfile
 from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 
-from jpinfer.errors import JpinferError
+from jpinfer import artifacts
+from jpinfer.errors import ArtifactError
 from jpinfer.models.loading import ModelArg, resolve_model
 from jpinfer.predictor.mlp import PredictorWeights
 from jpinfer.profiler import ActivationProfile, model_fingerprint
@@ -37,7 +39,7 @@ META = "predictors.json"
 ARRAYS = "arrays"
 
 
-class PredictorError(JpinferError):
+class PredictorError(ArtifactError):
     """A predictor directory that cannot be used: missing, damaged, or of another format version."""
 
 
@@ -99,20 +101,17 @@ class Predictors:
         import orbax.checkpoint as ocp
 
         path = pathlib.Path(path).absolute()
-        path.parent.mkdir(parents=True, exist_ok=True)
         tree = {str(i): p.arrays() for i, p in enumerate(self.layers)}
         digests = {layer: {k: _digest(v) for k, v in arrays.items()} for layer, arrays in tree.items()}
         header = {"format": FORMAT, "version": VERSION, "n_layers": len(self.layers), "digests": digests,
                   "meta": self.meta}
-        tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
         try:
-            ocp.PyTreeCheckpointer().save(tmp / ARRAYS, tree)
-            (tmp / META).write_text(json.dumps(header, indent=1))
-            if path.exists():
-                shutil.rmtree(path)
-            tmp.rename(path)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+            with artifacts.atomic_write(path, directory=True) as tmp:
+                ocp.PyTreeCheckpointer().save(tmp / ARRAYS, tree)
+                header["files"] = artifacts.directory_records(tmp)  # orbax's files: damage found before orbax reads
+                (tmp / META).write_text(artifacts.json_with_checksum(header))
+        except Exception as e:  # OSError, or what orbax and tensorstore raise for a failed write (a full disk: ValueError)
+            raise PredictorError(f"{path}: cannot write the predictors ({type(e).__name__}: {e})") from None
         return path
 
     @classmethod
@@ -152,6 +151,12 @@ def _read_header(path: pathlib.Path) -> dict[str, Any]:
         raise PredictorError(
             f"{path}: predictor format version {header.get('version')}, this jpinfer reads {VERSION}: train again"
         )
+    try:  # both absent from directories written before they were added: their array digests still hold
+        if "checksum" in header:
+            artifacts.check_json_checksum(path / META, header)
+        artifacts.check_files(path, header.get("files", {}))
+    except artifacts.Damaged as damage:
+        raise PredictorError(f"{damage}: train again") from None
     return header
 
 

@@ -13,12 +13,12 @@ from jpinfer.profiler.calibration import (
 from jpinfer.profiler.collect import profile
 from jpinfer.profiler.corpus import Corpus, CorpusError, TokenWindows, token_windows
 from jpinfer.profiler.perplexity import OracleSparseFFN, evaluate, perplexity
-from jpinfer.profiler.samples import PredictorSamples
+from jpinfer.profiler.samples import PredictorSamples, SamplesError
 from jpinfer.profiler.stats import ActivationProfile, ProfileError, ProfileMismatchError, model_fingerprint
 
 __all__ = [
     "profile", "ActivationProfile", "ProfileError", "ProfileMismatchError", "model_fingerprint",
     "Corpus", "CorpusError", "TokenWindows", "token_windows",
     "Calibration", "ScoreHistogram", "Sensitivity", "calibrate", "score_histogram", "uniform", "sensitivity", "greedy",
-    "perplexity", "evaluate", "OracleSparseFFN", "PredictorSamples",
+    "perplexity", "evaluate", "OracleSparseFFN", "PredictorSamples", "SamplesError",
 ]

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jpinfer import artifacts
 from jpinfer.cache import cache_dir
 from jpinfer.config import ModelConfig
 from jpinfer.models import transformer
@@ -104,7 +105,7 @@ def profile(
     SwiGLU models need thresholds: give a Calibration (calibration.py) or an array, or let the
     profile calibrate uniform ones for ``sparsity`` on its first ``calibration_tokens``.
     ``n_samples`` > 0 also stores that many (input, active mask) pairs per layer for the
-    predictors (``meta["samples"]``, open with ``PredictorSamples.open``).
+    predictors (``meta["samples"]``, open with ``ActivationProfile.samples``).
     """
     loaded = resolve_model(model)
     cfg = loaded.cfg
@@ -123,7 +124,9 @@ def profile(
         sample_plan = samples.plan(n_samples, len(tokens), tokens.shape[1], batch_size, seed or 0)
         key = json.dumps([windows.origin, thr.tolist(), n_samples, score, seed]).encode() + tokens.tobytes()
         name = f"{fingerprint[:16]}-{hashlib.blake2b(key, digest_size=8).hexdigest()}"
-        directory = cache_dir("samples") / name
+        root = cache_dir("samples")
+        artifacts.remove_stale_temps(root)  # what killed profiling runs left
+        directory = root / name
         meta = {"model_fingerprint": fingerprint, "thresholds": thr.tolist(), "score": score, "corpus": windows.origin}
         writer = samples.SampleWriter(directory, cfg.n_layers, sample_plan.total, cfg.d_model, cfg.d_ff, meta)
     batch = min(batch_size, len(tokens))
@@ -134,19 +137,25 @@ def profile(
     counts = np.zeros((cfg.n_layers, cfg.d_ff), np.int64)
     hist = np.zeros((cfg.n_layers, cfg.d_ff + 1), np.int64)
     collector = _StatsFFN(cfg, score)
-    for start, _, aux in passes.run(loaded, tokens, collector, thr, batch_size, progress, "profiling", extra):
-        counts += np.stack([a["counts"] for a in aux])
-        hist += np.stack([a["hist"] for a in aux])
+    try:
+        for start, _, aux in passes.run(loaded, tokens, collector, thr, batch_size, progress, "profiling", extra):
+            counts += np.stack([a["counts"] for a in aux])
+            hist += np.stack([a["hist"] for a in aux])
+            if writer is not None:
+                keep = int(sample_plan.count[start // batch])
+                writer.add(np.stack([a["inputs"][:keep] for a in aux]), np.stack([a["masks"][:keep] for a in aux]))
+        samples_dir = None if writer is None else str(writer.close())
+    except BaseException:  # an interrupted or failed pass leaves no half-written samples behind
         if writer is not None:
-            keep = int(sample_plan.count[start // batch])
-            writer.add(np.stack([a["inputs"][:keep] for a in aux]), np.stack([a["masks"][:keep] for a in aux]))
+            writer.abort()
+        raise
     t2 = time.perf_counter()
 
     meta = {
         "corpus": windows.origin,
         "score": score,
         "calibration": calibration_record,
-        "samples": None if writer is None else str(writer.close()),
+        "samples": samples_dir,
         "seconds": {"calibration": t1 - t0, "pass": t2 - t1},
     }
     return ActivationProfile(cfg.name, fingerprint, cfg.ffn_kind, counts, int(tokens.size), hist, thr, meta)

@@ -10,26 +10,34 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import io
 import json
 import os
 import pathlib
+import zipfile
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jpinfer import artifacts
 from jpinfer.config import ModelConfig
-from jpinfer.errors import JpinferError
+from jpinfer.errors import ArtifactError
 from jpinfer.models.loading import ModelArg, resolve_model
 from jpinfer.models.params import Weights
+from jpinfer.profiler.samples import SAMPLES_REMAKE, PredictorSamples, SamplesError
 
 FORMAT = "jpinfer-activation-profile"
-VERSION = 2  # 2: fingerprints of the fused (out, in) weight layout
+VERSION = 3  # 2: fingerprints of the fused (out, in) weight layout; 3: a digest of the whole file
 
 
-class ProfileError(JpinferError):
-    """A profile file that cannot be read (wrong format, version, or damaged)."""
+REMAKE = "profile again (jpinfer.profile(...).save(path), or jpinfer profile --out path)"
+
+
+class ProfileError(ArtifactError):
+    """A profile file that cannot be read or written (missing, damaged, another format or
+    version); the message names the file and says to profile again."""
 
 
 class ProfileMismatchError(ProfileError):
@@ -112,42 +120,80 @@ class ActivationProfile:
 
     # ----- files
     def save(self, path: str | os.PathLike) -> pathlib.Path:
-        """Write one .npz file (arrays plus JSON metadata); returns its path."""
+        """Write one .npz file (arrays plus JSON metadata); returns its path.
+
+        The zip comment holds a digest of the whole file, which ``load`` checks: the file is
+        small and read whole, and zip's own CRC-32s cover the members' data but not its
+        bookkeeping. Written to a temporary sibling and renamed, so an interrupted save
+        leaves any older profile of that name intact.
+        """
         path = pathlib.Path(path)
         if path.suffix != ".npz":
             path = path.with_name(path.name + ".npz")
-        path.parent.mkdir(parents=True, exist_ok=True)
         header = {"format": FORMAT, "version": VERSION, "model_name": self.model_name,
                   "model_fingerprint": self.model_fingerprint, "ffn_kind": self.ffn_kind,
                   "n_tokens": int(self.n_tokens), "meta": self.meta}
-        np.savez(path, counts=self.counts, active_hist=self.active_hist, thresholds=self.thresholds,
+        buffer = io.BytesIO()
+        np.savez(buffer, counts=self.counts, active_hist=self.active_hist, thresholds=self.thresholds,
                  header=np.array(json.dumps(header)))
+        try:
+            with artifacts.atomic_write(path) as tmp:
+                tmp.write_bytes(_with_digest(buffer))
+        except OSError as e:
+            raise ProfileError(f"{path}: cannot write the profile ({e.strerror or e})") from None
         return path
 
     @classmethod
     def load(cls, path: str | os.PathLike, model: ModelArg = None) -> "ActivationProfile":
         """Read a profile; with ``model`` (an Engine, a LoadedModel or a checkpoint path),
-        check that the profile was made for it."""
+        check that the profile was made for it. A missing, damaged, foreign or other-version
+        file is a ProfileError saying so."""
         path = pathlib.Path(path)
         if not path.is_file():
             raise ProfileError(f"{path}: no such profile file")
         try:
-            with np.load(path, allow_pickle=False) as f:
+            data = path.read_bytes()
+        except OSError as e:
+            raise ProfileError(f"{path}: cannot read the profile ({e.strerror or e})") from None
+        problem = _digest_problem(data)
+        try:
+            with np.load(io.BytesIO(data), allow_pickle=False) as f:
                 header = json.loads(str(f["header"]))
                 arrays = {k: f[k] for k in ("counts", "active_hist", "thresholds")}
-        except (OSError, ValueError, KeyError) as e:
-            raise ProfileError(f"{path}: not a jpinfer activation profile ({e})") from None
-        if header.get("format") != FORMAT:
+        except Exception as e:  # over damaged bytes zipfile raises BadZipFile, NotImplementedError, zlib.error, ...
+            raise ProfileError(f"{path}: not a jpinfer activation profile, or damaged ({problem or 'checksum matches'}; "
+                               f"{type(e).__name__}: {e}): {REMAKE}") from None
+        if not isinstance(header, dict) or header.get("format") != FORMAT:
             raise ProfileError(f"{path}: not a jpinfer activation profile")
         if header.get("version") != VERSION:
+            newer = isinstance(header.get("version"), int) and header["version"] > VERSION
             raise ProfileError(
-                f"{path}: profile format version {header.get('version')}, this jpinfer reads {VERSION}: profile again"
+                f"{path}: profile format version {header.get('version')}, this jpinfer reads {VERSION}"
+                f"{' (written by a newer jpinfer)' if newer else ''}: {REMAKE}"
             )
+        if problem:
+            raise ProfileError(f"{path}: {problem}: {REMAKE}")
         profile = cls(header["model_name"], header["model_fingerprint"], header["ffn_kind"], arrays["counts"],
                       header["n_tokens"], arrays["active_hist"], arrays["thresholds"], header["meta"])
         if model is not None:
             profile.check_model(model)
         return profile
+
+    def samples(self) -> PredictorSamples:
+        """The predictor samples this profile was made with (``meta["samples"]``), opened and
+        checked to be those: taken from this profile's model with its thresholds."""
+        directory = self.meta.get("samples")
+        if not directory:
+            raise ProfileError(f"this profile holds no predictor samples: {SAMPLES_REMAKE}")
+        found = PredictorSamples.open(directory)
+        same = (found.meta.get("model_fingerprint") == self.model_fingerprint
+                and found.inputs.shape[0] == self.n_layers and found.d_ff == self.d_ff
+                and np.array_equal(np.asarray(found.meta.get("thresholds"), np.float32),
+                                   np.asarray(self.thresholds, np.float32)))
+        if not same:
+            raise SamplesError(f"{directory}: these predictor samples were not taken from this profile's model with "
+                               f"its thresholds: {SAMPLES_REMAKE}")
+        return found
 
     def check_model(self, model: ModelArg) -> None:
         """Raise ProfileMismatchError unless this profile was made for ``model``."""
@@ -158,3 +204,27 @@ class ActivationProfile:
                 f"this profile was made for model {self.model_name!r} (fingerprint {self.model_fingerprint[:12]}), "
                 f"not for {model.cfg.name!r} (fingerprint {fingerprint[:12]}): profile this model first"
             )
+
+
+
+_DIGEST_MARK = b"jpinfer whole-file digest "
+_DIGEST_PLACEHOLDER = b"0" * 32  # the hex length of artifacts.DIGEST
+
+
+def _with_digest(npz: io.BytesIO) -> bytes:
+    """The zip file in ``npz`` with a comment (the last bytes of a zip) holding the digest of the
+    whole file, taken with the digest's place zeroed."""
+    with zipfile.ZipFile(npz, "a") as z:
+        z.comment = _DIGEST_MARK + _DIGEST_PLACEHOLDER
+    data = npz.getvalue()
+    return data[: -len(_DIGEST_PLACEHOLDER)] + artifacts.digest(data).encode()
+
+
+def _digest_problem(data: bytes) -> str | None:
+    """What is wrong with a profile's whole-file digest (None when it matches)."""
+    n = len(_DIGEST_PLACEHOLDER)
+    if data[-n - len(_DIGEST_MARK) : -n] != _DIGEST_MARK:
+        return "its whole-file checksum is missing (not saved by ActivationProfile.save, or damaged)"
+    if artifacts.digest(data[:-n] + _DIGEST_PLACEHOLDER) != data[-n:].decode("ascii", "replace"):
+        return "contents changed since it was written (checksum mismatch)"
+    return None

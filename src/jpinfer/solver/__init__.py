@@ -9,7 +9,7 @@ from jpinfer.solver.frequencies import load_frequencies, synthetic_frequencies
 from jpinfer.solver.hardware import PRESETS, HardwareProfile, measure_hardware, preset
 from jpinfer.solver.memory import InfeasibleBudgetError, ModelSizes, model_sizes
 from jpinfer.solver.milp import SolverError
-from jpinfer.solver.result import Placement, PlacementVersionError
+from jpinfer.solver.result import Placement, PlacementError, PlacementVersionError
 from jpinfer.solver.solve import solve_placement
 
 __all__ = [
@@ -18,6 +18,7 @@ __all__ = [
     "InfeasibleBudgetError",
     "ModelSizes",
     "Placement",
+    "PlacementError",
     "PlacementVersionError",
     "SolverError",
     "load_frequencies",

@@ -3,19 +3,27 @@
 from __future__ import annotations
 
 import dataclasses
-import json
+import zipfile
 from pathlib import Path
 
 import numpy as np
 
-from jpinfer.errors import JpinferError
+from jpinfer import artifacts
+from jpinfer.config import ModelConfig
+from jpinfer.errors import ArtifactError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: placement.json records placement.npz's size and digest, and its own checksum
 JSON_NAME = "placement.json"
 NPZ_NAME = "placement.npz"
+REMAKE = "solve the placement again (jpinfer place --save DIR, or solve_placement(...).save(DIR))"
 
 
-class PlacementVersionError(JpinferError):
+class PlacementError(ArtifactError):
+    """A saved placement that cannot be used: missing, damaged, unwritable, or for a model of
+    another shape; the message names the directory and says to solve again."""
+
+
+class PlacementVersionError(PlacementError):
     """A saved placement written by an incompatible format version."""
 
 
@@ -105,9 +113,12 @@ class Placement:
         }
 
     def save(self, directory: str | Path) -> Path:
-        """Write placement.json (scalars, version) and placement.npz (ids, per-layer arrays)."""
+        """Write placement.npz (ids, per-layer arrays) and placement.json (scalars, format
+        version, the size and digest of placement.npz), both to temporary names, then rename
+        them into place, the JSON last: a failed or interrupted save leaves the older placement
+        there, or (cut between the two renames) a pair ``load`` refuses as mismatched, never a
+        wrong one."""
         directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
         meta = {
             "format_version": FORMAT_VERSION,
             **{
@@ -117,39 +128,78 @@ class Placement:
             },
         }
         meta["cpu_dense"] = list(self.cpu_dense)
-        (directory / JSON_NAME).write_text(json.dumps(meta, indent=1, allow_nan=False))
-        np.savez(
-            directory / NPZ_NAME,
-            accel_ids=np.concatenate(self.accel_ids),
-            accel_counts=np.array([a.size for a in self.accel_ids], np.int64),
-            cpu_ids=np.concatenate(self.cpu_ids),
-            cpu_counts=np.array([c.size for c in self.cpu_ids], np.int64),
-            layer_times=self.layer_times,
-            min_neurons=self.min_neurons,
-        )
+        try:  # both written before either is renamed (the inner block's first): a full disk keeps the old pair
+            with artifacts.atomic_write(directory / JSON_NAME) as json_tmp, \
+                    artifacts.atomic_write(directory / NPZ_NAME) as npz_tmp:
+                with open(npz_tmp, "wb") as f:
+                    np.savez(
+                        f,
+                        accel_ids=np.concatenate(self.accel_ids),
+                        accel_counts=np.array([a.size for a in self.accel_ids], np.int64),
+                        cpu_ids=np.concatenate(self.cpu_ids),
+                        cpu_counts=np.array([c.size for c in self.cpu_ids], np.int64),
+                        layer_times=self.layer_times,
+                        min_neurons=self.min_neurons,
+                    )
+                meta["files"] = {NPZ_NAME: artifacts.file_record(npz_tmp)}
+                json_tmp.write_text(artifacts.json_with_checksum(meta))
+        except OSError as e:
+            raise PlacementError(f"{directory}: cannot write the placement ({e.strerror or e})") from None
         return directory
 
     @classmethod
-    def load(cls, directory: str | Path) -> "Placement":
-        """Read what ``save`` wrote; another format version is a PlacementVersionError."""
+    def load(cls, directory: str | Path, cfg: ModelConfig | None = None) -> "Placement":
+        """Read and verify what ``save`` wrote; with ``cfg``, check that the placement is for a
+        model of that shape (layers and FFN width: all a placement depends on). A missing,
+        damaged or mismatched placement is a PlacementError, another format version a
+        PlacementVersionError."""
         directory = Path(directory)
         meta_path = directory / JSON_NAME
         if not meta_path.is_file():
-            raise FileNotFoundError(f"no placement in {directory}: {JSON_NAME} is missing")
-        meta = json.loads(meta_path.read_text())
-        version = meta.pop("format_version", None)
-        if version != FORMAT_VERSION:
-            raise PlacementVersionError(
-                f"placement in {directory} has format version {version}, but this jpinfer reads "
-                f"version {FORMAT_VERSION}; solve the placement again"
-            )
-        with np.load(directory / NPZ_NAME, allow_pickle=False) as arrays:
-            accel = np.split(arrays["accel_ids"], np.cumsum(arrays["accel_counts"])[:-1])
-            cpu = np.split(arrays["cpu_ids"], np.cumsum(arrays["cpu_counts"])[:-1])
-            return cls(
-                accel_ids=tuple(a.astype(np.int32) for a in accel),
-                cpu_ids=tuple(c.astype(np.int32) for c in cpu),
-                layer_times=arrays["layer_times"],
-                min_neurons=arrays["min_neurons"],
-                **(meta | {"cpu_dense": tuple(meta["cpu_dense"])}),
-            )
+            raise PlacementError(f"no placement in {directory}: {JSON_NAME} is missing: {REMAKE}")
+        try:
+            meta = artifacts.read_json(meta_path)
+            version = meta.get("format_version")
+            if version != FORMAT_VERSION:
+                newer = isinstance(version, int) and version > FORMAT_VERSION
+                raise PlacementVersionError(
+                    f"placement in {directory} has format version {version}, but this jpinfer reads version "
+                    f"{FORMAT_VERSION}{' (it was written by a newer jpinfer)' if newer else ''}: {REMAKE}"
+                )
+            artifacts.check_json_checksum(meta_path, meta)
+            artifacts.check_files(directory, meta["files"])
+            placement = cls._from_files(directory, meta)
+        except artifacts.Damaged as damage:
+            raise PlacementError(f"{damage}: {REMAKE}") from None
+        for layer, (acc, cpu) in enumerate(zip(placement.accel_ids, placement.cpu_ids)):
+            d_ff = acc.size + cpu.size
+            if not np.array_equal(np.sort(np.concatenate([acc, cpu])), np.arange(d_ff)):
+                raise PlacementError(
+                    f"{directory}: layer {layer}'s ids do not cover its {d_ff} neurons exactly once: {REMAKE}"
+                )
+        if cfg is not None:
+            widths = {acc.size + cpu.size for acc, cpu in zip(placement.accel_ids, placement.cpu_ids)}
+            if (placement.n_layers, widths) != (cfg.n_layers, {cfg.d_ff}):
+                raise PlacementError(
+                    f"{directory}: a placement for {placement.n_layers} layers of {sorted(widths)} neurons, but "
+                    f"{cfg.name!r} has {cfg.n_layers} layers of {cfg.d_ff}: solve the placement for this model"
+                )
+        return placement
+
+    @classmethod
+    def _from_files(cls, directory: Path, meta: dict) -> "Placement":
+        """The placement from verified files; ``artifacts.Damaged`` if the arrays cannot be read."""
+        fields = {k: v for k, v in meta.items() if k not in ("format_version", "files", "checksum")}
+        try:
+            with np.load(directory / NPZ_NAME, allow_pickle=False) as arrays:
+                accel = np.split(arrays["accel_ids"], np.cumsum(arrays["accel_counts"])[:-1])
+                cpu = np.split(arrays["cpu_ids"], np.cumsum(arrays["cpu_counts"])[:-1])
+                return cls(
+                    accel_ids=tuple(a.astype(np.int32) for a in accel),
+                    cpu_ids=tuple(c.astype(np.int32) for c in cpu),
+                    layer_times=arrays["layer_times"],
+                    min_neurons=arrays["min_neurons"],
+                    **(fields | {"cpu_dense": tuple(fields["cpu_dense"])}),
+                )
+        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
+            raise artifacts.Damaged(directory / NPZ_NAME, f"unreadable ({type(e).__name__}: {e})") from None
