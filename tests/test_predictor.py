@@ -262,7 +262,7 @@ def test_logits_from_the_exported_arrays_equal_the_trained_module():
 # ----- strong (large-contribution) pairs
 
 def test_strong_masks_hold_the_largest_contributions():
-    from jpinfer.predictor.fit import STRONG_QUANTILE, strong_masks
+    from jpinfer.predictor.fit import STRONG_QUANTILE, strong_limit, strong_masks
 
     engine = tiny_engine("swiglu", n_layers=1)
     cfg, layer = engine.cfg, engine.weights.layers[0]
@@ -271,10 +271,12 @@ def test_strong_masks_hold_the_largest_contributions():
     gate, up = x @ w[: cfg.d_ff].T, x @ w[cfg.d_ff :].T
     contribution = np.abs(gate / (1 + np.exp(-gate)) * up) * np.linalg.norm(np.asarray(layer.w_down, np.float64), axis=0)
     active = np.abs(gate / (1 + np.exp(-gate)) * up) > np.median(np.abs(gate / (1 + np.exp(-gate)) * up))
-    strong = np.unpackbits(strong_masks(engine.model, 0, x.astype(np.float16), np.packbits(active, axis=-1), chunk=256),
-                           axis=-1, count=cfg.d_ff).astype(bool)
+    inputs, packed = x.astype(np.float16), np.packbits(active, axis=-1)
+    limit = strong_limit(engine.model, 0, inputs[:256], packed[:256])
+    strong = np.unpackbits(strong_masks(engine.model, 0, inputs, packed, limit, chunk=100), axis=-1,
+                           count=cfg.d_ff).astype(bool)
     assert not np.any(strong & ~active)
-    # about the top 10% of active pairs (the limit is estimated on the first chunk of 256 samples)
+    # about the top 10% of active pairs (the limit is estimated on the first 256 samples)
     assert abs(strong.sum() / active.sum() - (1 - STRONG_QUANTILE)) < 0.02
     # every strong pair contributes more than every other active pair, up to the float16 inputs' rounding
     # (relative 2^-11 per input, carried through two products: 1e-2 relative is a wide bound)

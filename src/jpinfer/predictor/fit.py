@@ -32,6 +32,7 @@ from jpinfer.profiler import ActivationProfile, PredictorSamples, profile as run
 DEFAULT_SAMPLES = 65536
 BUDGET = 0.10  # of the model's parameters
 STRONG_QUANTILE = 0.9  # strong pairs: the top 10% of a layer's active pairs by contribution
+LIMIT_SAMPLES = 4096  # samples the strong limit is estimated on (6M pairs for the default model)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,32 +56,46 @@ def _contributions(layer: Layer, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     return jnp.abs(a) * jnp.linalg.norm(layer.w_down.astype(jnp.float32), axis=0)
 
 
-def strong_masks(model: LoadedModel, layer: int, inputs: np.ndarray, masks: np.ndarray,
-                 quantile: float = STRONG_QUANTILE, chunk: int = 4096) -> np.ndarray:
-    """Packed masks of the active pairs whose contribution |a_i| * ||down_i|| exceeds the
-    ``quantile`` of the layer's active contributions (estimated on the first ``chunk`` samples).
+def strong_limit(model: LoadedModel, layer: int, inputs: np.ndarray, masks: np.ndarray,
+                 quantile: float = STRONG_QUANTILE) -> float:
+    """The contribution |a_i| * ||down_i|| above which an active pair is strong: the ``quantile``
+    of the active pairs' contributions over the given samples (+inf if none is active).
 
-    Why: measured on the default model, predictors cut off for 0.99 recall of active neurons
-    still raised perplexity 6.6% while computing 94% of the neurons (the oracle at that count:
-    +0.0%): the 1% they miss include large activations. Contributions are recomputed from the
-    stored float16 inputs and the model's weights, so the samples need no extra field.
+    Why strong pairs: measured on the default model, predictors cut off for 0.99 recall of
+    active neurons alone raised perplexity 6.6% while computing 94% of the neurons (the oracle
+    at that count: +0.0%): the 1% they missed included large activations. Contributions are
+    recomputed from the stored float16 inputs and the model's weights, so the samples need no
+    extra field.
     """
-    cfg, weights = model.cfg, model.weights.layers[layer]
-    head = np.asarray(_contributions(weights, jnp.asarray(inputs[:chunk]), cfg))
-    active_head = np.unpackbits(masks[:chunk], axis=-1, count=cfg.d_ff).astype(bool)
-    limit = np.quantile(head[active_head], quantile) if active_head.any() else np.inf
+    c = np.asarray(_contributions(model.weights.layers[layer], jnp.asarray(inputs), model.cfg))
+    active = np.unpackbits(masks, axis=-1, count=model.cfg.d_ff).astype(bool)
+    return float(np.quantile(c[active], quantile)) if active.any() else np.inf
+
+
+def strong_masks(model: LoadedModel, layer: int, inputs: np.ndarray, masks: np.ndarray, limit: float,
+                 chunk: int = 4096) -> np.ndarray:
+    """Packed masks of the active pairs whose contribution exceeds ``limit`` (``strong_limit``)."""
     out = np.empty_like(masks)
     for start in range(0, len(inputs), chunk):
-        c = np.asarray(_contributions(weights, jnp.asarray(inputs[start : start + chunk]), cfg))
-        active = np.unpackbits(masks[start : start + chunk], axis=-1, count=cfg.d_ff).astype(bool)
-        out[start : start + chunk] = np.packbits(active & (c > limit), axis=-1)
+        part = slice(start, start + chunk)
+        c = np.asarray(_contributions(model.weights.layers[layer], jnp.asarray(inputs[part]), model.cfg))
+        active = np.unpackbits(masks[part], axis=-1, count=model.cfg.d_ff).astype(bool)
+        out[part] = np.packbits(active & (c > limit), axis=-1)
     return out
 
 
-def _layer_data(model: LoadedModel, samples: PredictorSamples, layer: int, count: int) -> LayerData:
-    """The first ``count`` samples of one layer (verified on first read), with their strong masks."""
+def _layer_data(model: LoadedModel, samples: PredictorSamples, layer: int, count: int,
+                held_out: float | None = None) -> LayerData:
+    """The first ``count`` samples of one layer (verified on first read) with their strong masks;
+    with ``held_out``, only that tail (``LayerData.split``), strong limit still from the head.
+    The limit comes from the first ``LIMIT_SAMPLES`` samples, so a layer's training and its
+    held-out tail always share it."""
     inputs, masks = samples.arrays(layer, count)
-    return LayerData(inputs, masks, samples.d_ff, strong_masks(model, layer, inputs, masks))
+    limit = strong_limit(model, layer, inputs[:LIMIT_SAMPLES], masks[:LIMIT_SAMPLES])
+    data = LayerData(inputs, masks, samples.d_ff)
+    if held_out is not None:
+        data = data.split(held_out)[1]
+    return dataclasses.replace(data, strong=strong_masks(model, layer, data.inputs, data.masks, limit))
 
 
 def train_predictors(
@@ -163,7 +178,7 @@ def retune(model: ModelArg, predictors: Predictors, profile: ActivationProfile, 
     n, held_out = predictors.meta["n_samples"], predictors.meta["train_config"]["held_out"]
     layers, scores = [], []
     for layer, weights in enumerate(predictors.layers):
-        held = _layer_data(loaded, samples, layer, n).split(held_out)[1]
+        held = _layer_data(loaded, samples, layer, n, held_out)
         weights, layer_scores = with_cutoff(weights, held, recall, strong_recall)
         layers.append(weights)
         scores.append(dataclasses.asdict(layer_scores))
