@@ -87,9 +87,11 @@ def quality(engine, predictors, prof, test) -> dict:
 
 
 def agreement(engine, strategy, prompts, new_tokens) -> dict:
-    """Position-wise equal greedy tokens against dense, and prompts whose outputs are identical."""
+    """Position-wise equal greedy tokens against dense, prompts whose outputs are identical, and the
+    mean number of tokens before the first difference."""
     other = engine.with_ffn(strategy)
     equal = total = identical = 0
+    prefixes = []
     for p in prompts:
         a = engine.generate(p, max_new_tokens=new_tokens).token_ids
         b = other.generate(p, max_new_tokens=new_tokens).token_ids
@@ -97,7 +99,9 @@ def agreement(engine, strategy, prompts, new_tokens) -> dict:
         equal += sum(x == y for x, y in zip(a[:n], b[:n]))
         total += n
         identical += a == b
-    return {"token_agreement": equal / total, "identical_prompts": identical, "prompts": len(prompts)}
+        prefixes.append(next((i for i in range(n) if a[i] != b[i]), n))
+    return {"token_agreement": equal / total, "identical_prompts": identical, "prompts": len(prompts),
+            "matching_prefix": float(np.mean(prefixes))}
 
 
 def step_cost(engine, strategy, prompt, rounds: int) -> dict:
@@ -155,9 +159,9 @@ def main() -> None:
 
     ok = [r for r in rows if r["ppl"] <= 1.05 * dense_ppl]
     best = min(ok, key=lambda r: r["neurons"]) if ok else min(rows, key=lambda r: r["ppl"])
-    strategy = masked(engine, tuned_by_row[rows.index(best)], prof)
     prompts = [engine.encode_prompt(t, chat=True)[:128] for t in chatgpt_prompts()[: args.prompts]]
-    agree = agreement(engine, strategy, prompts, args.new_tokens)
+    agree = agreement(engine, masked(engine, tuned_by_row[rows.index(best)], prof), prompts, args.new_tokens)
+    agree_first = agreement(engine, masked(engine, tuned_by_row[0], prof), prompts, args.new_tokens)
     cost = step_cost(engine, masked(engine, adaptive, prof), prompts[0], args.rounds)
     n_model = model_params(engine)
 
@@ -196,7 +200,10 @@ def main() -> None:
            f"neurons per token ({best['neurons'] / cfg.d_ff:.1%}), perplexity {best['ppl']:.2f}." if ok else
            "none of the measured points (below: the point with the lowest perplexity)."),
         f"Greedy tokens there against dense, {agree['prompts']} ChatGPT prompts x {args.new_tokens} tokens: "
-        f"{agree['token_agreement']:.1%} of positions equal, {agree['identical_prompts']} prompts identical.", "",
+        f"{agree['token_agreement']:.1%} of positions equal, {agree['identical_prompts']} prompts identical, "
+        f"{agree['matching_prefix']:.1f} tokens before the first difference on average; at "
+        f"{rows[0]['recall']} / {rows[0]['strong_recall']}: {agree_first['token_agreement']:.1%}, "
+        f"{agree_first['identical_prompts']} identical, {agree_first['matching_prefix']:.1f} tokens.", "",
         "## Cost per decode step", "",
         f"Median of {args.rounds} interleaved rounds of 64 steps: dense {cost['dense_ms']:.2f} ms, with predictors "
         f"(dense FFN + predictor + mask) {cost['masked_ms']:.2f} ms: predictor overhead <= {cost['overhead']:.1%} "
@@ -222,7 +229,8 @@ def main() -> None:
     if args.out:
         args.out.write_text(text)
         args.out.with_suffix(".json").write_text(json.dumps(
-            {"rows": rows, "dense_ppl": dense_ppl, "agreement": agree, "cost": cost,
+            {"rows": rows, "dense_ppl": dense_ppl, "agreement": agree, "agreement_first_point": agree_first,
+             "cost": cost,
              "adaptive": {"ranks": adaptive.ranks, "seconds": adaptive_s, "n_params": adaptive.n_params},
              "fixed": {"rank": fixed_rank, "seconds": fixed_s, "n_params": fixed.n_params}}, indent=1, default=float))
 
