@@ -108,6 +108,9 @@ class Predictors:
         try:
             with artifacts.atomic_write(path, directory=True) as tmp:
                 ocp.PyTreeCheckpointer().save(tmp / ARRAYS, tree)
+                # read back before publishing: orbax writes on background threads, so a write that failed
+                # there (a full disk) becomes an error here instead of a published, damaged checkpoint
+                _check_digests(tmp, header, _read_arrays(tmp, header))
                 header["files"] = artifacts.directory_records(tmp)  # orbax's files: damage found before orbax reads
                 (tmp / META).write_text(artifacts.json_with_checksum(header))
         except Exception as e:  # OSError, or what orbax and tensorstore raise for a failed write (a full disk: ValueError)
@@ -121,13 +124,9 @@ class Predictors:
         path = pathlib.Path(path).absolute()
         header = _read_header(path)
         tree = _read_arrays(path, header)
-        layers = []
-        for i in range(header["n_layers"]):
-            arrays = tree[str(i)]
-            for name, digest in header["digests"][str(i)].items():
-                if _digest(arrays[name]) != digest:
-                    raise PredictorError(f"{path}: layer {i} array {name!r} is damaged (checksum mismatch): train again")
-            layers.append(PredictorWeights(**{k: jnp.asarray(v) for k, v in arrays.items()}))
+        _check_digests(path, header, tree)
+        layers = [PredictorWeights(**{k: jnp.asarray(v) for k, v in tree[str(i)].items()})
+                  for i in range(header["n_layers"])]
         predictors = cls(layers, header["meta"])
         if model is not None:
             predictors.check_model(model)
@@ -158,6 +157,13 @@ def _read_header(path: pathlib.Path) -> dict[str, Any]:
     except artifacts.Damaged as damage:
         raise PredictorError(f"{damage}: train again") from None
     return header
+
+
+def _check_digests(path: pathlib.Path, header: dict[str, Any], tree: dict[str, dict[str, np.ndarray]]) -> None:
+    for i in range(header["n_layers"]):
+        for name, digest in header["digests"][str(i)].items():
+            if _digest(tree[str(i)][name]) != digest:
+                raise PredictorError(f"{path}: layer {i} array {name!r} is damaged (checksum mismatch): train again")
 
 
 def _read_arrays(path: pathlib.Path, header: dict[str, Any]) -> dict[str, dict[str, np.ndarray]]:
