@@ -6,11 +6,12 @@ alike, so a random split would flatter the held-out scores). Masks stay packed o
 device and are unpacked inside the jitted step: 8x less memory than booleans.
 
 Loss: binary cross-entropy with the positives weighted by the layer's negative/positive
-ratio (active neurons are the minority at high sparsity). Optimiser: optax AdamW on a
+ratio (active neurons are the minority at high sparsity), and the strong pairs (the largest
+contributions, when given) by ``strong_weight`` more. Optimiser: optax AdamW on a
 warm-up + cosine schedule. Early stopping on the held-out loss, keeping the best epoch.
 The cut-off is chosen afterwards on the held-out part: a missed active neuron costs
 accuracy, an extra one only time, so it is the largest logit that keeps ``recall`` of the
-truly active (token, neuron) pairs.
+truly active (token, neuron) pairs and ``strong_recall`` of the strong ones.
 """
 
 from __future__ import annotations
@@ -169,7 +170,7 @@ def score(logits: np.ndarray, active: np.ndarray, cutoff: float) -> Scores:
 
 def positive_weight(masks: np.ndarray, d_ff: int) -> float:
     """Negative/positive ratio of the training labels, clipped to [1, MAX_POSITIVE_WEIGHT]."""
-    positives = int(np.unpackbits(np.asarray(masks), axis=-1, count=d_ff).sum())
+    positives = int(np.count_nonzero(_unpack(masks, d_ff)))
     negatives = masks.shape[0] * d_ff - positives
     return float(np.clip(negatives / max(positives, 1), 1.0, MAX_POSITIVE_WEIGHT))
 
