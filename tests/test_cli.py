@@ -26,12 +26,21 @@ from jpinfer.cli import COMMANDS, main
         (["bench-kernels", "--sparsity", "1.5"], "--sparsity values must lie in [0, 1)"),
         (["train-predictors", "--recall", "1.5"], "recall must lie in (0, 1]"),
         (["train-predictors", "--profile", "/nonexistent/prof.npz"], "no such profile file"),
+        (["generate", "hi", "--mode", "sparse"], "needs predictors"),
+        (["bench", "--modes", "dense", "sparse"], "needs predictors"),
+        (["generate", "hi", "--mode", "hybrid", "--predictors", "p"], "needs a placement, or gpu_budget"),
     ],
 )
 def test_bad_arguments_exit_with_a_message(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_bad_capacity_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "hi", "--mode", "sparse", "--capacity", "lots"])
+    assert exit_info.value.code == 2 and "expected 'predicted'" in capsys.readouterr().err
 
 
 def test_unknown_command_and_help_list_every_subcommand(capsys):
@@ -98,3 +107,8 @@ def test_train_predictors_from_a_saved_profile(tmp_path):
     assert f"saved {out_dir}" in out.stdout and "trained 30 predictors" in out.stdout
     predictors = Predictors.load(out_dir, profile=ActivationProfile.load(profile_path))
     assert predictors.ranks == [16] * 30 and predictors.meta["recall"] == 0.99
+    for mode in (["--mode", "sparse"], ["--mode", "hybrid", "--gpu-budget", "0.9"]):
+        out = subprocess.run([sys.executable, "-m", "jpinfer", "generate", "What is the capital of France?", "--chat",
+                              "--max-new-tokens", "8", "--stats", "--predictors", str(out_dir), "--profile",
+                              str(profile_path), *mode], **run)
+        assert out.stdout.strip() and "tok/s" in out.stderr, mode

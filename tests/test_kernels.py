@@ -9,7 +9,7 @@ from jpinfer.sparse import neurons
 from jpinfer.config import FFN_KINDS, ModelConfig
 from jpinfer.models import params, transformer
 from jpinfer.sparse.pallas_kernels import sparse_rows_ffn
-from jpinfer.sparse.op import sparse_ffn
+from jpinfer.sparse.op import all_rows_ffn, sparse_ffn
 from tolerances import KERNEL_ATOL, KERNEL_RTOL
 
 D, N = 192, 96  # d = 3 tiles of 64 in the Pallas kernel; N = 3 blocks / chunks of 32
@@ -82,6 +82,28 @@ def test_equals_float64_reference(kind, backend):
             assert got.shape == x.shape and got.dtype == jnp.float32
             want = _reference(kind, w, x, ids, count)
             np.testing.assert_allclose(np.asarray(got), want, rtol=KERNEL_RTOL, atol=KERNEL_ATOL, err_msg=name)
+
+
+@pytest.mark.parametrize("kind", FFN_KINDS)
+def test_all_rows_equals_float64_reference_over_every_neuron_and_over_a_part(kind):
+    """The prefill form: every row of a layout, one token or several; a compact part (hot + cold)."""
+    rng = np.random.default_rng(7 + FFN_KINDS.index(kind))
+    w = _weights(kind)
+    ffn = _layout(kind, w)
+    every = np.arange(N)
+    for x in (rng.standard_normal(D), rng.standard_normal((5, D))):
+        got = all_rows_ffn(ffn, jnp.asarray(x, jnp.float32))
+        assert got.shape == x.shape and got.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(got), _reference(kind, w, x, every, N), rtol=KERNEL_RTOL,
+                                   atol=KERNEL_ATOL)
+    x = rng.standard_normal((5, D))
+    hot_ids = rng.permutation(N)[:40]
+    hot, _ = ffn.subset(hot_ids)
+    cold, _ = ffn.subset(np.setdiff1d(every, hot_ids), with_b_down=False)
+    parts = all_rows_ffn(hot, jnp.asarray(x, jnp.float32)) + all_rows_ffn(cold, jnp.asarray(x, jnp.float32))
+    np.testing.assert_allclose(np.asarray(parts), _reference(kind, w, x, every, N), rtol=KERNEL_RTOL, atol=KERNEL_ATOL)
+    np.testing.assert_allclose(np.asarray(all_rows_ffn(hot, jnp.asarray(x, jnp.float32))),
+                               _reference(kind, w, x, hot_ids, 40), rtol=KERNEL_RTOL, atol=KERNEL_ATOL)
 
 
 def test_auto_backend_on_cpu_is_the_xla_loop():

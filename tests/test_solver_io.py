@@ -143,3 +143,15 @@ def test_measure_hardware_on_this_machine():
         assert (p.accel_memory, p.link_bandwidth, p.sync_cost) == (base.accel_memory, base.link_bandwidth, base.sync_cost)
     else:
         assert {"accel_bandwidth", "link_bandwidth", "link_latency", "sync_cost"} <= set(p.measured)
+
+
+def test_measure_hardware_between_two_simulated_devices():
+    """The hybrid engine's two CPU devices: the link and the sync are measured between them."""
+    import jax
+
+    accel, host = jax.devices("cpu")[:2]
+    base = preset("rtx2080ti")
+    p = measure_hardware(base, array_mib=16, devices=(accel, host))
+    assert {"accel_bandwidth", "link_bandwidth", "link_latency", "sync_cost"} <= set(p.measured)
+    assert 1e8 < p.link_bandwidth < 1e13 and 0 < p.link_latency < 0.1 and 0 < p.sync_cost < 0.1
+    assert p.accel_memory == base.accel_memory  # a CPU device reports no memory limit

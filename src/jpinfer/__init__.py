@@ -10,9 +10,12 @@ from __future__ import annotations
 import pathlib
 from typing import Any, Sequence
 
+import jax
+
 from jpinfer.config import ModelConfig
 from jpinfer.errors import ArtifactError, CacheError, CheckpointError, JpinferError
 from jpinfer.models.loading import LoadedModel, load_model
+from jpinfer.modes.arguments import check_mode_arguments
 from jpinfer.profiler import ActivationProfile, profile
 from jpinfer.runtime.engine import Engine, FfnStrategy, GenerationConfig, GenerationResult
 
@@ -35,9 +38,48 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'jpinfer' has no attribute {name!r}")
 
 
-def load(source: str | pathlib.Path | None = None, *, dtype: Any = "float32", ffn_kind: str | None = None) -> Engine:
-    """Load a checkpoint (HF directory, .gguf file, or None for the default model) as a dense Engine."""
-    return Engine(load_model(source, dtype=dtype, ffn_kind=ffn_kind))
+def load(
+    source: str | pathlib.Path | None = None,
+    *,
+    dtype: Any = "float32",
+    ffn_kind: str | None = None,
+    mode: str = "dense",
+    predictors: Any = None,
+    profile: ActivationProfile | str | pathlib.Path | None = None,
+    capacity: str | float | int | Sequence[int] = "predicted",
+    gpu_budget: str | int | float | None = None,
+    placement: Any = None,
+) -> Engine:
+    """Load a checkpoint (HF directory, .gguf file, or None for the default model) as an Engine.
+
+    ``mode``: ``"dense"`` (default), ``"sparse"`` (the predictor picks each token's neurons, one
+    device) or ``"hybrid"`` (hot neurons on the accelerator, cold on the CPU; without a GPU two
+    simulated CPU devices). Sparse modes need ``predictors`` (a ``Predictors`` or its directory).
+    ``capacity``, the most neurons a token computes per layer: "predicted" (the 0.99 quantile
+    of what the predictors pick on held-out samples), a float quantile of the ``profile``'s
+    active counts, an int, or one int per layer. ``hybrid`` needs the ``profile`` (an
+    ``ActivationProfile`` or its file) and ``gpu_budget`` ("6GB", "512MiB", bytes, or a
+    fraction of the model's weights; the solver places the neurons), or a ``placement`` (a
+    ``solver.Placement`` or one boolean mask per layer, True = accelerator).
+    """
+    check_mode_arguments(mode, predictors, profile, gpu_budget, placement)  # before the model loads: fail fast
+    if mode == "dense":
+        return Engine(load_model(source, dtype=dtype, ffn_kind=ffn_kind))
+    from jpinfer.modes import build_engine, default_devices  # loads the predictor package (Flax)
+
+    if mode == "hybrid":  # load on the host: the accelerator receives only its share
+        with jax.default_device(default_devices()[1]):
+            model = load_model(source, dtype=dtype, ffn_kind=ffn_kind)
+    else:
+        model = load_model(source, dtype=dtype, ffn_kind=ffn_kind)
+    if isinstance(profile, (str, pathlib.Path)):
+        profile = ActivationProfile.load(profile, model)
+    if isinstance(predictors, (str, pathlib.Path)):
+        from jpinfer.predictor import Predictors
+
+        predictors = Predictors.load(predictors, model, profile)
+    return build_engine(model, mode, predictors=predictors, profile=profile, capacity=capacity,
+                        gpu_budget=gpu_budget, placement=placement)
 
 
 def generate(

@@ -14,7 +14,7 @@ import importlib
 import sys
 from typing import Sequence
 
-from jpinfer.cli_args import add_model_arguments
+from jpinfer.cli_args import add_mode_arguments, add_model_arguments, mode_options
 
 # name -> (module with add_arguments/run, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -65,6 +65,7 @@ def add_arguments(p: argparse.ArgumentParser, command: str) -> None:
         p.add_argument("--system", default=None, help="system message")
     add_model_arguments(p)
     if command in ("generate", "chat"):
+        add_mode_arguments(p)
         p.add_argument("--max-new-tokens", type=int, default=128)
         p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
         p.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -82,7 +83,11 @@ def run(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
         top_p=args.top_p, seed=args.seed, stop=tuple(args.stop), chat=args.command == "chat" or args.chat,
     )
-    engine = jpinfer.load(args.model, dtype=args.dtype)
+    if args.mode == "hybrid":  # without a GPU, two CPU devices play accelerator and host (before JAX starts)
+        import jax
+
+        jax.config.update("jax_num_cpu_devices", 2)
+    engine = jpinfer.load(args.model, dtype=args.dtype, mode=args.mode, **mode_options(args))
     if args.command == "chat":
         return _chat(engine, config, args.system)
     result = None

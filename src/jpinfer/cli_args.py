@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from jpinfer.config import ENGINE_MODES
+
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 
 
@@ -15,3 +17,38 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         "--dtype", default="float32", choices=DTYPE_CHOICES,
         help="weight dtype (default float32; on the CPU bfloat16 decodes 5-8x slower, see README)",
     )
+
+
+def capacity_value(text: str) -> str | float | int:
+    """--capacity: 'predicted', a quantile of the profile's active counts (has a '.') or one K for every layer."""
+    if text == "predicted":
+        return text
+    try:
+        return float(text) if "." in text else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'predicted', a quantile like 0.99 or an integer K, got {text!r}") from None
+
+
+def add_mode_arguments(p: argparse.ArgumentParser, modes: bool = False) -> None:
+    """The engine mode (``--mode``, or ``--modes`` for a bench) and what the sparse modes read."""
+    choices = ENGINE_MODES
+    if modes:
+        p.add_argument("--modes", nargs="+", choices=choices, default=["dense"], help="engine modes to compare")
+    else:
+        p.add_argument("--mode", choices=choices, default="dense",
+                       help="dense (default); sparse: predicted neurons only; hybrid: hot neurons on the accelerator")
+    p.add_argument("--predictors", default=None, help="predictor directory (jpinfer train-predictors) for sparse modes")
+    p.add_argument("--profile", default=None, help="profile file (jpinfer profile) for capacities and placement")
+    p.add_argument("--capacity", type=capacity_value, default="predicted",
+                   help="most neurons per token and layer: 'predicted' (default: what the predictors pick on held-out "
+                        "samples, 0.99 quantile), a quantile of the profile's active counts like 0.99, or K")
+    p.add_argument("--gpu-budget", default=None,
+                   help="hybrid: accelerator memory for the model, e.g. 6GB, 512MiB, or a fraction like 0.4")
+
+
+def mode_options(args: argparse.Namespace) -> dict:
+    """Keyword arguments of ``jpinfer.load`` from ``add_mode_arguments``' options (without the mode)."""
+    budget = args.gpu_budget
+    if budget is not None and budget.replace(".", "", 1).isdigit() and "." in budget:
+        budget = float(budget)
+    return dict(predictors=args.predictors, profile=args.profile, capacity=args.capacity, gpu_budget=budget)

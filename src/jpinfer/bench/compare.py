@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from jpinfer.bench.machine import matvec_read_bandwidth
+from jpinfer.cli_args import add_mode_arguments, mode_options
 
 PEERS = ("llama.cpp", "transformers")
 
@@ -46,7 +47,9 @@ def _engines(args: argparse.Namespace) -> list:
     from jpinfer.bench.engines import JaxEngine, TransformersEager
     from jpinfer.bench.llama_cpp import INSTALL_MESSAGE, LlamaCppEngine, float32_gguf
 
-    engines = [JaxEngine(f"jpinfer dense {dtype}", jpinfer.load(args.model, dtype=dtype)) for dtype in args.dtypes]
+    engines = [JaxEngine(f"jpinfer {mode} {dtype}", jpinfer.load(args.model, dtype=dtype, mode=mode,
+                                                                   **mode_options(args)))
+               for mode in args.modes for dtype in args.dtypes]
     source = pathlib.Path(engines[0].engine.source)
     if "llama.cpp" in args.peers:
         if not LlamaCppEngine.available():
@@ -156,6 +159,7 @@ def add_arguments(parser: argparse.ArgumentParser, command: str = "bench") -> No
         help="dense engines to run (default: float32 on a CPU, where bfloat16 decodes 5-8x slower; float32 and "
              "bfloat16 on an accelerator)",
     )
+    add_mode_arguments(parser, modes=True)
     parser.add_argument("--prompts", type=int, default=5, help="number of ChatGPT prompts")
     parser.add_argument("--max-prompt-tokens", type=int, default=128)
     parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -170,6 +174,12 @@ def add_arguments(parser: argparse.ArgumentParser, command: str = "bench") -> No
 
 
 def run(args: argparse.Namespace) -> int:
+    from jpinfer.modes import check_mode_arguments
+
+    for mode in args.modes:  # before any model loads
+        check_mode_arguments(mode, args.predictors, args.profile, args.gpu_budget, None)
+    if "hybrid" in args.modes:  # without a GPU, two CPU devices play accelerator and host (before JAX starts)
+        jax.config.update("jax_num_cpu_devices", 2)
     if args.dtypes is None:
         args.dtypes = ["float32"] if jax.devices()[0].platform == "cpu" else ["float32", "bfloat16"]
     for name in ("prompts", "max_prompt_tokens", "max_new_tokens", "rounds", "threads"):

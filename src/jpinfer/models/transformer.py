@@ -174,6 +174,36 @@ def embed(weights: Weights, tokens: jax.Array, positions: jax.Array, cfg: ModelC
     return h
 
 
+def step_inputs(
+    weights: Weights, tokens: jax.Array, start: jax.Array, cfg: ModelConfig
+) -> tuple[jax.Array, jax.Array, tuple[jax.Array, jax.Array] | None]:
+    """Embeddings (B, T, d) of T new tokens after ``start`` cached positions, their positions
+    (T,) and the rotary tables shared by every layer (None for learned positions)."""
+    positions = start + jnp.arange(tokens.shape[1], dtype=jnp.int32)
+    h = embed(weights, tokens, positions, cfg)
+    rope_cs = rope_tables(positions, cfg.head_dim, cfg.rope_theta) if cfg.positions == "rope" else None
+    return h, positions, rope_cs
+
+
+def attention_residual(
+    layer: Layer,
+    h: jax.Array,
+    positions: jax.Array,
+    rope_cs: tuple[jax.Array, jax.Array] | None,
+    cache_k: jax.Array,
+    cache_v: jax.Array,
+    cfg: ModelConfig,
+    attend: int | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """A layer up to its FFN: h + attention(norm(h)). Returns that residual stream, the
+    normalised FFN input x and the layer's updated keys and values; the layer's output is
+    the residual plus the FFN of x (``forward``, or the hybrid engine's two partial FFNs)."""
+    attn, k, v = attention_block(layer, norm(layer.attn_norm, h, cfg), positions, rope_cs, cache_k, cache_v, cfg,
+                                 attend)
+    h = h + attn
+    return h, norm(layer.ffn_norm, h, cfg), k, v
+
+
 def forward(
     weights: Weights,
     tokens: jax.Array,
@@ -192,17 +222,13 @@ def forward(
     """
     impl = ffn_impl or _dense_ffn_impl(cfg)
     start = cache.length
-    positions = start + jnp.arange(tokens.shape[1], dtype=jnp.int32)
-    h = embed(weights, tokens, positions, cfg)
-    rope_cs = rope_tables(positions, cfg.head_dim, cfg.rope_theta) if cfg.positions == "rope" else None
+    h, positions, rope_cs = step_inputs(weights, tokens, start, cfg)
     aux, keys, values = [], [], []
     for i, layer in enumerate(weights.layers):
-        x = norm(layer.attn_norm, h, cfg)
-        attn, k, v = attention_block(layer, x, positions, rope_cs, cache.k[i], cache.v[i], cfg, attend)
+        h, x, k, v = attention_residual(layer, h, positions, rope_cs, cache.k[i], cache.v[i], cfg, attend)
         keys.append(k)
         values.append(v)
-        h = h + attn
-        y, aux_i = impl(i, layer, norm(layer.ffn_norm, h, cfg), None if ffn_state is None else ffn_state[i])
+        y, aux_i = impl(i, layer, x, None if ffn_state is None else ffn_state[i])
         h = h + y.astype(h.dtype)
         aux.append(aux_i)
     cache = KVCache(keys, values, start + tokens.shape[1])

@@ -9,12 +9,12 @@ masked (the dense FFN keeping only predicted neurons: end-to-end quality).
 
 from jpinfer.predictor.fit import SearchConfig, retune, train_predictors
 from jpinfer.predictor.masked import MaskState, PredictedMaskFFN, mask_states
-from jpinfer.predictor.mlp import PredictorWeights, predict_active, predict_logits
+from jpinfer.predictor.mlp import PredictorWeights, Selection, predict_logits, select_neurons, selection_mask
 from jpinfer.predictor.store import PredictorError, PredictorMismatchError, Predictors, profile_fingerprint
 from jpinfer.predictor.train import LayerData, LayerPredictor, Scores, TrainConfig, cutoff_for_recall, train_layer
 
 __all__ = [
     "train_predictors", "retune", "SearchConfig", "TrainConfig", "Predictors", "PredictorError", "PredictorMismatchError",
-    "PredictorWeights", "LayerPredictor", "predict_logits", "predict_active", "train_layer", "LayerData", "Scores",
+    "PredictorWeights", "LayerPredictor", "predict_logits", "select_neurons", "selection_mask", "Selection", "train_layer", "LayerData", "Scores",
     "cutoff_for_recall", "profile_fingerprint", "PredictedMaskFFN", "MaskState", "mask_states",
 ]

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jpinfer.config import ModelConfig
 from jpinfer.models import transformer
 from jpinfer.models.params import Layer
-from jpinfer.predictor.mlp import PredictorWeights, predict_active
+from jpinfer.predictor.mlp import PredictorWeights, predict_logits, select_neurons, selection_mask
 from jpinfer.profiler.activity import activation_and_score
 
 
@@ -33,15 +33,30 @@ class MaskState:
 
 @dataclasses.dataclass(frozen=True)
 class PredictedMaskFFN:
-    """Static ``ffn_impl``; aux per token: ``predicted``, ``active`` and ``hits`` neuron counts."""
+    """Static ``ffn_impl``; aux per token: ``predicted``, ``active`` and ``hits`` neuron counts.
+
+    With ``capacity`` (one K per layer) at most K neurons are kept per token, the largest
+    logits over the cut-off, as the sparse engine does (``select_neurons``); the aux then
+    also counts ``clipped`` (predicted but over the capacity) and ``clipped_active`` (of
+    those, the truly active ones: what the capacity cost in recall).
+    """
 
     cfg: ModelConfig
+    capacity: tuple[int, ...] | None = None
 
     def __call__(self, i: int, layer: Layer, x: jax.Array, state: MaskState) -> tuple[jax.Array, dict[str, jax.Array]]:
         a, s = activation_and_score(layer, x, self.cfg, "product")
-        predicted = predict_active(state.predictor, x)
+        logits = predict_logits(state.predictor, x)
+        wanted = logits > state.predictor.cutoff
         active = s > state.threshold
+        if self.capacity is None:
+            predicted = wanted
+        else:
+            predicted = selection_mask(select_neurons(logits, state.predictor.cutoff, self.capacity[i]), self.cfg.d_ff)
         counts = {"predicted": predicted.sum(-1), "active": active.sum(-1), "hits": (predicted & active).sum(-1)}
+        if self.capacity is not None:
+            dropped = wanted & ~predicted
+            counts |= {"clipped": dropped.sum(-1), "clipped_active": (dropped & active).sum(-1)}
         return transformer.ffn_down(layer, jnp.where(predicted, a, 0)), counts
 
 

@@ -58,6 +58,56 @@ def predict_logits(p: PredictorWeights, x: jax.Array) -> jax.Array:
     return linear(jax.nn.relu(linear(x, p.w_in, p.b_in)), p.w_out, p.b_out)
 
 
-def predict_active(p: PredictorWeights, x: jax.Array) -> jax.Array:
-    """Boolean (..., d_ff): the neurons predicted active (logit over the cut-off)."""
-    return predict_logits(p, x) > p.cutoff
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Selection:
+    """The neurons to compute for each token, as a padded list of static capacity K.
+
+    ids (..., K) int32, of which the first ``count`` are valid (the rest is padding);
+    ``wanted`` counts the logits over the cut-off: ``wanted - count`` neurons were predicted
+    active but clipped by the capacity.
+    """
+
+    ids: jax.Array
+    count: jax.Array
+    wanted: jax.Array
+
+
+def _select_one(logits: jax.Array, cutoff: jax.Array, capacity: int) -> Selection:
+    over = logits > cutoff
+    wanted = jnp.sum(over, dtype=jnp.int32)
+
+    def every_one() -> jax.Array:
+        return jnp.nonzero(over, size=capacity, fill_value=0)[0].astype(jnp.int32)
+
+    def largest() -> jax.Array:
+        return jax.lax.top_k(logits, capacity)[1].astype(jnp.int32)
+
+    ids = jax.lax.cond(wanted <= capacity, every_one, largest)
+    return Selection(ids, jnp.minimum(wanted, capacity), wanted)
+
+
+def select_neurons(logits: jax.Array, cutoff: jax.Array, capacity: int) -> Selection:
+    """At most ``capacity`` neurons over ``cutoff``, per token (logits (..., n)).
+
+    A static capacity keeps shapes static (one compiled step for every token) and bounds the
+    work per token. When the neurons over the cut-off fit, they are all kept, in index order
+    (a compaction: 1.2 ms per token for 30 layers of 1536 neurons with K = 1472 on this CPU,
+    against 3.6 ms for a top-k; scratch probe, 2026-12-01); when they do not, the K largest
+    logits are kept (the most confident predictions).
+    """
+    if logits.ndim == 1:  # one token: the cond runs one branch (under vmap it would run both)
+        return _select_one(logits, cutoff, capacity)
+    flat = logits.reshape(-1, logits.shape[-1])
+    chosen = jax.vmap(lambda row: _select_one(row, cutoff, capacity))(flat)
+    lead = logits.shape[:-1]
+    return Selection(chosen.ids.reshape(*lead, capacity), chosen.count.reshape(lead), chosen.wanted.reshape(lead))
+
+
+def selection_mask(selection: Selection, n: int) -> jax.Array:
+    """Boolean (..., n): True at the selection's valid ids (a scatter: a one-hot would be K x n per token)."""
+    k = selection.ids.shape[-1]
+    ids = selection.ids.reshape(-1, k)
+    valid = jnp.arange(k) < selection.count.reshape(-1, 1)
+    mask = jnp.zeros((ids.shape[0], n), bool).at[jnp.arange(ids.shape[0])[:, None], ids].set(valid)
+    return mask.reshape(*selection.ids.shape[:-1], n)

@@ -137,6 +137,7 @@ class Scores:
     predicted: float  # mean fraction of neurons predicted active per token
     active: float  # mean fraction truly active per token
     strong_recall: float | None = None  # recall of the strong pairs, when there are strong masks
+    predicted_q99: int | None = None  # 0.99 quantile of the neurons predicted per token (a capacity K)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,7 +166,10 @@ def score(logits: np.ndarray, active: np.ndarray, cutoff: float) -> Scores:
     predicted = logits > cutoff
     hits = np.count_nonzero(predicted & active)
     n_pred, n_active = np.count_nonzero(predicted), np.count_nonzero(active)
-    return Scores(hits / max(n_active, 1), hits / max(n_pred, 1), n_pred / active.size, n_active / active.size)
+    per_token = predicted.sum(-1)
+    q99 = int(np.ceil(np.quantile(per_token, 0.99))) if per_token.size else 0
+    return Scores(hits / max(n_active, 1), hits / max(n_pred, 1), n_pred / active.size, n_active / active.size,
+                  predicted_q99=q99)
 
 
 def positive_weight(masks: np.ndarray, d_ff: int) -> float:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -124,16 +124,65 @@ def _next_token(weights, token, cache, key, cfg, sampler, ffn_impl=None, ffn_sta
     return sample(step_logits, sub, sampler), cache, key
 
 
+class Stepper(Protocol):
+    """How an engine runs its model: the KV cache, the prefill that samples the first token,
+    and one decode step. ``attend`` is the static number of cache slots attention reads."""
+
+    name: str
+
+    def new_cache(self, capacity: int) -> Any: ...
+
+    def first(self, tokens: jax.Array, n_valid: jax.Array, cache: Any, key: jax.Array, sampler: Sampler,
+              attend: int) -> tuple[jax.Array, Any, jax.Array]: ...
+
+    def next(self, token: jax.Array, cache: Any, key: jax.Array, sampler: Sampler,
+             attend: int) -> tuple[jax.Array, Any, jax.Array]: ...
+
+    def step_logits(self, token: jax.Array, cache: Any, attend: int) -> tuple[jax.Array, Any]:
+        """The decode step's float32 logits (B, V) for tokens (B,), unsampled (tests, scoring)."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedStepper:
+    """The whole step as one jitted function on one device, its FFN computed by ``ffn``
+    (dense, oracle masks, or the predictor-driven sparse FFN)."""
+
+    model: LoadedModel
+    ffn: FfnStrategy = DENSE
+
+    @property
+    def name(self) -> str:
+        return self.ffn.name
+
+    def new_cache(self, capacity: int) -> transformer.KVCache:
+        return transformer.KVCache.create(self.model.cfg, 1, capacity, self.model.weights.dtype)
+
+    def first(self, tokens, n_valid, cache, key, sampler, attend):
+        return _first_token(self.model.weights, tokens, n_valid, cache, key, self.model.cfg, sampler, self.ffn.impl,
+                            self.ffn.state, attend)
+
+    def next(self, token, cache, key, sampler, attend):
+        return _next_token(self.model.weights, token, cache, key, self.model.cfg, sampler, self.ffn.impl,
+                           self.ffn.state, attend)
+
+    def step_logits(self, token, cache, attend):
+        return transformer.decode_step(self.model.weights, token, cache, self.model.cfg, self.ffn.impl, self.ffn.state,
+                                       attend)
+
+
 class Engine:
     """A loaded model ready to generate, with an FFN strategy (dense by default).
 
     Create it with ``jpinfer.load``; ``with_ffn`` gives an engine over the same weights with
-    another strategy.
+    another strategy. ``stepper`` replaces the one-jitted-step runner (the hybrid engine
+    splits each step over two devices); ``ffn`` is then ignored.
     """
 
-    def __init__(self, model: LoadedModel, ffn: FfnStrategy = DENSE) -> None:
+    def __init__(self, model: LoadedModel, ffn: FfnStrategy = DENSE, stepper: Stepper | None = None) -> None:
         self.model = model
         self.ffn = ffn
+        self.stepper = stepper or FusedStepper(model, ffn)
         self._warm: set[tuple] = set()
 
     @property
@@ -158,12 +207,14 @@ class Engine:
 
     def with_ffn(self, ffn: FfnStrategy) -> "Engine":
         """An engine over the same model (no copy of the weights) that computes FFNs with ``ffn``."""
+        if not isinstance(self.stepper, FusedStepper):
+            raise ValueError(f"with_ffn needs a one-device engine; this one runs {self.stepper.name!r}")
         return Engine(self.model, ffn)
 
     def __repr__(self) -> str:
         return (
             f"Engine({self.cfg.name!r}, layers={self.cfg.n_layers}, d_model={self.cfg.d_model}, "
-            f"dtype={self.dtype}, ffn={self.ffn.name})"
+            f"dtype={self.dtype}, ffn={self.stepper.name})"
         )
 
     # ----- prompts
@@ -243,19 +294,18 @@ class Engine:
         """Prefill and sample the first token; returns (token, cache, key, tokens that fit)."""
         n = len(prompt_ids)
         bucket, capacity, max_new = self._shapes(n, max_new_tokens)
-        cache = transformer.KVCache.create(self.cfg, 1, capacity, self.dtype)
+        cache = self.stepper.new_cache(capacity)
         padded = np.zeros((1, bucket), np.int32)
         padded[0, :n] = prompt_ids
-        token, cache, key = _first_token(
-            self.weights, jnp.asarray(padded), jnp.int32(n), cache, jax.random.PRNGKey(seed), self.cfg,
-            sampler, self.ffn.impl, self.ffn.state, attend_length(bucket, capacity),
+        token, cache, key = self.stepper.first(
+            jnp.asarray(padded), jnp.int32(n), cache, jax.random.PRNGKey(seed), sampler,
+            attend_length(bucket, capacity),
         )
         return token, cache, key, max_new
 
     def _step(self, token, cache, key, sampler: Sampler, position: int):
         """Decode the token at ``position`` (the number of positions already in the cache)."""
-        attend = attend_length(position + 1, cache.capacity)
-        return _next_token(self.weights, token, cache, key, self.cfg, sampler, self.ffn.impl, self.ffn.state, attend)
+        return self.stepper.next(token, cache, key, sampler, attend_length(position + 1, cache.capacity))
 
     def warmup(self, n_prompt_tokens: int, config: GenerationConfig | None = None) -> None:
         """Compile prefill and decode for this prompt length and config, so that the first
@@ -276,6 +326,13 @@ class Engine:
     def device_step_seconds(self, prompt_ids: list[int], n_steps: int, config: GenerationConfig | None = None) -> float:
         """Mean decode step time with no host round trip between steps (the loop's lower bound).
         Compiles first (``warmup``), so no compilation is timed."""
+        return self.step_times(prompt_ids, n_steps, config)[0]
+
+    def step_times(self, prompt_ids: list[int], n_steps: int,
+                   config: GenerationConfig | None = None) -> tuple[float, float]:
+        """(mean device step time, mean host time to dispatch a step) over ``n_steps`` steps
+        queued back to back. Dispatch returns before the device is done, so a dispatch time
+        close to the step time means the host, not the device, sets the pace."""
         config = config or GenerationConfig(max_new_tokens=n_steps + 1)
         n = len(prompt_ids)
         self.warmup(n, config)
@@ -284,8 +341,9 @@ class Engine:
         t0 = time.perf_counter()
         for i in range(n_steps):
             token, cache, key = self._step(token, cache, key, config.sampler, n + 1 + i)
+        dispatched = time.perf_counter()
         jax.block_until_ready(token)
-        return (time.perf_counter() - t0) / n_steps
+        return (time.perf_counter() - t0) / n_steps, (dispatched - t0) / n_steps
 
     def events(self, prompt, config: GenerationConfig) -> Iterator[str | GenerationResult]:
         """Yield text pieces as they are generated, then the GenerationResult (streaming with stats).

@@ -152,14 +152,17 @@ def _cpu_threads() -> int:
         return os.cpu_count() or 1
 
 
-def measure_hardware(base: HardwareProfile | str = "rtx4090", *, array_mib: int = 128) -> HardwareProfile:
+def measure_hardware(base: HardwareProfile | str = "rtx4090", *, array_mib: int = 128,
+                     devices: tuple | None = None) -> HardwareProfile:
     """Measure this machine in a few seconds; fields it cannot measure keep ``base``'s values.
 
     CPU: thread count, and the bandwidth of a float32 matrix-vector product on the JAX
     CPU device (how the cold FFN streams weights). Accelerator, when ``jax.devices()[0]``
     is not a CPU: memory limit, on-device bandwidth, host<->device bandwidth and latency
     with ``jax.device_put``, and the cost of one dispatch-and-wait (sync). On a CPU-only
-    machine those stay at ``base``'s values and are absent from ``measured``.
+    machine those stay at ``base``'s values and are absent from ``measured``, unless
+    ``devices`` = (accelerator, host) names the two devices the hybrid engine runs on (two
+    simulated CPU devices): then the link and the sync are measured between them.
     """
     import jax
     import numpy as np
@@ -173,13 +176,12 @@ def measure_hardware(base: HardwareProfile | str = "rtx4090", *, array_mib: int 
     vec = np.ones(cols, np.float32)
     matvec = jax.jit(lambda a, v: a @ v)
 
-    cpu = jax.devices("cpu")[0]
+    accel, cpu = devices or (jax.devices()[0], jax.devices("cpu")[0])
     host_a, host_v = jax.device_put(host, cpu), jax.device_put(vec, cpu)
     cpu_s = _best_seconds(lambda: matvec(host_a, host_v).block_until_ready(), repeats=5)
     found: dict[str, float] = {"cpu_bandwidth": host.nbytes / cpu_s, "cpu_threads": _cpu_threads()}
 
-    accel = jax.devices()[0]
-    if accel.platform != "cpu":
+    if accel != cpu:
         stats = accel.memory_stats() or {}
         if "bytes_limit" in stats:
             found["accel_memory"] = int(stats["bytes_limit"])
@@ -187,13 +189,13 @@ def measure_hardware(base: HardwareProfile | str = "rtx4090", *, array_mib: int 
         found["accel_bandwidth"] = host.nbytes / _best_seconds(
             lambda: matvec(dev_a, dev_v).block_until_ready(), repeats=10
         )
-        to_dev = _best_seconds(lambda: jax.device_put(host, accel).block_until_ready(), repeats=3)
+        to_dev = _best_seconds(lambda: jax.device_put(host_a, accel).block_until_ready(), repeats=3)
         to_host = _best_seconds(lambda: jax.device_put(dev_a, cpu).block_until_ready(), repeats=3)
         found["link_bandwidth"] = host.nbytes / ((to_dev + to_host) / 2)
-        small = np.ones(cols, np.float32)  # one hidden state
+        small = jax.device_put(np.ones(cols, np.float32), accel)  # one hidden state, there and back
         found["link_latency"] = _median_seconds(
-            lambda: jax.device_put(small, accel).block_until_ready(), repeats=50
-        )
+            lambda: jax.device_put(jax.device_put(small, cpu), accel).block_until_ready(), repeats=50
+        ) / 2
         tiny = jax.jit(lambda v: v + 1)
         found["sync_cost"] = _median_seconds(lambda: tiny(dev_v).block_until_ready(), repeats=50)
     updated = profile.replace(**found)

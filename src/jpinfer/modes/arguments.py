@@ -1,0 +1,23 @@
+"""What each engine mode needs, checked before anything loads (a model load takes seconds)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jpinfer.config import ENGINE_MODES
+from jpinfer.errors import JpinferError
+
+
+def check_mode_arguments(mode: str, predictors: Any, profile: Any, gpu_budget: Any, placement: Any) -> None:
+    """Raise JpinferError when ``mode`` is unknown or lacks what it needs."""
+    if mode not in ENGINE_MODES:
+        raise JpinferError(f"unknown mode {mode!r}; choose one of {', '.join(ENGINE_MODES)}")
+    if mode == "dense":
+        return
+    if predictors is None:
+        raise JpinferError(f"mode {mode!r} needs predictors (jpinfer train-predictors, then predictors=PATH)")
+    if mode == "hybrid":
+        if placement is None and (gpu_budget is None or profile is None):
+            raise JpinferError("mode 'hybrid' needs a placement, or gpu_budget=... and the profile to solve one")
+        if placement is not None and gpu_budget is not None:
+            raise JpinferError("give either placement or gpu_budget, not both")

@@ -1,0 +1,227 @@
+"""Engines for the three modes: the model, predictors, profile and placement turned into arrays.
+
+- ``dense``: the reference decoder.
+- ``sparse``: every neuron on one device; the predictor picks the neurons per token
+  (PowerInfer's CPU-only mode here, its GPU-only mode on a GPU).
+- ``hybrid``: the placement's hot neurons on the accelerator, the cold ones on the CPU
+  device (``hybrid.HybridStepper``).
+
+Capacities: a static K per layer (``layer_capacities``), by default the 0.99 quantile of the
+number of neurons the predictor picks per token on its held-out samples, rounded up to the
+sparse kernels' block of 32 neurons; in the hybrid each part gets K times its share of the
+layer's activations (profile frequencies), rounded the same way, at most the part's size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jpinfer.errors import JpinferError
+from jpinfer.models.loading import LoadedModel
+from jpinfer.models.params import Layer, Weights
+from jpinfer.modes.arguments import check_mode_arguments
+from jpinfer.modes.hybrid import AcceleratorLayer, HybridStepper
+from jpinfer.modes.sparse import PredictedSparseFFN, SparseLayer
+from jpinfer.predictor.store import Predictors
+from jpinfer.profiler import ActivationProfile
+from jpinfer.runtime.engine import Engine, FfnStrategy
+from jpinfer.solver import HardwareProfile, Placement, preset, solve_placement
+from jpinfer.sparse import neurons
+
+BLOCK = 32  # capacities are rounded up to whole blocks of the sparse kernels (Pallas blocks, CPU loop chunks)
+Capacity = str | float | int | Sequence[int]
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def without_ffn(layer: Layer) -> Layer:
+    """The layer's attention part: its FFN matrices live neuron-major elsewhere."""
+    return dataclasses.replace(layer, w_gate_up=None, w_down=None, b_up=None, b_down=None)
+
+
+def layer_capacities(model: LoadedModel, capacity: Capacity, profile: ActivationProfile | None,
+                     predictors: Predictors | None = None) -> tuple[int, ...]:
+    """Per-layer K, rounded up to ``BLOCK`` and at most d_ff when derived from data.
+
+    ``capacity``: "predicted" the 0.99 quantile of the neurons the predictors pick per token on
+    their held-out samples (they rarely clip); a float in (0, 1] that quantile of the profile's
+    active counts (tighter: a predictor picks more neurons than are active, so this clips);
+    an int one K for every layer; a sequence one K per layer.
+    """
+    cfg = model.cfg
+    blocks = lambda k: min(int(math.ceil(k / BLOCK) * BLOCK), cfg.d_ff)
+    if isinstance(capacity, str):
+        if capacity != "predicted":
+            raise JpinferError(f"capacity must be 'predicted', a quantile, an int or one int per layer, got {capacity!r}")
+        scores = (predictors.meta.get("held_out_scores") if predictors is not None else None) or []
+        if len(scores) != cfg.n_layers or any(s.get("predicted_q99") is None for s in scores):
+            raise JpinferError("capacity='predicted' needs predictors scored on held-out samples with per-token "
+                               "counts (train them, or jpinfer.predictor.retune them, with this jpinfer version), "
+                               "or give the capacity as a profile quantile or an integer")
+        ks = [blocks(max(s["predicted_q99"], 1)) for s in scores]
+    elif isinstance(capacity, float):
+        if profile is None:
+            raise JpinferError("capacity as a quantile needs the profile (profile=...); or give K as an integer")
+        if not 0 < capacity <= 1:
+            raise JpinferError(f"capacity quantile must lie in (0, 1], got {capacity}")
+        ks = [int(k) for k in profile.capacity(capacity, multiple=BLOCK)]
+    elif isinstance(capacity, (int, np.integer)):
+        ks = [int(capacity)] * cfg.n_layers
+    else:
+        ks = [int(k) for k in capacity]
+    if len(ks) != cfg.n_layers:
+        raise JpinferError(f"got {len(ks)} capacities for a model with {cfg.n_layers} layers")
+    if any(not 1 <= k <= cfg.d_ff for k in ks):
+        raise JpinferError(f"capacities must lie in [1, d_ff={cfg.d_ff}], got {ks}")
+    return tuple(ks)
+
+
+def part_capacities(ks: Sequence[int], hot_masks: Sequence[np.ndarray], frequency: np.ndarray | None
+                    ) -> tuple[tuple[int, int], ...]:
+    """(hot K, cold K) per layer: K split by each part's share of the layer's activations."""
+    out = []
+    for layer, (k, hot) in enumerate(zip(ks, hot_masks)):
+        n_hot, n_cold = int(hot.sum()), int((~hot).sum())
+        if k >= hot.size:
+            out.append((n_hot, n_cold))
+            continue
+        f = np.ones(hot.size) if frequency is None else np.asarray(frequency[layer], np.float64)
+        share = float(f[hot].sum() / max(f.sum(), 1e-30))
+        blocks = lambda v: int(math.ceil(v / BLOCK) * BLOCK)
+        out.append((min(n_hot, blocks(k * share)), min(n_cold, blocks(k * (1 - share)))))
+    return tuple(out)
+
+
+def parse_budget(budget: str | int | float, model_bytes: int) -> int:
+    """Bytes from "6GB", "512MiB", an int of bytes, or a float fraction in (0, 1] of the model's weights."""
+    if isinstance(budget, float):
+        if not 0 < budget <= 1:
+            raise JpinferError(f"a fractional gpu_budget must lie in (0, 1], got {budget}")
+        return int(budget * model_bytes)
+    if isinstance(budget, (int, np.integer)):
+        if budget <= 0:
+            raise JpinferError(f"gpu_budget must be > 0 bytes, got {budget}")
+        return int(budget)
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(budget))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise JpinferError(f"cannot read gpu_budget {budget!r}: give e.g. '6GB', '512MiB', bytes, or a fraction like 0.4")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def weight_bytes(weights: Weights) -> int:
+    return int(sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(weights)))
+
+
+def choose_placement(model: LoadedModel, profile: ActivationProfile, predictors: Predictors,
+                     gpu_budget: str | int | float, *, context: int = 2048,
+                     hardware: HardwareProfile | None = None) -> Placement:
+    """The solver's placement for ``gpu_budget`` (see ``parse_budget``): maximise the accelerator's
+    share of activations (objective ``mass``) or, given a measured ``hardware``, the predicted
+    per-token time (``latency``). Embeddings, head, attention, predictors and a ``context``-token
+    KV cache stay on the accelerator; a budget below them is an ``InfeasibleBudgetError`` that
+    states the minimum."""
+    cfg, dtype_bytes = model.cfg, jnp.dtype(model.weights.dtype).itemsize
+    budget = parse_budget(gpu_budget, weight_bytes(model.weights))
+    base = hardware or preset("rtx4090")
+    hw = dataclasses.replace(base.replace(accel_memory=budget, reserved=0), name=f"{base.name}, budget {budget} B")
+    predictor_bytes = [p.n_params * 4 for p in predictors.layers]
+    return solve_placement(
+        profile.frequency(), cfg, hw, objective="latency" if hardware else "mass", dense_policy="strict",
+        weight_bytes=dtype_bytes, kv_bytes=dtype_bytes, context=min(context, cfg.max_position),
+        predictor_bytes=predictor_bytes,
+    )
+
+
+def default_devices() -> tuple[Any, Any]:
+    """(accelerator, host): the first device and the CPU; two simulated CPU devices without a GPU."""
+    first = jax.devices()[0]
+    if first.platform != "cpu":
+        return first, jax.devices("cpu")[0]
+    cpus = jax.devices("cpu")
+    if len(cpus) < 2:
+        raise JpinferError(
+            "hybrid mode needs an accelerator, or two CPU devices to play one: call "
+            "jax.config.update('jax_num_cpu_devices', 2) before JAX starts"
+        )
+    return cpus[0], cpus[1]
+
+
+def sparse_engine(model: LoadedModel, predictors: Predictors, capacity: tuple[int, ...],
+                  backend: str = "auto") -> Engine:
+    """One device; the model's FFN matrices are replaced by the neuron-major copies."""
+    kind = model.cfg.ffn_kind
+    states = [SparseLayer(neurons.from_layer(layer, kind), p) for layer, p in zip(model.weights.layers, predictors.layers)]
+    weights = dataclasses.replace(model.weights, layers=[without_ffn(layer) for layer in model.weights.layers])
+    sparse_model = LoadedModel(model.cfg, weights, model.tokenizer, model.source)
+    return Engine(sparse_model, FfnStrategy(PredictedSparseFFN(model.cfg, capacity, backend), states, "sparse"))
+
+
+def host_dtype_for(model_dtype: Any, host: Any) -> Any:
+    """The cold neurons' dtype: float32 on a CPU when the model is 16-bit. XLA:CPU ran bfloat16
+    matrix-vector products 5-8x slower than float32 (bench/results/dense_bench.md) and the sparse
+    CPU loop 40x slower at 7B width (scratch probe, 2026-12-01): host memory is the cheap side."""
+    if host.platform == "cpu" and jnp.dtype(model_dtype).itemsize < 4:
+        return jnp.float32
+    return model_dtype
+
+
+def hybrid_engine(model: LoadedModel, predictors: Predictors, hot_masks: Sequence[np.ndarray],
+                  capacity: tuple[tuple[int, int], ...], devices: tuple[Any, Any] | None = None,
+                  host_dtype: Any = None) -> Engine:
+    """Hot neurons (``hot_masks[layer]``, boolean (d_ff,)) on the accelerator, the rest on the host
+    in ``host_dtype`` (default ``host_dtype_for``)."""
+    accelerator, host = devices or default_devices()
+    host_dtype = host_dtype_for(model.weights.dtype, host) if host_dtype is None else host_dtype
+    cfg = model.cfg
+    if len(hot_masks) != cfg.n_layers or any(np.shape(m) != (cfg.d_ff,) for m in hot_masks):
+        raise JpinferError(f"need one boolean mask of {cfg.d_ff} neurons per layer ({cfg.n_layers})")
+    parts, colds = [], []
+    for layer, p, hot in zip(model.weights.layers, predictors.layers, hot_masks):
+        full = neurons.from_layer(layer, cfg.ffn_kind)
+        hot_ids, cold_ids = np.flatnonzero(hot).astype(np.int32), np.flatnonzero(~np.asarray(hot)).astype(np.int32)
+        hot_part, _ = full.subset(hot_ids)
+        cold_part, _ = full.subset(cold_ids, with_b_down=False)
+        cold_part = dataclasses.replace(cold_part, rows=cold_part.rows.astype(host_dtype),
+                                        b_up=None if cold_part.b_up is None else cold_part.b_up.astype(host_dtype))
+        part = AcceleratorLayer(without_ffn(layer), p, hot_part, jnp.asarray(hot_ids), jnp.asarray(cold_ids))
+        parts.append(jax.device_put(part, accelerator))
+        colds.append(jax.device_put(cold_part, host))
+    top = jax.device_put(dataclasses.replace(model.weights, layers=[]), accelerator)
+    stepper = HybridStepper(cfg, top, parts, colds, capacity, accelerator, host)
+    weights = dataclasses.replace(top, layers=[part.layer for part in parts])
+    return Engine(LoadedModel(cfg, weights, model.tokenizer, model.source), stepper=stepper)
+
+
+def build_engine(
+    model: LoadedModel,
+    mode: str = "dense",
+    *,
+    predictors: Predictors | None = None,
+    profile: ActivationProfile | None = None,
+    capacity: Capacity = "predicted",
+    gpu_budget: str | int | float | None = None,
+    placement: Placement | Sequence[np.ndarray] | None = None,
+    devices: tuple[Any, Any] | None = None,
+    hardware: HardwareProfile | None = None,
+) -> Engine:
+    """The engine for ``mode`` (see the module docstring); arguments as in ``jpinfer.load``."""
+    check_mode_arguments(mode, predictors, profile, gpu_budget, placement)
+    if mode == "dense":
+        return Engine(model)
+    predictors.check_model(model)
+    if profile is not None:
+        predictors.check_profile(profile)
+    ks = layer_capacities(model, capacity, profile, predictors)
+    if mode == "sparse":
+        return sparse_engine(model, predictors, ks)
+    if placement is None:
+        placement = choose_placement(model, profile, predictors, gpu_budget, hardware=hardware)
+    masks = placement.masks() if isinstance(placement, Placement) else [np.asarray(m, bool) for m in placement]
+    frequency = None if profile is None else profile.frequency()
+    return hybrid_engine(model, predictors, masks, part_capacities(ks, masks, frequency), devices)

@@ -1,0 +1,155 @@
+"""The `hybrid` mode: hot neurons on the accelerator, cold neurons on the CPU device.
+
+A jitted computation belongs to one device, so a step is a chain of small jitted functions
+the host dispatches, per layer:
+
+    route (accelerator): h += the previous layer's two partial FFN outputs; attention;
+        the FFN input x; the predictor's logits split into the hot and the cold part, each
+        cut to at most its capacity (``select_neurons``)
+    x and the cold list -> CPU device (``jax.device_put``)
+    cold FFN (CPU device)      | both dispatched before either is waited for: JAX's
+    hot FFN (accelerator)      | asynchronous dispatch lets them run at the same time
+    cold output -> accelerator, added by the next layer's route (or the final one)
+
+The down projection is a sum over neurons, so hot + cold is exactly the FFN over the
+union of both lists; ``b_down`` lives in the hot part only. Prefill computes every neuron
+of both parts (``all_rows_ffn``). Without a GPU two simulated CPU devices play the two
+roles (device 0 the accelerator), so the split, its transfers and its merge run in tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jpinfer.config import ModelConfig
+from jpinfer.models import transformer
+from jpinfer.models.params import Layer, Weights
+from jpinfer.predictor.mlp import PredictorWeights, predict_logits, select_neurons
+from jpinfer.runtime.sampling import Sampler, sample
+from jpinfer.sparse import NeuronFFN, all_rows_ffn, sparse_ffn
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class AcceleratorLayer:
+    """What one layer keeps on the accelerator: attention (``layer``, FFN matrices removed),
+    the predictor, the hot neurons (with ``b_down``) and the neuron ids of both parts."""
+
+    layer: Layer
+    predictor: PredictorWeights
+    hot: NeuronFFN
+    hot_ids: jax.Array  # (n_hot,) int32: neuron id of each hot row
+    cold_ids: jax.Array  # (n_cold,) int32: neuron id of each cold row, in the CPU part's order
+
+
+def _part_list(logits: jax.Array, ids: jax.Array, cutoff: jax.Array, capacity: int):
+    """(positions in the part, valid count); an empty list for capacity 0."""
+    if capacity == 0:
+        return jnp.zeros((0,), jnp.int32), jnp.int32(0)
+    chosen = select_neurons(logits[ids], cutoff, capacity)
+    return chosen.ids, chosen.count
+
+
+def _part_ffn(ffn: NeuronFFN, x: jax.Array, chosen: tuple[jax.Array, jax.Array] | None) -> jax.Array:
+    """One part's FFN output (B, T, d): over its listed neurons (decode) or all of them (prefill)."""
+    tokens = x.reshape(-1, x.shape[-1])
+    if chosen is None:
+        return all_rows_ffn(ffn, tokens).reshape(x.shape)
+    return sparse_ffn(ffn, tokens[0], *chosen).reshape(x.shape)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "attend", "capacity"), donate_argnames=("cache_k", "cache_v"))
+def _accelerator_layer(part: AcceleratorLayer, h, y_hot, y_cold, positions, rope_cs, cache_k, cache_v, *,
+                       cfg: ModelConfig, attend: int, capacity: tuple[int, int] | None):
+    """Accelerator, per layer: merge the previous layer's two FFN outputs, attention, then (decode:
+    ``capacity`` given) the predictor's hot and cold lists, and the hot FFN. Returns the residual
+    stream, the FFN input x, the hot output, the cold list and the layer's keys and values."""
+    h = h + y_hot + y_cold
+    h, x, cache_k, cache_v = transformer.attention_residual(part.layer, h, positions, rope_cs, cache_k, cache_v, cfg,
+                                                            attend)
+    hot_list = cold_list = None
+    if capacity is not None:
+        logits = predict_logits(part.predictor, x.reshape(-1))
+        hot_list = _part_list(logits, part.hot_ids, part.predictor.cutoff, capacity[0])
+        cold_list = _part_list(logits, part.cold_ids, part.predictor.cutoff, capacity[1])
+    return h, x, _part_ffn(part.hot, x, hot_list), cold_list, cache_k, cache_v
+
+
+_cold_ffn = jax.jit(_part_ffn)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _final_logits(top: Weights, h, y_hot, y_cold, last, *, cfg: ModelConfig):
+    """Accelerator: merge the last FFN, final norm, float32 logits (B, V) at position ``last``."""
+    h = transformer.norm(top.final_norm, h + y_hot + y_cold, cfg)
+    return transformer.logits(top, jax.lax.dynamic_index_in_dim(h, last, axis=1, keepdims=False))
+
+
+@functools.partial(jax.jit, static_argnames=("sampler",))
+def _sample(step_logits, key, *, sampler: Sampler):
+    key, sub = jax.random.split(key)
+    return sample(step_logits, sub, sampler), key
+
+
+_inputs = jax.jit(transformer.step_inputs, static_argnames=("cfg",))
+
+
+@dataclasses.dataclass
+class HybridStepper:
+    """``runtime.Stepper`` over two devices: ``top`` (embeddings, head, norms) and ``layers``
+    on ``accelerator``, ``cold`` (one ``NeuronFFN`` per layer) on ``host``.
+
+    ``capacity`` per layer: (hot K, cold K), each at most its part's size; 0 for an empty part.
+    """
+
+    cfg: ModelConfig
+    top: Weights
+    layers: list[AcceleratorLayer]
+    cold: list[NeuronFFN]
+    capacity: tuple[tuple[int, int], ...]
+    accelerator: Any
+    host: Any
+    name: str = "hybrid"
+
+    def new_cache(self, capacity: int) -> transformer.KVCache:
+        with jax.default_device(self.accelerator):
+            return transformer.KVCache.create(self.cfg, 1, capacity, self.top.dtype)
+
+    def _run(self, tokens, cache, attend: int, decode: bool):
+        h, positions, rope_cs = _inputs(self.top, tokens, cache.length, cfg=self.cfg)
+        zeros = jnp.zeros_like(h)
+        y_hot = y_cold = zeros
+        keys, values = [], []
+        for i, (part, cold) in enumerate(zip(self.layers, self.cold)):
+            capacity = self.capacity[i] if decode else None
+            # the hot FFN runs inside the accelerator's call: the cold part waits for x either way,
+            # and one call fewer per layer is one dispatch fewer
+            h, x, y_hot, cold_list, k, v = _accelerator_layer(part, h, y_hot, y_cold, positions, rope_cs, cache.k[i],
+                                                              cache.v[i], cfg=self.cfg, attend=attend,
+                                                              capacity=capacity)
+            keys.append(k)
+            values.append(v)
+            if cold.n_neurons and (capacity is None or capacity[1]):
+                y_cold = jax.device_put(_cold_ffn(cold, *jax.device_put((x, cold_list), self.host)), self.accelerator)
+            else:
+                y_cold = zeros
+        return h, y_hot, y_cold, transformer.KVCache(keys, values, cache.length + tokens.shape[1])
+
+    def first(self, tokens, n_valid, cache, key, sampler, attend):
+        h, y_hot, y_cold, cache = self._run(tokens, cache, attend, decode=False)
+        token, key = _sample(_final_logits(self.top, h, y_hot, y_cold, n_valid - 1, cfg=self.cfg), key, sampler=sampler)
+        return token, dataclasses.replace(cache, length=cache.length - tokens.shape[1] + n_valid), key
+
+    def step_logits(self, token, cache, attend):
+        h, y_hot, y_cold, cache = self._run(token[:, None], cache, attend, decode=True)
+        return _final_logits(self.top, h, y_hot, y_cold, 0, cfg=self.cfg), cache
+
+    def next(self, token, cache, key, sampler, attend):
+        step_logits, cache = self.step_logits(token, cache, attend)
+        token, key = _sample(step_logits, key, sampler=sampler)
+        return token, cache, key
