@@ -15,7 +15,7 @@ from jpinfer.models import transformer
 from jpinfer.modes import build_engine, layer_capacities, parse_budget
 from jpinfer.modes.build import part_capacities
 from jpinfer.predictor import (PredictedMaskFFN, Predictors, PredictorWeights, mask_states, profile_fingerprint,
-                               select_neurons)
+                               select_neurons, selection_mask)
 from jpinfer.profiler import profile
 from jpinfer.profiler.stats import model_fingerprint
 from jpinfer.runtime.engine import FfnStrategy, FusedStepper
@@ -155,6 +155,15 @@ def test_selection_keeps_every_neuron_over_the_cutoff_or_the_largest(capacity):
             assert chosen.ids.shape == (capacity,) and int(chosen.wanted) == over.size
             assert int(chosen.count) == min(over.size, capacity)
             assert set(np.asarray(chosen.ids[: int(chosen.count)]).tolist()) == expected
+
+
+def test_selection_mask_keeps_a_selected_neuron_that_padding_repeats():
+    """The compaction pads its list with id 0: the mask must keep neuron 0 when it is selected."""
+    logits = np.full((2, 40), -1.0, np.float32)
+    logits[:, [0, 7, 30]] = 1.0  # 3 over the cut-off, capacity 8: 5 padding entries, all id 0
+    logits[1, 0] = -1.0
+    mask = np.asarray(selection_mask(select_neurons(jnp.asarray(logits), jnp.float32(0.0), 8), 40))
+    np.testing.assert_array_equal(mask, logits > 0)
 
 
 def test_mask_ffn_counts_what_the_capacity_clipped():

@@ -105,9 +105,13 @@ def select_neurons(logits: jax.Array, cutoff: jax.Array, capacity: int) -> Selec
 
 
 def selection_mask(selection: Selection, n: int) -> jax.Array:
-    """Boolean (..., n): True at the selection's valid ids (a scatter: a one-hot would be K x n per token)."""
+    """Boolean (..., n): True at the selection's valid ids (a scatter: a one-hot would be K x n per token).
+
+    Padding may repeat a valid id (the compaction pads with id 0), so the scatter ORs its
+    updates (``max``): with ``set``, a padding entry written after the valid one would drop it.
+    """
     k = selection.ids.shape[-1]
     ids = selection.ids.reshape(-1, k)
     valid = jnp.arange(k) < selection.count.reshape(-1, 1)
-    mask = jnp.zeros((ids.shape[0], n), bool).at[jnp.arange(ids.shape[0])[:, None], ids].set(valid)
+    mask = jnp.zeros((ids.shape[0], n), bool).at[jnp.arange(ids.shape[0])[:, None], ids].max(valid)
     return mask.reshape(*selection.ids.shape[:-1], n)
