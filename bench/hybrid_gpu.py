@@ -73,10 +73,10 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "src"))  # 
 from jpinfer.config import ModelConfig
 from jpinfer.models import transformer
 from jpinfer.models.loading import LoadedModel
-from jpinfer.models.params import Layer, Norm, Weights
+from jpinfer.models.params import Layer, Norm, Weights, nbytes
 from jpinfer.modes import hybrid
 from jpinfer.sparse import sparse_ffn
-from jpinfer.modes.build import BLOCK, default_devices, hybrid_engine, part_capacities, sparse_engine, weight_bytes
+from jpinfer.modes.build import default_devices, hybrid_engine, part_capacities, sparse_engine, whole_blocks
 from jpinfer.predictor.mlp import PredictorWeights
 from jpinfer.predictor.store import Predictors
 from jpinfer.runtime.engine import CACHE_ROUNDING, MIN_PROMPT_BUCKET, Engine, GenerationConfig
@@ -174,7 +174,7 @@ def synthetic_predictors(freqs: list[np.ndarray], inputs: list[np.ndarray], rank
         calib = np.maximum(x[:-held] @ w_in.T, 0) @ w_out.T
         b_out = (-calib.mean(0) + calib.std(0) * ndtri(np.clip(f, 1e-4, 1 - 1e-4))).astype(np.float32)
         counts = ((np.maximum(x[-held:] @ w_in.T, 0) @ w_out.T + b_out) > 0).sum(-1)
-        k = d_ff if all_active else min(d_ff, int(math.ceil(np.quantile(counts, 0.99) / BLOCK) * BLOCK))
+        k = d_ff if all_active else min(d_ff, whole_blocks(np.quantile(counts, 0.99)))
         cutoff = -np.inf if all_active else 0.0
         predictors.append(PredictorWeights(jnp.asarray(w_in), jnp.zeros((rank,), jnp.float32), jnp.asarray(w_out),
                                            jnp.asarray(b_out), jnp.float32(cutoff)))
@@ -217,7 +217,7 @@ def budget_of(cfg: ModelConfig, weights: Weights, predictors: list[PredictorWeig
     nbytes = lambda tree: int(sum(a.nbytes for a in jax.tree_util.tree_leaves(tree)))
     layer = weights.layers[0]
     itemsize = jnp.dtype(weights.dtype).itemsize
-    model = weight_bytes(weights)
+    model = nbytes(weights)
     return Budget(
         n_layers=cfg.n_layers, model=model, budget=int(fraction * model),
         top=nbytes(dataclasses.replace(weights, layers=[])),
@@ -459,7 +459,7 @@ def main() -> None:
 
     weights = jax.block_until_ready(random_weights(cfg, dtype, accelerator, args.seed))
     n_params = sum(a.size for a in jax.tree_util.tree_leaves(weights))
-    log(f"weights: {cfg.name}, {n_params / 1e9:.3f} B parameters, {gib(weight_bytes(weights))} {dtype.name}")
+    log(f"weights: {cfg.name}, {n_params / 1e9:.3f} B parameters, {gib(nbytes(weights))} {dtype.name}")
     model = LoadedModel(cfg, weights, None, cfg.name)
 
     freqs = synthetic_frequencies(cfg.n_layers, cfg.d_ff, skew=args.skew, mean_active=args.mean_active,

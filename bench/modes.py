@@ -45,8 +45,9 @@ import jpinfer  # noqa: E402
 from jpinfer.bench.engines import JaxEngine  # noqa: E402
 from jpinfer.data import chatgpt_prompts  # noqa: E402
 from jpinfer.models import transformer  # noqa: E402
+from jpinfer.models.params import nbytes  # noqa: E402
 from jpinfer.modes import build_engine, choose_placement, layer_capacities  # noqa: E402
-from jpinfer.modes.build import part_capacities, weight_bytes  # noqa: E402
+from jpinfer.modes.build import part_capacities  # noqa: E402
 from jpinfer.predictor import PredictedMaskFFN, mask_states, predict_logits, select_neurons  # noqa: E402
 from jpinfer.predictor.fit import retune  # noqa: E402
 from jpinfer.profiler import evaluate, token_windows  # noqa: E402
@@ -266,7 +267,7 @@ def main() -> None:
         dispatch_ms={k: v * 1e3 for k, v in dispatch.items()},
         hybrid=dict(name=hybrid_name, tok_s=speed[hybrid_name], speedup=speed[hybrid_name] / speed["dense"],
                     budget_fraction=args.budget, budget_bytes=placement.budget_bytes,
-                    model_bytes=weight_bytes(dense.weights),
+                    model_bytes=nbytes(dense.weights),
                     hot_neurons=int(sum(m.sum() for m in masks)), neurons=cfg.n_layers * cfg.d_ff,
                     accel_share_profile=placement.accel_share, hot_work_share=hot_work / (hot_work + cold_work),
                     tokens_equal_sparse=f"{sum(equal_tokens)}/{len(equal_tokens)}",

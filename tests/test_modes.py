@@ -256,7 +256,8 @@ def test_budget_in_user_terms():
     assert parse_budget("512MiB", 10) == 512 * 2**20
     assert parse_budget(0.4, 1000) == 400
     assert parse_budget(1234, 10) == 1234
-    for bad in ("six GB", "6 parsecs", -1, 1.5, 0.0):
+    assert parse_budget("0.4", 1000) == 400 and parse_budget("1234", 10) == 1234  # the command line's strings
+    for bad in ("six GB", "6 parsecs", -1, 1.5, 0.0, "1.5", "0", "0GB"):
         with pytest.raises(JpinferError):
             parse_budget(bad, 10)
 

@@ -14,7 +14,7 @@ import importlib
 import sys
 from typing import Sequence
 
-from jpinfer.cli_args import add_mode_arguments, add_model_arguments, mode_options
+from jpinfer.cli_args import add_mode_arguments, add_model_arguments, mode_options, prepare_devices
 
 # name -> (module with add_arguments/run, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -83,10 +83,7 @@ def run(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
         top_p=args.top_p, seed=args.seed, stop=tuple(args.stop), chat=args.command == "chat" or args.chat,
     )
-    if args.mode == "hybrid":  # without a GPU, two CPU devices play accelerator and host (before JAX starts)
-        import jax
-
-        jax.config.update("jax_num_cpu_devices", 2)
+    prepare_devices([args.mode])
     engine = jpinfer.load(args.model, dtype=args.dtype, mode=args.mode, **mode_options(args))
     if args.command == "chat":
         return _chat(engine, config, args.system)

@@ -46,9 +46,15 @@ def add_mode_arguments(p: argparse.ArgumentParser, modes: bool = False) -> None:
                    help="hybrid: accelerator memory for the model, e.g. 6GB, 512MiB, or a fraction like 0.4")
 
 
+def prepare_devices(modes: list[str]) -> None:
+    """Without a GPU, two CPU devices play accelerator and host in the hybrid mode: JAX must be told
+    before it starts its backends, so commands call this before anything touches a device."""
+    if "hybrid" in modes:
+        import jax
+
+        jax.config.update("jax_num_cpu_devices", 2)
+
+
 def mode_options(args: argparse.Namespace) -> dict:
     """Keyword arguments of ``jpinfer.load`` from ``add_mode_arguments``' options (without the mode)."""
-    budget = args.gpu_budget
-    if budget is not None and budget.replace(".", "", 1).isdigit() and "." in budget:
-        budget = float(budget)
-    return dict(predictors=args.predictors, profile=args.profile, capacity=args.capacity, gpu_budget=budget)
+    return dict(predictors=args.predictors, profile=args.profile, capacity=args.capacity, gpu_budget=args.gpu_budget)

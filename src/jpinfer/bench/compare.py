@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from jpinfer.bench.machine import matvec_read_bandwidth
-from jpinfer.cli_args import add_mode_arguments, mode_options
+from jpinfer.cli_args import add_mode_arguments, mode_options, prepare_devices
 
 PEERS = ("llama.cpp", "transformers")
 
@@ -178,8 +178,7 @@ def run(args: argparse.Namespace) -> int:
 
     for mode in args.modes:  # before any model loads
         check_mode_arguments(mode, args.predictors, args.profile, args.gpu_budget, None)
-    if "hybrid" in args.modes:  # without a GPU, two CPU devices play accelerator and host (before JAX starts)
-        jax.config.update("jax_num_cpu_devices", 2)
+    prepare_devices(args.modes)
     if args.dtypes is None:
         args.dtypes = ["float32"] if jax.devices()[0].platform == "cpu" else ["float32", "bfloat16"]
     for name in ("prompts", "max_prompt_tokens", "max_new_tokens", "rounds", "threads"):

@@ -25,7 +25,7 @@ import numpy as np
 
 from jpinfer.errors import JpinferError
 from jpinfer.models.loading import LoadedModel
-from jpinfer.models.params import Layer, Weights
+from jpinfer.models.params import Layer, nbytes
 from jpinfer.modes.arguments import check_mode_arguments
 from jpinfer.modes.hybrid import AcceleratorLayer, HybridStepper
 from jpinfer.modes.sparse import PredictedSparseFFN, SparseLayer
@@ -38,6 +38,11 @@ from jpinfer.sparse import neurons
 BLOCK = 32  # capacities are rounded up to whole blocks of the sparse kernels (Pallas blocks, CPU loop chunks)
 Capacity = str | float | int | Sequence[int]
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def whole_blocks(k: float) -> int:
+    """k rounded up to whole blocks of ``BLOCK`` neurons."""
+    return int(math.ceil(k / BLOCK) * BLOCK)
 
 
 def without_ffn(layer: Layer) -> Layer:
@@ -55,7 +60,6 @@ def layer_capacities(model: LoadedModel, capacity: Capacity, profile: Activation
     an int one K for every layer; a sequence one K per layer.
     """
     cfg = model.cfg
-    blocks = lambda k: min(int(math.ceil(k / BLOCK) * BLOCK), cfg.d_ff)
     if isinstance(capacity, str):
         if capacity != "predicted":
             raise JpinferError(f"capacity must be 'predicted', a quantile, an int or one int per layer, got {capacity!r}")
@@ -64,7 +68,7 @@ def layer_capacities(model: LoadedModel, capacity: Capacity, profile: Activation
             raise JpinferError("capacity='predicted' needs predictors scored on held-out samples with per-token "
                                "counts (train them, or jpinfer.predictor.retune them, with this jpinfer version), "
                                "or give the capacity as a profile quantile or an integer")
-        ks = [blocks(max(s["predicted_q99"], 1)) for s in scores]
+        ks = [min(whole_blocks(max(s["predicted_q99"], 1)), cfg.d_ff) for s in scores]
     elif isinstance(capacity, float):
         if profile is None:
             raise JpinferError("capacity as a quantile needs the profile (profile=...); or give K as an integer")
@@ -93,13 +97,13 @@ def part_capacities(ks: Sequence[int], hot_masks: Sequence[np.ndarray], frequenc
             continue
         f = np.ones(hot.size) if frequency is None else np.asarray(frequency[layer], np.float64)
         share = float(f[hot].sum() / max(f.sum(), 1e-30))
-        blocks = lambda v: int(math.ceil(v / BLOCK) * BLOCK)
-        out.append((min(n_hot, blocks(k * share)), min(n_cold, blocks(k * (1 - share)))))
+        out.append((min(n_hot, whole_blocks(k * share)), min(n_cold, whole_blocks(k * (1 - share)))))
     return tuple(out)
 
 
 def parse_budget(budget: str | int | float, model_bytes: int) -> int:
-    """Bytes from "6GB", "512MiB", an int of bytes, or a float fraction in (0, 1] of the model's weights."""
+    """Bytes from "6GB", "512MiB", an int of bytes, or a fraction in (0, 1] of the model's weights (a float, or a
+    string like "0.4")."""
     if isinstance(budget, float):
         if not 0 < budget <= 1:
             raise JpinferError(f"a fractional gpu_budget must lie in (0, 1], got {budget}")
@@ -111,11 +115,10 @@ def parse_budget(budget: str | int | float, model_bytes: int) -> int:
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(budget))
     if not match or match.group(2).lower() not in _UNITS:
         raise JpinferError(f"cannot read gpu_budget {budget!r}: give e.g. '6GB', '512MiB', bytes, or a fraction like 0.4")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-
-
-def weight_bytes(weights: Weights) -> int:
-    return int(sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(weights)))
+    number, unit = match.group(1), match.group(2).lower()
+    if not unit:  # "0.4" (as the command line gives it) is a fraction, "1234" bytes
+        return parse_budget(float(number) if "." in number else int(number), model_bytes)
+    return parse_budget(int(float(number) * _UNITS[unit]), model_bytes)  # 0 bytes is an error there
 
 
 def choose_placement(model: LoadedModel, profile: ActivationProfile, predictors: Predictors,
@@ -127,7 +130,7 @@ def choose_placement(model: LoadedModel, profile: ActivationProfile, predictors:
     KV cache stay on the accelerator; a budget below them is an ``InfeasibleBudgetError`` that
     states the minimum."""
     cfg, dtype_bytes = model.cfg, jnp.dtype(model.weights.dtype).itemsize
-    budget = parse_budget(gpu_budget, weight_bytes(model.weights))
+    budget = parse_budget(gpu_budget, nbytes(model.weights))
     base = hardware or preset("rtx4090")
     hw = dataclasses.replace(base.replace(accel_memory=budget, reserved=0), name=f"{base.name}, budget {budget} B")
     predictor_bytes = [p.n_params * 4 for p in predictors.layers]

@@ -3,13 +3,12 @@
 A jitted computation belongs to one device, so a step is a chain of small jitted functions
 the host dispatches, per layer:
 
-    route (accelerator): h += the previous layer's two partial FFN outputs; attention;
-        the FFN input x; the predictor's logits split into the hot and the cold part, each
-        cut to at most its capacity (``select_neurons``)
+    accelerator: h += the previous layer's two partial FFN outputs; attention; the FFN
+        input x; the predictor's logits split into the hot and the cold part, each cut to
+        at most its capacity (``select_neurons``); the hot FFN
     x and the cold list -> CPU device (``jax.device_put``)
-    cold FFN (CPU device)      | both dispatched before either is waited for: JAX's
-    hot FFN (accelerator)      | asynchronous dispatch lets them run at the same time
-    cold output -> accelerator, added by the next layer's route (or the final one)
+    cold FFN (CPU device): runs while the accelerator finishes its hot FFN
+    cold output -> accelerator, added by the next layer's call (or the final one)
 
 The down projection is a sum over neurons, so hot + cold is exactly the FFN over the
 union of both lists; ``b_down`` lives in the hot part only. Prefill computes every neuron
