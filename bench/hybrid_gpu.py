@@ -80,7 +80,7 @@ from jpinfer.modes.build import default_devices, hybrid_engine, part_capacities,
 from jpinfer.predictor.mlp import PredictorWeights
 from jpinfer.predictor.store import Predictors
 from jpinfer.runtime.engine import CACHE_ROUNDING, MIN_PROMPT_BUCKET, Engine, GenerationConfig
-from jpinfer.runtime.sampling import Sampler, sample
+from jpinfer.runtime.sampling import sample_next_jit
 from jpinfer.solver import synthetic_frequencies
 from jpinfer.solver.baselines import greedy
 
@@ -250,12 +250,6 @@ def _final_logits(top: Weights, h, last, *, cfg: ModelConfig):
     return transformer.logits(top, jax.lax.dynamic_index_in_dim(h, last, axis=1, keepdims=False))
 
 
-@functools.partial(jax.jit, static_argnames=("sampler",))
-def _sample(step_logits, key, *, sampler: Sampler):
-    key, sub = jax.random.split(key)
-    return sample(step_logits, sub, sampler), key
-
-
 @dataclasses.dataclass
 class Segment:
     device: Any
@@ -294,7 +288,7 @@ class LayerOffloadStepper:
 
     def first(self, tokens, n_valid, cache, key, sampler, attend):
         h, cache = self._run(tokens, cache, attend)
-        token, key = _sample(_final_logits(self.top, h, n_valid - 1, cfg=self.cfg), key, sampler=sampler)
+        token, key = sample_next_jit(_final_logits(self.top, h, n_valid - 1, cfg=self.cfg), key, sampler=sampler)
         return token, dataclasses.replace(cache, length=cache.length - tokens.shape[1] + n_valid), key
 
     def step_logits(self, token, cache, attend):
@@ -303,7 +297,7 @@ class LayerOffloadStepper:
 
     def next(self, token, cache, key, sampler, attend):
         step_logits, cache = self.step_logits(token, cache, attend)
-        token, key = _sample(step_logits, key, sampler=sampler)
+        token, key = sample_next_jit(step_logits, key, sampler=sampler)
         return token, cache, key
 
 

@@ -29,7 +29,7 @@ from jpinfer.config import ModelConfig
 from jpinfer.models import transformer
 from jpinfer.models.params import Layer, Weights
 from jpinfer.predictor.mlp import PredictorWeights, predict_logits, select_neurons
-from jpinfer.runtime.sampling import Sampler, sample
+from jpinfer.runtime.sampling import sample_next_jit
 from jpinfer.sparse import NeuronFFN, all_rows_ffn, sparse_ffn
 
 
@@ -89,12 +89,6 @@ def _final_logits(top: Weights, h, y_hot, y_cold, last, *, cfg: ModelConfig):
     return transformer.logits(top, jax.lax.dynamic_index_in_dim(h, last, axis=1, keepdims=False))
 
 
-@functools.partial(jax.jit, static_argnames=("sampler",))
-def _sample(step_logits, key, *, sampler: Sampler):
-    key, sub = jax.random.split(key)
-    return sample(step_logits, sub, sampler), key
-
-
 _inputs = jax.jit(transformer.step_inputs, static_argnames=("cfg",))
 
 
@@ -141,7 +135,7 @@ class HybridStepper:
 
     def first(self, tokens, n_valid, cache, key, sampler, attend):
         h, y_hot, y_cold, cache = self._run(tokens, cache, attend, decode=False)
-        token, key = _sample(_final_logits(self.top, h, y_hot, y_cold, n_valid - 1, cfg=self.cfg), key, sampler=sampler)
+        token, key = sample_next_jit(_final_logits(self.top, h, y_hot, y_cold, n_valid - 1, cfg=self.cfg), key, sampler=sampler)
         return token, dataclasses.replace(cache, length=cache.length - tokens.shape[1] + n_valid), key
 
     def step_logits(self, token, cache, attend):
@@ -150,5 +144,5 @@ class HybridStepper:
 
     def next(self, token, cache, key, sampler, attend):
         step_logits, cache = self.step_logits(token, cache, attend)
-        token, key = _sample(step_logits, key, sampler=sampler)
+        token, key = sample_next_jit(step_logits, key, sampler=sampler)
         return token, cache, key

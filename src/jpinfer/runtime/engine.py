@@ -15,7 +15,7 @@ from jpinfer.config import ModelConfig
 from jpinfer.models import transformer
 from jpinfer.models.loading import LoadedModel
 from jpinfer.models.params import Weights
-from jpinfer.runtime.sampling import Sampler, sample
+from jpinfer.runtime.sampling import Sampler, sample_next
 
 MIN_PROMPT_BUCKET = 16
 CACHE_ROUNDING = 256
@@ -113,15 +113,15 @@ def attend_length(n: int, capacity: int) -> int:
 @functools.partial(jax.jit, static_argnames=("cfg", "sampler", "ffn_impl", "attend"), donate_argnames=("cache",))
 def _first_token(weights, tokens, n_valid, cache, key, cfg, sampler, ffn_impl=None, ffn_state=None, attend=None):
     step_logits, cache = transformer.prefill(weights, tokens, n_valid, cache, cfg, ffn_impl, ffn_state, attend)
-    key, sub = jax.random.split(key)
-    return sample(step_logits, sub, sampler), cache, key
+    token, key = sample_next(step_logits, key, sampler)
+    return token, cache, key
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "sampler", "ffn_impl", "attend"), donate_argnames=("cache",))
 def _next_token(weights, token, cache, key, cfg, sampler, ffn_impl=None, ffn_state=None, attend=None):
     step_logits, cache = transformer.decode_step(weights, token, cache, cfg, ffn_impl, ffn_state, attend)
-    key, sub = jax.random.split(key)
-    return sample(step_logits, sub, sampler), cache, key
+    token, key = sample_next(step_logits, key, sampler)
+    return token, cache, key
 
 
 class Stepper(Protocol):

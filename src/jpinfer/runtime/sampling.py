@@ -50,3 +50,12 @@ def sample(logits: jax.Array, key: jax.Array, sampler: Sampler) -> jax.Array:
         cutoff = jnp.take_along_axis(sorted_logits, cutoff_index, axis=-1)
         logits = jnp.where(logits < cutoff, -jnp.inf, logits)
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+def sample_next(logits: jax.Array, key: jax.Array, sampler: Sampler) -> tuple[jax.Array, jax.Array]:
+    """(next token ids (B,), the key for the step after): one sample per step, a fresh subkey each."""
+    key, sub = jax.random.split(key)
+    return sample(logits, sub, sampler), key
+
+
+sample_next_jit = jax.jit(sample_next, static_argnames=("sampler",))  # for steps made of several jitted calls
