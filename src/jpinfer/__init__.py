@@ -49,6 +49,7 @@ def load(
     capacity: str | float | int | Sequence[int] = "predicted",
     gpu_budget: str | int | float | None = None,
     placement: Any = None,
+    thresholds: Any = None,
 ) -> Engine:
     """Load a checkpoint (HF directory, .gguf file, or None for the default model) as an Engine.
 
@@ -60,9 +61,11 @@ def load(
     active counts, an int, or one int per layer. ``hybrid`` needs the ``profile`` (an
     ``ActivationProfile`` or its file) and ``gpu_budget`` ("6GB", "512MiB", bytes, or a
     fraction of the model's weights; the solver places the neurons), or a ``placement`` (a
-    ``solver.Placement`` or one boolean mask per layer, True = accelerator).
+    ``solver.Placement`` or one boolean mask per layer, True = accelerator). ``"threshold"``
+    (training-free: small activations and FFN inputs skipped) needs ``thresholds`` (a
+    ``profiler.SparsityThresholds``) or a ``profile`` carrying them.
     """
-    check_mode_arguments(mode, predictors, profile, gpu_budget, placement)  # before the model loads: fail fast
+    check_mode_arguments(mode, predictors, profile, gpu_budget, placement, thresholds)  # before the model loads: fail fast
     if mode == "dense":
         return Engine(load_model(source, dtype=dtype, ffn_kind=ffn_kind))
     from jpinfer.modes import build_engine, default_devices  # loads the predictor package (Flax)
@@ -79,7 +82,7 @@ def load(
 
         predictors = Predictors.load(predictors, model, profile)
     return build_engine(model, mode, predictors=predictors, profile=profile, capacity=capacity,
-                        gpu_budget=gpu_budget, placement=placement)
+                        gpu_budget=gpu_budget, placement=placement, thresholds=thresholds)
 
 
 def generate(

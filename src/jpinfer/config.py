@@ -13,7 +13,7 @@ NormKind = Literal["rmsnorm", "layernorm"]
 PositionKind = Literal["rope", "learned"]
 
 FFN_KINDS: tuple[str, ...] = ("swiglu", "reglu", "drelu", "relu")
-ENGINE_MODES: tuple[str, ...] = ("dense", "sparse", "hybrid")  # jpinfer.load(mode=...); see jpinfer.modes
+ENGINE_MODES: tuple[str, ...] = ("dense", "sparse", "hybrid", "threshold")  # jpinfer.load(mode=...); see jpinfer.modes
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,14 +8,27 @@ from jpinfer.config import ENGINE_MODES
 from jpinfer.errors import JpinferError
 
 
-def check_mode_arguments(mode: str, predictors: Any, profile: Any, gpu_budget: Any, placement: Any) -> None:
-    """Raise JpinferError when ``mode`` is unknown or lacks what it needs."""
+def check_mode_arguments(mode: str, predictors: Any, profile: Any, gpu_budget: Any, placement: Any,
+                         thresholds: Any = None) -> None:
+    """Raise JpinferError when ``mode`` is unknown or lacks what it needs.
+
+    ``threshold`` needs ``thresholds`` (``profiler.SparsityThresholds``) or a profile carrying them;
+    ``hybrid`` with thresholds instead of predictors is the threshold mode split over two devices."""
     if mode not in ENGINE_MODES:
         raise JpinferError(f"unknown mode {mode!r}; choose one of {', '.join(ENGINE_MODES)}")
     if mode == "dense":
         return
-    if predictors is None:
-        raise JpinferError(f"mode {mode!r} needs predictors (jpinfer train-predictors, then predictors=PATH)")
+    if mode == "threshold" or (mode == "hybrid" and thresholds is not None):
+        if predictors is not None:
+            raise JpinferError("threshold sparsity needs no predictors: drop predictors= (or use mode 'sparse')")
+        if thresholds is None and profile is None:
+            raise JpinferError("threshold sparsity needs thresholds: a profile carrying them (profile=PATH, made by "
+                               "jpinfer profile --activation-sparsity S) or thresholds=SparsityThresholds")
+    elif predictors is None:
+        raise JpinferError(f"mode {mode!r} needs predictors (jpinfer train-predictors, then predictors=PATH), "
+                           "or mode 'threshold' (training-free)")
+    elif thresholds is not None:
+        raise JpinferError(f"mode {mode!r} chooses neurons with predictors: drop thresholds= (or use mode 'threshold')")
     if mode == "hybrid":
         if placement is None and (gpu_budget is None or profile is None):
             raise JpinferError("mode 'hybrid' needs a placement, or gpu_budget=... and the profile to solve one")

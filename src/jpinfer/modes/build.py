@@ -1,10 +1,12 @@
-"""Engines for the three modes: the model, predictors, profile and placement turned into arrays.
+"""Engines for the modes: the model, predictors, profile and placement turned into arrays.
 
 - ``dense``: the reference decoder.
 - ``sparse``: every neuron on one device; the predictor picks the neurons per token
   (PowerInfer's CPU-only mode here, its GPU-only mode on a GPU).
 - ``hybrid``: the placement's hot neurons on the accelerator, the cold ones on the CPU
   device (``hybrid.HybridStepper``).
+- ``threshold``: every neuron on one device; training-free activation and input sparsity with
+  calibrated per-layer thresholds (``threshold.ThresholdSparseFFN``), no predictor.
 
 Capacities: a static K per layer (``layer_capacities``), by default the 0.99 quantile of the
 number of neurons the predictor picks per token on its held-out samples, rounded up to the
@@ -29,11 +31,12 @@ from jpinfer.models.params import Layer, nbytes
 from jpinfer.modes.arguments import check_mode_arguments
 from jpinfer.modes.hybrid import AcceleratorLayer, HybridStepper
 from jpinfer.modes.sparse import PredictedSparseFFN, SparseLayer
+from jpinfer.modes.threshold import ThresholdSparseFFN
 from jpinfer.predictor.store import Predictors
-from jpinfer.profiler import ActivationProfile
+from jpinfer.profiler import ActivationProfile, SparsityThresholds
 from jpinfer.runtime.engine import Engine, FfnStrategy
 from jpinfer.solver import HardwareProfile, Placement, preset, solve_placement
-from jpinfer.sparse import neurons
+from jpinfer.sparse import ThresholdFFN, neurons, threshold
 
 BLOCK = 32  # capacities are rounded up to whole blocks of the sparse kernels (Pallas blocks, CPU loop chunks)
 Capacity = str | float | int | Sequence[int]
@@ -165,6 +168,23 @@ def sparse_engine(model: LoadedModel, predictors: Predictors, capacity: tuple[in
     return Engine(sparse_model, FfnStrategy(PredictedSparseFFN(model.cfg, capacity, backend), states, "sparse"))
 
 
+def threshold_states(model: LoadedModel, thresholds: SparsityThresholds) -> list[ThresholdFFN]:
+    """Per layer the FFN laid out for ``thresholds`` (None for a kind: that kind off)."""
+    if thresholds.n_layers != model.cfg.n_layers:
+        raise JpinferError(f"got thresholds for {thresholds.n_layers} layers; the model has {model.cfg.n_layers}")
+    pick = lambda values, i: None if values is None else float(values[i])
+    return [threshold.from_layer(layer, model.cfg.ffn_kind, input_threshold=pick(thresholds.input, i),
+                                 activation_threshold=pick(thresholds.activation, i))
+            for i, layer in enumerate(model.weights.layers)]
+
+
+def threshold_engine(model: LoadedModel, thresholds: SparsityThresholds, backend: str = "auto") -> Engine:
+    """One device; each layer's FFN matrices replaced by their threshold-sparsity layout."""
+    weights = dataclasses.replace(model.weights, layers=[without_ffn(layer) for layer in model.weights.layers])
+    strategy = FfnStrategy(ThresholdSparseFFN(backend), threshold_states(model, thresholds), "threshold")
+    return Engine(LoadedModel(model.cfg, weights, model.tokenizer, model.source), strategy)
+
+
 def host_dtype_for(model_dtype: Any, host: Any) -> Any:
     """The cold neurons' dtype: float32 on a CPU when the model is 16-bit. XLA:CPU ran bfloat16
     matrix-vector products 5-8x slower than float32 (bench/results/dense_bench.md) and the sparse
@@ -212,11 +232,16 @@ def build_engine(
     placement: Placement | Sequence[np.ndarray] | None = None,
     devices: tuple[Any, Any] | None = None,
     hardware: HardwareProfile | None = None,
+    thresholds: SparsityThresholds | None = None,
 ) -> Engine:
     """The engine for ``mode`` (see the module docstring); arguments as in ``jpinfer.load``."""
-    check_mode_arguments(mode, predictors, profile, gpu_budget, placement)
+    check_mode_arguments(mode, predictors, profile, gpu_budget, placement, thresholds)
     if mode == "dense":
         return Engine(model)
+    if mode == "threshold":
+        if profile is not None:
+            profile.check_model(model)
+        return threshold_engine(model, thresholds if thresholds is not None else profile.sparsity_thresholds())
     predictors.check_model(model)
     if profile is not None:
         predictors.check_profile(profile)

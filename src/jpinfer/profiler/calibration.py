@@ -13,6 +13,9 @@
    increase is 1/2 sum_w d_w^2 (Kwon et al. 2022, "A Fast Post-Training Pruning Framework
    for Transformers"). ``greedy`` then raises, one level at a time, the layer whose next
    level costs least, until the mean sparsity reaches s.
+
+The same histograms and estimates serve input sparsity (``INPUT``: the magnitudes |x_j| of the
+FFN input, the derivative taken with respect to x): ``jpinfer.profiler.sparsity``.
 """
 
 from __future__ import annotations
@@ -106,9 +109,13 @@ class Sensitivity:
     first_order: np.ndarray | None = None
 
 
+INPUT = "input"  # the histogram of the FFN input magnitudes |x_j| (input sparsity), beside a neuron score's
+
+
 @dataclasses.dataclass(frozen=True)
 class _HistogramFFN:
-    """Dense FFN that also histograms its neuron scores (invalid tokens go to a dropped bin)."""
+    """Dense FFN that also histograms its neuron scores and its input magnitudes |x_j| (invalid
+    tokens go to a dropped bin)."""
 
     cfg: ModelConfig
     score: str
@@ -116,8 +123,9 @@ class _HistogramFFN:
     def __call__(self, i: int, layer: Layer, x: jax.Array, state) -> tuple[jax.Array, jax.Array]:
         _, valid, _ = state
         a, s = activation_and_score(layer, x, self.cfg, self.score)
-        idx = jnp.where(valid[..., None], bin_index(s), N_BINS)
-        return transformer.ffn_down(layer, a), jnp.bincount(idx.ravel(), length=N_BINS + 1)[:N_BINS]
+        count = lambda v: jnp.bincount(jnp.where(valid[..., None], bin_index(v), N_BINS).ravel(),
+                                       length=N_BINS + 1)[:N_BINS]
+        return transformer.ffn_down(layer, a), jnp.stack([count(s), count(jnp.abs(x))])
 
 
 def _check_sparsity(sparsity: float) -> float:
@@ -126,19 +134,27 @@ def _check_sparsity(sparsity: float) -> float:
     return float(sparsity)
 
 
+def histograms(
+    model: ModelArg, windows: Any, *, score: Score = "product", batch_size: int = 4, progress: bool = False
+) -> tuple[ScoreHistogram, ScoreHistogram]:
+    """Histograms of every layer's neuron scores and of its FFN input magnitudes (score
+    ``INPUT``) over token windows, from one dense pass."""
+    loaded = resolve_model(model)
+    check_score(score, loaded.cfg)
+    tokens = passes.as_tokens(windows, loaded.cfg.vocab_size)
+    counts = np.zeros((2, loaded.cfg.n_layers, N_BINS), np.int64)
+    thresholds = np.zeros(loaded.cfg.n_layers, np.float32)
+    collector = _HistogramFFN(loaded.cfg, score)
+    for _, _, aux in passes.run(loaded, tokens, collector, thresholds, batch_size, progress, "calibrating"):
+        counts += np.stack(aux, axis=1)
+    return ScoreHistogram(counts[0], score, int(tokens.size)), ScoreHistogram(counts[1], INPUT, int(tokens.size))
+
+
 def score_histogram(
     model: ModelArg, windows: Any, *, score: Score = "product", batch_size: int = 4, progress: bool = False
 ) -> ScoreHistogram:
     """Histogram the neuron scores of every layer over token windows (one dense pass)."""
-    loaded = resolve_model(model)
-    check_score(score, loaded.cfg)
-    tokens = passes.as_tokens(windows, loaded.cfg.vocab_size)
-    counts = np.zeros((loaded.cfg.n_layers, N_BINS), np.int64)
-    thresholds = np.zeros(loaded.cfg.n_layers, np.float32)
-    collector = _HistogramFFN(loaded.cfg, score)
-    for _, _, aux in passes.run(loaded, tokens, collector, thresholds, batch_size, progress, "calibrating"):
-        counts += np.stack(aux)
-    return ScoreHistogram(counts, score, int(tokens.size))
+    return histograms(model, windows, score=score, batch_size=batch_size, progress=progress)[0]
 
 
 def uniform(hist: ScoreHistogram, sparsity: float) -> Calibration:
@@ -149,12 +165,16 @@ def uniform(hist: ScoreHistogram, sparsity: float) -> Calibration:
 
 @dataclasses.dataclass(frozen=True)
 class _PerturbableFFN:
-    """Dense FFN plus an additive zero probe (its gradient is dL/dy); aux = (a, score)."""
+    """Dense FFN plus an additive zero probe: on the output (its gradient is dL/dy; aux = (a,
+    score)) or, for score ``INPUT``, on the input (its gradient is dL/dx; aux = (x, |x|))."""
 
     cfg: ModelConfig
     score: str
 
     def __call__(self, i: int, layer: Layer, x: jax.Array, probe: jax.Array):
+        if self.score == INPUT:
+            x = x + probe
+            return transformer.ffn_dense(layer, x, self.cfg), (x, jnp.abs(x))
         a, s = activation_and_score(layer, x, self.cfg, self.score)
         return transformer.ffn_down(layer, a) + probe, (a, s)
 
@@ -175,8 +195,9 @@ def _window_derivatives(weights, tokens, valid, level_thresholds, cfg, score):
 
     grads, aux = jax.grad(loss, has_aux=True)(probes)
     out = []
-    for l, (a, s) in enumerate(aux):
-        contrib = (a * (grads[l] @ weights.layers[l].w_down)).astype(jnp.float32)
+    for l, (a, s) in enumerate(aux):  # contrib: each entry times dL/d(entry); removing it costs -contrib
+        dl_da = grads[l] if score == INPUT else grads[l] @ weights.layers[l].w_down
+        contrib = (a * dl_da).astype(jnp.float32)
         thr = level_thresholds[l]
         out.append(jnp.stack([-jnp.where(s <= thr[k], contrib, 0).sum((1, 2)) for k in range(thr.shape[0])], -1))
     return jnp.stack(out, 1)
@@ -191,7 +212,8 @@ def sensitivity(
     batch_size: int = 2,
     progress: bool = False,
 ) -> Sensitivity:
-    """Fisher estimate, on held-out windows, of each layer's loss increase at each sparsity level."""
+    """Fisher estimate, on held-out windows, of each layer's loss increase at each sparsity level
+    of ``hist``'s score: skipping neurons, or FFN input dimensions for score ``INPUT``."""
     loaded = resolve_model(model)
     tokens = passes.as_tokens(windows, loaded.cfg.vocab_size)
     levels_arr = np.asarray(levels, np.float64)

@@ -27,6 +27,7 @@ from jpinfer.errors import ArtifactError
 from jpinfer.models.loading import ModelArg, resolve_model
 from jpinfer.models.params import Weights
 from jpinfer.profiler.samples import SAMPLES_REMAKE, PredictorSamples, SamplesError
+from jpinfer.profiler.sparsity import SparsityThresholds
 
 FORMAT = "jpinfer-activation-profile"
 VERSION = 3  # 2: fingerprints of the fused (out, in) weight layout; 3: a digest of the whole file
@@ -66,8 +67,8 @@ class ActivationProfile:
     ``counts[l, i]``: tokens on which neuron i of layer l was active; ``n_tokens``: tokens
     seen; ``active_hist[l, k]``: tokens on which exactly k neurons of layer l were active;
     ``thresholds[l]``: a neuron is active when its score exceeds it (0 for ReLU kinds,
-    where active means non-zero). ``meta`` records the corpus, score, calibration and the
-    directory of predictor samples (if any).
+    where active means non-zero). ``meta`` records the corpus, score, calibration, the
+    directory of predictor samples (if any) and the threshold mode's thresholds (if calibrated).
     """
 
     model_name: str
@@ -178,6 +179,25 @@ class ActivationProfile:
         if model is not None:
             profile.check_model(model)
         return profile
+
+    def with_sparsity_thresholds(self, thresholds: SparsityThresholds) -> "ActivationProfile":
+        """A copy carrying the threshold mode's thresholds (``profiler.calibrate_sparsity``) in its
+        metadata, saved with it."""
+        if thresholds.n_layers != self.n_layers:
+            raise ValueError(f"got thresholds for {thresholds.n_layers} layers; this profile has {self.n_layers}")
+        return dataclasses.replace(self, meta=self.meta | {"sparsity_thresholds": thresholds.to_dict()})
+
+    def sparsity_thresholds(self) -> SparsityThresholds:
+        """The threshold mode's thresholds stored with this profile (a ProfileError when it has none)."""
+        record = self.meta.get("sparsity_thresholds")
+        if record is None:
+            raise ProfileError("this profile holds no threshold-mode thresholds: calibrate them "
+                               "(jpinfer profile --activation-sparsity S [--input-sparsity S], or "
+                               "profile.with_sparsity_thresholds(jpinfer.profiler.calibrate_sparsity(...)))")
+        try:
+            return SparsityThresholds.from_dict(record)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ProfileError(f"this profile's threshold-mode thresholds are unreadable ({e}): {REMAKE}") from None
 
     def samples(self) -> PredictorSamples:
         """The predictor samples this profile was made with (``meta["samples"]``), opened and

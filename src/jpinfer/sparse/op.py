@@ -10,6 +10,9 @@ Backends: a Pallas sparse-row kernel on GPUs and a chunked XLA loop elsewhere
 (``backend="auto"`` picks per lowering platform, so a function jitted for the CPU
 device on a GPU machine still gets the CPU kernel). ``backend="pallas"`` forces the
 kernel; on the CPU it runs in interpret mode (tests). ``backend="xla"`` forces the loop.
+
+``sparse_rows_product(matrix, x, ids, count)`` is the product x @ matrix over listed rows
+only: the input-sparse linear map of the threshold mode (``threshold.py``).
 """
 
 from __future__ import annotations
@@ -23,16 +26,23 @@ import numpy as np
 
 from jpinfer.activations import activate
 from jpinfer.sparse.cpu_backend import sparse_ffn_chunked
+from jpinfer.sparse.cpu_backend import sparse_rows_product as sparse_rows_chunked
 from jpinfer.sparse.neurons import NeuronFFN
 from jpinfer.sparse.pallas_kernels import sparse_rows_ffn
 
 Backend = Literal["auto", "xla", "pallas"]
 BACKENDS: tuple[str, ...] = ("auto", "xla", "pallas")
+RowsBackend = Literal["auto", "loop", "gather"]
+ROWS_BACKENDS: tuple[str, ...] = ("auto", "loop", "gather")
 
 
 def _check(ffn: NeuronFFN, x: jax.Array, ids: jax.Array, count) -> None:
     if x.ndim not in (1, 2) or x.shape[-1] != ffn.d_model:
         raise ValueError(f"x must be (d_model,) or (T, d_model) with d_model={ffn.d_model}, got {x.shape}")
+    _check_list(ids, count)
+
+
+def _check_list(ids: jax.Array, count) -> None:
     if ids.ndim != 1 or not jnp.issubdtype(ids.dtype, jnp.integer):
         raise ValueError(f"ids must be a 1-D integer array (padded neuron list), got {ids.dtype} {ids.shape}")
     if np.ndim(count) != 0:
@@ -107,3 +117,38 @@ def all_rows_ffn(ffn: NeuronFFN, x: jax.Array) -> jax.Array:
     if ffn.b_down is not None:
         y = y + ffn.b_down.astype(jnp.float32)
     return y.astype(x.dtype).reshape(x.shape)
+
+
+def _gathered_rows_product(matrix: jax.Array, x: jax.Array, ids: jax.Array, count: jax.Array) -> jax.Array:
+    """The listed rows gathered at once, then one product: for accelerators (on the CPU this spills
+    the caches; docs/architecture.md)."""
+    weights = jnp.where(jnp.arange(ids.shape[0]) < count, x[:, ids].astype(jnp.float32), 0.0)
+    return jnp.einsum("tk,km->tm", weights.astype(matrix.dtype), matrix[ids], preferred_element_type=jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnames=("backend",))
+def sparse_rows_product(
+    matrix: jax.Array, x: jax.Array, ids: jax.Array, count: jax.Array | int, *, backend: RowsBackend = "auto"
+) -> jax.Array:
+    """x @ matrix over the first ``count`` listed rows of ``matrix`` only, float32 (T, m).
+
+    matrix: (n, m), input-major (a row per input dimension); x: (T, n); ids: (K,) row indices
+    (padding past ``count``; valid ones in [0, n), clamped, not checked). Backends: ``loop``
+    (``cpu_backend.sparse_rows_product``, chunks read in place: for the CPU), ``gather`` (all
+    rows at once, then one product), ``auto`` (the loop on the CPU, the gather elsewhere).
+    """
+    if backend not in ROWS_BACKENDS:
+        raise ValueError(f"backend must be one of {ROWS_BACKENDS}, got {backend!r}")
+    if matrix.ndim != 2 or x.ndim != 2 or x.shape[1] != matrix.shape[0]:
+        raise ValueError(f"need matrix (n, m) and x (T, n), got {matrix.shape} and {x.shape}")
+    _check_list(ids, count)
+    ids = jnp.clip(ids.astype(jnp.int32), 0, matrix.shape[0] - 1)
+    count = jnp.asarray(count, jnp.int32)
+    if ids.shape[0] == 0:
+        return jnp.zeros((x.shape[0], matrix.shape[1]), jnp.float32)
+    args = (matrix, x, ids, count)
+    if backend == "loop":
+        return sparse_rows_chunked(*args)
+    if backend == "gather":
+        return _gathered_rows_product(*args)
+    return jax.lax.platform_dependent(*args, cpu=sparse_rows_chunked, default=_gathered_rows_product)

@@ -15,7 +15,8 @@ What XLA:CPU does fast and slow here (measured, see bench/results/kernels.md):
 So a loop walks the list in chunks: gather the gate/up rows, project, activate, mask
 padding, then one fused loop adds act_j * down_j of the chunk into the accumulator.
 The loop stops after the chunk holding the last valid entry, so list padding costs
-nothing.
+nothing. ``sparse_rows_product`` is the same loop without the gate/up part: a product
+x @ M over listed rows of M only (input sparsity, where the list holds input dimensions).
 """
 
 from __future__ import annotations
@@ -28,6 +29,27 @@ import jax.numpy as jnp
 from jpinfer.activations import activate
 
 DEFAULT_CHUNK = 32  # neurons per loop trip
+
+
+def _padded_chunks(ids: jax.Array, count, n: int, chunk: int) -> tuple[jax.Array, jax.Array, int, jax.Array]:
+    """(ids clamped to [0, n) and padded to whole chunks, the count clamped to the list, chunk
+    size, number of chunks holding valid entries: the loop's trip count)."""
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    k = ids.shape[0]
+    c = min(chunk, k)
+    n_chunks = -(-k // c)
+    ids = jnp.pad(jnp.clip(ids.astype(jnp.int32), 0, n - 1), (0, n_chunks * c - k))
+    count = jnp.clip(jnp.asarray(count, jnp.int32), 0, k)
+    return ids, count, c, (count + c - 1) // c
+
+
+def _add_rows(acc: jax.Array, weights: jax.Array, rows: jax.Array, chunk_ids: jax.Array, slot: int) -> jax.Array:
+    """acc (T, m) + sum_j weights[:, j] * rows[chunk_ids[j], slot]: one fused loop reading the
+    rows straight from ``rows`` (n, R, m) with dynamic indices, never copying them."""
+    m = rows.shape[-1]
+    row = lambda j: jax.lax.dynamic_slice(rows, (chunk_ids[j], slot, 0), (1, 1, m))[0]
+    return acc + sum(weights[:, j : j + 1] * row(j).astype(jnp.float32) for j in range(chunk_ids.shape[0]))
 
 
 @functools.partial(jax.jit, static_argnames=("kind", "chunk"))
@@ -48,13 +70,7 @@ def sparse_ffn_chunked(
     [0, n): they are clamped, not checked, on the device.
     """
     n, n_rows, d = rows.shape
-    if chunk < 1:
-        raise ValueError(f"chunk must be >= 1, got {chunk}")
-    k = ids.shape[0]
-    c = min(chunk, k)
-    n_chunks = -(-k // c)
-    ids = jnp.pad(jnp.clip(ids.astype(jnp.int32), 0, n - 1), (0, n_chunks * c - k))
-    count = jnp.clip(jnp.asarray(count, jnp.int32), 0, k)
+    ids, count, c, trips = _padded_chunks(ids, count, n, chunk)
     xw = x.astype(rows.dtype)
     n_proj = n_rows - 1  # gate and up rows (up only for kind relu)
 
@@ -70,8 +86,26 @@ def sparse_ffn_chunked(
             up = up + b_up[chunk_ids].astype(jnp.float32)
         act = activate(kind, h[..., 0] if n_proj == 2 else None, up)
         act = jnp.where(start + jnp.arange(c) < count, act, 0.0)  # (T, c)
-        # Down rows read straight from the weights by one fused loop over the chunk.
-        down = lambda j: jax.lax.dynamic_slice(rows, (chunk_ids[j], n_proj, 0), (1, 1, d))[0]
-        return acc + sum(act[:, j : j + 1] * down(j).astype(jnp.float32) for j in range(c))
+        return _add_rows(acc, act, rows, chunk_ids, n_proj)  # the down rows
 
-    return jax.lax.fori_loop(0, (count + c - 1) // c, body, jnp.zeros((x.shape[0], d), jnp.float32))
+    return jax.lax.fori_loop(0, trips, body, jnp.zeros((x.shape[0], d), jnp.float32))
+
+
+@functools.partial(jax.jit, static_argnames=("chunk",))
+def sparse_rows_product(
+    matrix: jax.Array, x: jax.Array, ids: jax.Array, count: jax.Array, *, chunk: int = DEFAULT_CHUNK
+) -> jax.Array:
+    """x @ matrix over the first ``count`` listed rows only: sum_j x[:, ids[j]] * matrix[ids[j]],
+    float32 (T, m). matrix: (n, m), input-major (a row per input dimension); x: (T, n); ids and
+    count as in ``sparse_ffn_chunked``."""
+    n, m = matrix.shape
+    ids, count, c, trips = _padded_chunks(ids, count, n, chunk)
+    rows = matrix.reshape(n, 1, m)
+
+    def body(i, acc):
+        start = i * c
+        chunk_ids = jax.lax.dynamic_slice(ids, (start,), (c,))
+        weights = jnp.where(start + jnp.arange(c) < count, x[:, chunk_ids].astype(jnp.float32), 0.0)  # (T, c)
+        return _add_rows(acc, weights, rows, chunk_ids, 0)
+
+    return jax.lax.fori_loop(0, trips, body, jnp.zeros((x.shape[0], m), jnp.float32))

@@ -1,0 +1,125 @@
+"""Threshold sparsity (training-free): skip the small entries, read only the rows the kept ones need.
+
+Two kinds, per layer, each with a calibrated threshold (``jpinfer.profiler.sparsity``):
+
+- **activation sparsity** (CATS-like, on the product): compute gate and up for every neuron,
+  keep the neurons with |a_i| = |act(g_i) * u_i| over the threshold, and run the down
+  projection over those only: a row of the neuron-major down matrix W_down^T per kept neuron.
+- **input sparsity** (TEAL-like): drop the FFN input dimensions with |x_j| under the threshold
+  and read only the kept rows of the input-major gate/up matrix W_gate_up^T (a row per input
+  dimension, holding that dimension's weight for every gate and up output).
+
+Both are the same operation, ``op.sparse_rows_product``: x @ M over a list of M's rows. The
+list is every kept index in order (a compaction, static length, traced count), so nothing is
+ever clipped. One token reads only the kept rows; several tokens (prefill) run dense products
+with the same entries zeroed, which computes the same values (each token keeps its own set).
+A kind that is off keeps the decoder's (out, in) matrix and its dense product.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jpinfer.activations import activate
+from jpinfer.config import FfnKind
+from jpinfer.models.params import Layer
+from jpinfer.sparse.op import RowsBackend, sparse_rows_product
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class ThresholdFFN:
+    """One layer's FFN laid out for threshold sparsity.
+
+    gate_up: (R n, d) as the decoder stores it, or (d, R n) input-major when ``input_sparse``
+             (R = 2 gated, gate block first; R = 1 for kind relu).
+    down:    (d, n) as the decoder stores it, or (n, d) neuron-major when ``activation_sparse``.
+    input_threshold / activation_threshold: float32 scalars; an entry is kept when its
+             magnitude is strictly greater (so 0 keeps every non-zero entry).
+    """
+
+    gate_up: jax.Array
+    down: jax.Array
+    b_up: jax.Array | None
+    b_down: jax.Array | None
+    input_threshold: jax.Array
+    activation_threshold: jax.Array
+    kind: str = dataclasses.field(metadata=dict(static=True))
+    input_sparse: bool = dataclasses.field(metadata=dict(static=True))
+    activation_sparse: bool = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def d_ff(self) -> int:
+        return self.down.shape[0] if self.activation_sparse else self.down.shape[1]
+
+
+def from_layer(layer: Layer, kind: FfnKind, *, input_threshold: float | None, activation_threshold: float | None
+               ) -> ThresholdFFN:
+    """A decoder layer's FFN for threshold sparsity; a threshold of None turns that kind off.
+
+    Only the matrices a kind reads sparsely change layout (one transposed copy replaces the
+    decoder's matrix), so memory does not grow."""
+    for name, value in (("input_threshold", input_threshold), ("activation_threshold", activation_threshold)):
+        if value is not None and not (np.isfinite(value) and value >= 0):
+            raise ValueError(f"{name} must be a finite number >= 0 (or None: that kind off), got {value!r}")
+    input_sparse, activation_sparse = input_threshold is not None, activation_threshold is not None
+    return ThresholdFFN(
+        gate_up=layer.w_gate_up.T if input_sparse else layer.w_gate_up,
+        down=layer.w_down.T if activation_sparse else layer.w_down,
+        b_up=layer.b_up,
+        b_down=layer.b_down,
+        input_threshold=jnp.float32(input_threshold or 0.0),
+        activation_threshold=jnp.float32(activation_threshold or 0.0),
+        kind=kind,
+        input_sparse=input_sparse,
+        activation_sparse=activation_sparse,
+    )
+
+
+def kept(values: jax.Array, threshold: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(indices of the entries of ``values`` (n,) with magnitude over ``threshold``, in order and
+    padded to length n; their count)."""
+    keep = jnp.abs(values.astype(jnp.float32)) > threshold
+    return jnp.nonzero(keep, size=values.shape[0], fill_value=0)[0].astype(jnp.int32), keep.sum(dtype=jnp.int32)
+
+
+def _project(matrix: jax.Array, x: jax.Array, input_major: bool, threshold: jax.Array, backend: RowsBackend
+             ) -> tuple[jax.Array, jax.Array]:
+    """(x (T, in) through ``matrix``, float32 (T, out); inputs kept per token (T,)).
+
+    input_major: ``matrix`` is (in, out) and x's entries at most ``threshold`` are skipped;
+    otherwise it is (out, in) and the product is dense."""
+    if not input_major:
+        product = jnp.einsum("ti,oi->to", x.astype(matrix.dtype), matrix, preferred_element_type=jnp.float32)
+        return product, jnp.full(x.shape[:1], x.shape[1], jnp.int32)
+    if x.shape[0] == 1:
+        ids, count = kept(x[0], threshold)
+        return sparse_rows_product(matrix, x, ids, count, backend=backend), count[None]
+    keep = jnp.abs(x.astype(jnp.float32)) > threshold
+    masked = jnp.where(keep, x, 0).astype(matrix.dtype)
+    return jnp.einsum("ti,io->to", masked, matrix, preferred_element_type=jnp.float32), keep.sum(-1, dtype=jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("backend",))
+def threshold_ffn(ffn: ThresholdFFN, x: jax.Array, *, backend: RowsBackend = "auto"
+                  ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The FFN output for x (..., d) with small inputs and activations skipped, in x's dtype, and
+    per token the kept counts: {"inputs": FFN input dimensions read, "neurons": down rows read}
+    (d and d_ff for a kind that is off)."""
+    tokens = x.reshape(-1, x.shape[-1])
+    h, n_inputs = _project(ffn.gate_up, tokens, ffn.input_sparse, ffn.input_threshold, backend)
+    n = ffn.d_ff
+    up = h[:, -n:]
+    if ffn.b_up is not None:
+        up = up + ffn.b_up.astype(jnp.float32)
+    a = activate(ffn.kind, h[:, :n] if ffn.kind != "relu" else None, up)
+    y, n_neurons = _project(ffn.down, a, ffn.activation_sparse, ffn.activation_threshold, backend)
+    if ffn.b_down is not None:
+        y = y + ffn.b_down.astype(jnp.float32)
+    lead = x.shape[:-1]
+    return y.astype(x.dtype).reshape(x.shape), {"inputs": n_inputs.reshape(lead), "neurons": n_neurons.reshape(lead)}
