@@ -84,10 +84,12 @@ def thresholds_in_gaps(scores: list[np.ndarray], sparsity: float) -> np.ndarray:
     return np.array(out, np.float32)
 
 
-def reference_window_losses(engine: Engine, tokens: np.ndarray, layer: int, lam: float, tau: float):
+def reference_window_losses(engine: Engine, tokens: np.ndarray, layer: int, lam: float, tau: float,
+                            on: str = "activation"):
     """float64 numpy forward of tiny_engine's architecture (RMSNorm, rotate-half RoPE, GQA, gated FFN, no
     biases), written out apart from transformer.forward: per window, the summed next-token NLL when layer
-    ``layer``'s activations with |a| <= tau are scaled by (1 - lam). Also returns each layer's scores |a|."""
+    ``layer``'s activations with |a| <= tau are scaled by (1 - lam). Also returns each layer's scores |a|.
+    ``on="input"``: the FFN inputs with |x_j| <= tau are scaled instead, and the magnitudes |x| returned."""
     cfg = engine.cfg
     assert (cfg.norm_kind, cfg.positions, cfg.has_gate, cfg.qkv_bias, cfg.attn_out_bias, cfg.ffn_bias,
             cfg.tie_embeddings, cfg.sliding_window) == ("rmsnorm", "rope", True, False, False, False, False, None)
@@ -112,11 +114,17 @@ def reference_window_losses(engine: Engine, tokens: np.ndarray, layer: int, lam:
         s = np.where(np.tril(np.ones((t, t), bool)), s, -np.inf)
         p = np.exp(s - s.max(-1, keepdims=True))
         h = h + np.einsum("bhts,bshd->bthd", p / p.sum(-1, keepdims=True), np.repeat(v, rep, 2)).reshape(b, t, -1) @ lw.wo.T
-        gate, up = np.split(rms(lw.ffn_norm, h) @ lw.w_gate_up.T, 2, -1)
+        x = rms(lw.ffn_norm, h)
+        if on == "input":
+            scores.append(np.abs(x))
+            if i == layer:
+                x = x - lam * np.where(np.abs(x) <= tau, x, 0.0)
+        gate, up = np.split(x @ lw.w_gate_up.T, 2, -1)
         a = act(gate, up)
-        scores.append(np.abs(a))
-        if i == layer:
-            a = a - lam * np.where(np.abs(a) <= tau, a, 0.0)
+        if on != "input":
+            scores.append(np.abs(a))
+            if i == layer:
+                a = a - lam * np.where(np.abs(a) <= tau, a, 0.0)
         h = h + a @ lw.w_down.T
     lg = rms(w.final_norm, h)[:, :-1] @ w.head  # head is stored (d_model, vocab)
     top = lg.max(-1, keepdims=True)
