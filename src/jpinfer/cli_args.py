@@ -36,9 +36,11 @@ def add_mode_arguments(p: argparse.ArgumentParser, modes: bool = False) -> None:
         p.add_argument("--modes", nargs="+", choices=choices, default=["dense"], help="engine modes to compare")
     else:
         p.add_argument("--mode", choices=choices, default="dense",
-                       help="dense (default); sparse: predicted neurons only; hybrid: hot neurons on the accelerator")
+                       help="dense (default); sparse: predicted neurons only; hybrid: hot neurons on the accelerator; "
+                            "threshold: training-free, small activations and inputs skipped (thresholds from --profile)")
     p.add_argument("--predictors", default=None, help="predictor directory (jpinfer train-predictors) for sparse modes")
-    p.add_argument("--profile", default=None, help="profile file (jpinfer profile) for capacities and placement")
+    p.add_argument("--profile", default=None,
+                   help="profile file (jpinfer profile) for capacities, placement and the threshold mode's thresholds")
     p.add_argument("--capacity", type=capacity_value, default="predicted",
                    help="most neurons per token and layer: 'predicted' (default: what the predictors pick on held-out "
                         "samples, 0.99 quantile), a quantile of the profile's active counts like 0.99, or K")

@@ -22,6 +22,13 @@ def add_arguments(p: argparse.ArgumentParser, command: str = "profile") -> None:
         help="SwiGLU models: target fraction of inactive neurons the thresholds are calibrated for (default 0.5)",
     )
     p.add_argument("--samples", type=int, default=0, help="also keep this many predictor training samples per layer")
+    p.add_argument("--activation-sparsity", type=float, default=None,
+                   help="threshold mode: also calibrate thresholds skipping this fraction of each layer's neurons")
+    p.add_argument("--input-sparsity", type=float, default=None,
+                   help="threshold mode: also calibrate thresholds skipping this fraction of each FFN input")
+    p.add_argument("--allocation", choices=("uniform", "greedy"), default="uniform",
+                   help="threshold mode: the same fraction in every layer (default), or greedy: spent where a "
+                        "held-out loss estimate says it hurts least")
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="where to write the profile (.npz)")
@@ -36,7 +43,9 @@ def run(args: argparse.Namespace) -> int:
     engine = jpinfer.load(args.model, dtype=args.dtype)
     prof = jpinfer.profile(
         engine, args.corpus, fields=args.fields, n_tokens=args.n_tokens, window=args.window, seed=args.seed,
-        sparsity=args.sparsity, n_samples=args.samples, batch_size=args.batch_size, progress=args.progress,
+        sparsity=args.sparsity, n_samples=args.samples, activation_sparsity=args.activation_sparsity,
+        input_sparsity=args.input_sparsity, allocation=args.allocation, batch_size=args.batch_size,
+        progress=args.progress,
     )
     path = prof.save(args.out)
     sparsity = prof.sparsity()
@@ -45,6 +54,9 @@ def run(args: argparse.Namespace) -> int:
           f"through {engine.cfg.name} ({prof.n_layers} layers x {prof.d_ff} neurons)")
     print(f"sparsity per token: mean {np.mean(sparsity):.3f} (layers {np.min(sparsity):.3f}..{np.max(sparsity):.3f}); "
           f"99th-percentile active neurons per layer: {int(np.min(capacity))}..{int(np.max(capacity))}")
+    if prof.meta.get("sparsity_thresholds"):
+        print(f"threshold mode: {prof.sparsity_thresholds().describe()} (jpinfer generate --mode threshold "
+              f"--profile {path})")
     if prof.meta.get("samples"):
         print(f"predictor samples: {prof.meta['samples']}")
     print(f"saved {path}")

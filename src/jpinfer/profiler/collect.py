@@ -20,6 +20,7 @@ from jpinfer.models import transformer
 from jpinfer.models.loading import LoadedModel, ModelArg, resolve_model
 from jpinfer.models.params import Layer
 from jpinfer.profiler import calibration, passes, samples
+from jpinfer.profiler.sparsity import calibrate_sparsity
 from jpinfer.profiler.activity import Score, activation_and_score, check_score
 from jpinfer.profiler.corpus import Corpus, TokenWindows, token_windows
 from jpinfer.profiler.stats import ActivationProfile, model_fingerprint
@@ -96,6 +97,9 @@ def profile(
     score: Score = "product",
     calibration_tokens: int = 16384,
     n_samples: int = 0,
+    activation_sparsity: float | None = None,
+    input_sparsity: float | None = None,
+    allocation: str = "uniform",
     batch_size: int = 4,
     progress: bool = True,
 ) -> ActivationProfile:
@@ -106,6 +110,9 @@ def profile(
     profile calibrate uniform ones for ``sparsity`` on its first ``calibration_tokens``.
     ``n_samples`` > 0 also stores that many (input, active mask) pairs per layer for the
     predictors (``meta["samples"]``, open with ``ActivationProfile.samples``).
+    ``activation_sparsity`` / ``input_sparsity`` (fractions skipped) also calibrate the threshold
+    mode's thresholds (``calibrate_sparsity``, ``allocation`` uniform or greedy) on the first
+    ``calibration_tokens`` (greedy: held out on the next as many) and store them with the profile.
     """
     loaded = resolve_model(model)
     cfg = loaded.cfg
@@ -151,11 +158,23 @@ def profile(
         raise
     t2 = time.perf_counter()
 
+    mode_thresholds = None
+    if activation_sparsity is not None or input_sparsity is not None:
+        n = max(1, min(len(tokens), calibration_tokens // tokens.shape[1]))
+        if allocation == "greedy" and len(tokens) < 2 * n:
+            raise ValueError(f"greedy allocation holds out {n} windows after the {n} it calibrates on; the corpus "
+                             f"gave {len(tokens)}: profile more tokens or lower calibration_tokens")
+        mode_thresholds = calibrate_sparsity(
+            loaded, tokens[:n], activation=activation_sparsity, input=input_sparsity, method=allocation,
+            heldout=tokens[n : 2 * n] if allocation == "greedy" else None, batch_size=batch_size, progress=progress)
+    t3 = time.perf_counter()
+
     meta = {
         "corpus": windows.origin,
         "score": score,
         "calibration": calibration_record,
         "samples": samples_dir,
-        "seconds": {"calibration": t1 - t0, "pass": t2 - t1},
+        "seconds": {"calibration": t1 - t0, "pass": t2 - t1, "threshold_mode": t3 - t2},
     }
-    return ActivationProfile(cfg.name, fingerprint, cfg.ffn_kind, counts, int(tokens.size), hist, thr, meta)
+    prof = ActivationProfile(cfg.name, fingerprint, cfg.ffn_kind, counts, int(tokens.size), hist, thr, meta)
+    return prof if mode_thresholds is None else prof.with_sparsity_thresholds(mode_thresholds)

@@ -1,0 +1,177 @@
+"""The training-free threshold mode on the default model: activation, input and combined sparsity against
+dense, next to the predictor-driven sparse mode, in one interleaved run.
+
+Protocol (CPU, float32):
+- thresholds calibrated on WikiText-2 *valid* (histograms of |a| and |x| over ``--calibration-windows``
+  windows of 512 tokens; greedy allocation estimates each layer's loss increase on the next as many valid
+  windows, never on test text), for each operating point in ``--points``: ``a0.5`` activation 50%, ``i0.3``
+  input 30%, ``a0.5+i0.3`` both, a ``g`` suffix for greedy allocation;
+- quality: WikiText-2 test perplexity (``--test-windows`` x 512 tokens) of exactly what the engine computes
+  (``profiler.evaluate`` with the threshold FFN; several tokens zero the same entries a single token skips),
+  and the fraction of FFN inputs and neurons skipped on the test text; greedy agreement with dense on the
+  ChatGPT prompts;
+- the predictor mode at its two operating points (recall 0.99 / strong 0.999 and 0.9 / 0.995), predictors
+  as bench/predictors.py (cached under $JPINFER_CACHE/bench; trained when missing), K = predicted;
+- speed: decode tok/s over ``--prompts`` ChatGPT prompts x ``--new-tokens``, every engine once per round,
+  ``--rounds`` interleaved rounds, median per engine, ratios to dense within the run; load average printed.
+
+    python bench/threshold.py --out bench/results/threshold.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import platform
+import statistics
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 2)
+
+import numpy as np  # noqa: E402
+from predictors import cached_profile, trained  # noqa: E402
+
+import jpinfer  # noqa: E402
+from jpinfer.bench.engines import JaxEngine  # noqa: E402
+from jpinfer.data import chatgpt_prompts  # noqa: E402
+from jpinfer.modes import build_engine, layer_capacities  # noqa: E402
+from jpinfer.modes.build import threshold_states  # noqa: E402
+from jpinfer.modes.threshold import ThresholdSparseFFN  # noqa: E402
+from jpinfer.predictor import PredictedMaskFFN, mask_states  # noqa: E402
+from jpinfer.predictor.fit import retune  # noqa: E402
+from jpinfer.profiler import SparsityThresholds, calibration, evaluate, token_windows  # noqa: E402
+
+WINDOW = 512
+
+
+def parse_point(text: str) -> tuple[dict[str, float], str]:
+    """'a0.5+i0.3g' -> ({'activation': 0.5, 'input': 0.3}, 'greedy')."""
+    method = "greedy" if text.endswith("g") else "uniform"
+    targets = {}
+    for part in text.rstrip("g").split("+"):
+        targets[{"a": "activation", "i": "input"}[part[0]]] = float(part[1:])
+    return targets, method
+
+
+def thresholds_for(targets, method, hists, sensitivities) -> SparsityThresholds:
+    values, fractions = {}, {}
+    for kind, target in targets.items():
+        hist = hists[kind]
+        cal = (calibration.uniform(hist, target) if method == "uniform"
+               else calibration.greedy(hist, sensitivities[kind], target))
+        values[kind], fractions[kind] = cal.thresholds, cal.layer_sparsity
+    return SparsityThresholds(values.get("activation"), values.get("input"), targets, fractions, method)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--points", default="a0.3,a0.4,a0.5,a0.6,i0.2,i0.3,i0.4,a0.4+i0.2,a0.5+i0.3,a0.5g,a0.5+i0.3g")
+    parser.add_argument("--predictor-points", default="0.99/0.999,0.9/0.995",
+                        help="recall/strong recall operating points of the predictor mode ('' for none)")
+    parser.add_argument("--samples", type=int, default=65536, help="predictor samples per layer (profile)")
+    parser.add_argument("--calibration-windows", type=int, default=32)
+    parser.add_argument("--test-windows", type=int, default=32)
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", default=None, help="markdown file (a .json with the rows is written beside it)")
+    args = parser.parse_args()
+
+    dense = jpinfer.load()
+    cfg = dense.cfg
+    n_cal = args.calibration_windows
+    valid = token_windows("wikitext2-valid", dense.tokenizer, window=WINDOW, n_tokens=2 * n_cal * WINDOW).tokens
+    test = token_windows("wikitext2-test", dense.tokenizer, window=WINDOW, n_tokens=args.test_windows * WINDOW).tokens
+    prompts = [dense.encode_prompt(t, chat=True)[:128] for t in chatgpt_prompts()[: args.prompts]]
+    dense_ppl, _ = evaluate(dense, test, progress=True)
+
+    hists = dict(zip(("activation", "input"), calibration.histograms(dense, valid[:n_cal], progress=True)))
+    points = [(text, *parse_point(text)) for text in args.points.split(",")]
+    sensitivities = {}
+    for kind in {k for _, targets, method in points if method == "greedy" for k in targets}:
+        sensitivities[kind] = calibration.sensitivity(dense, valid[n_cal:], hists[kind], progress=True)
+
+    rows, engines = [], {"dense": dense}
+    for text, targets, method in points:
+        th = thresholds_for(targets, method, hists, sensitivities)
+        name = f"threshold {th.describe()}"
+        engine = build_engine(dense.model, "threshold", thresholds=th)
+        ppl, sums = evaluate(dense, test, ThresholdSparseFFN(), threshold_states(dense.model, th), progress=True)
+        n = test.size * cfg.n_layers
+        rows.append(dict(engine=name, point=text, ppl=ppl, ppl_ratio=ppl / dense_ppl,
+                         inputs_skipped=1 - sum(s["inputs"] for s in sums) / (n * cfg.d_model),
+                         neurons_skipped=1 - sum(s["neurons"] for s in sums) / (n * cfg.d_ff)))
+        engines[name] = engine
+
+    predictor_points = [p for p in args.predictor_points.split(",") if p]
+    if predictor_points:
+        prof = cached_profile(dense, args.samples)
+        predictors, _ = trained(dense, prof, "adaptive", reuse=True)
+    for point in predictor_points:
+        recall, strong = (float(v) for v in point.split("/"))
+        tuned = retune(dense, predictors, prof, recall, strong)
+        ks = layer_capacities(dense.model, "predicted", prof, tuned)
+        ppl, sums = evaluate(dense, test, PredictedMaskFFN(cfg, ks), mask_states(tuned.layers, prof.thresholds),
+                             progress=True)
+        computed = sum(layer["predicted"] for layer in sums) / (test.size * cfg.n_layers * cfg.d_ff)
+        name = f"sparse (predictors {point})"
+        engines[name] = build_engine(dense.model, "sparse", predictors=tuned, profile=prof, capacity=ks)
+        rows.append(dict(engine=name, point=point, ppl=ppl, ppl_ratio=ppl / dense_ppl, inputs_skipped=0.0,
+                         neurons_skipped=1 - computed))
+
+    runners = {name: JaxEngine(name, engine) for name, engine in engines.items()}
+    tps, tokens, loads = {name: [] for name in runners}, {}, []
+    for r in range(args.rounds):
+        loads.append(os.getloadavg()[0])
+        for name, runner in runners.items():
+            steps, outs = [], []
+            for p in prompts:
+                stats = runner.run(p, args.new_tokens)
+                steps += stats.step_s
+                outs.append(stats.tokens)
+            tps[name].append(len(steps) / sum(steps))
+            tokens.setdefault(name, outs)
+        print(f"round {r + 1} (load {loads[-1]:.1f}): " + ", ".join(f"{n} {tps[n][-1]:.1f}" for n in runners),
+              flush=True)
+    speed = {name: statistics.median(v) for name, v in tps.items()}
+    ref = tokens["dense"]
+    for row in rows:
+        pairs = [(a, b) for x, y in zip(ref, tokens[row["engine"]]) for a, b in zip(x, y)]
+        row.update(tok_s=speed[row["engine"]], speedup=speed[row["engine"]] / speed["dense"],
+                   agreement=sum(a == b for a, b in pairs) / max(len(pairs), 1))
+
+    lines = [
+        "# Threshold mode (training-free) against dense and the predictor mode, default model",
+        "",
+        f"{datetime.date.today()}, jax {jax.__version__}, {platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} CPUs, load average {min(loads):.1f}-{max(loads):.1f} during the speed rounds. Command: "
+        f"`python bench/threshold.py --points {args.points} --test-windows {args.test_windows} --rounds "
+        f"{args.rounds} --prompts {args.prompts} --new-tokens {args.new_tokens}`",
+        "",
+        f"Dense: WikiText-2 test perplexity {dense_ppl:.2f} ({args.test_windows} x {WINDOW} tokens), "
+        f"decode {speed['dense']:.1f} tok/s (median of {args.rounds} interleaved rounds, {args.prompts} ChatGPT "
+        f"prompts x {args.new_tokens} tokens). Thresholds calibrated on WikiText-2 valid.",
+        "",
+        "| engine | perplexity | x dense | FFN inputs skipped | neurons skipped | decode tok/s | x dense | greedy agreement |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        lines.append(f"| {row['engine']} | {row['ppl']:.2f} | {row['ppl_ratio']:.3f} | {row['inputs_skipped']:.1%} | "
+                     f"{row['neurons_skipped']:.1%} | {row['tok_s']:.1f} | {row['speedup']:.2f} | "
+                     f"{row['agreement']:.1%} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        out = pathlib.Path(args.out)
+        out.write_text(text)
+        out.with_suffix(".json").write_text(json.dumps(
+            {"dense_ppl": dense_ppl, "dense_tok_s": speed["dense"], "rows": rows, "loads": loads,
+             "tok_s_rounds": tps}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
