@@ -36,7 +36,7 @@ import numpy as np  # noqa: E402
 from predictors import cached_profile, trained  # noqa: E402
 
 import jpinfer  # noqa: E402
-from jpinfer.bench.engines import JaxEngine  # noqa: E402
+from jpinfer.bench.engines import JaxEngine, weights_read_per_token  # noqa: E402
 from jpinfer.data import chatgpt_prompts  # noqa: E402
 from jpinfer.modes import build_engine, layer_capacities  # noqa: E402
 from jpinfer.modes.build import threshold_states  # noqa: E402
@@ -123,6 +123,15 @@ def main() -> None:
         rows.append(dict(engine=name, point=point, ppl=ppl, ppl_ratio=ppl / dense_ppl, inputs_skipped=0.0,
                          neurons_skipped=1 - computed))
 
+    # weight bytes a decode step reads: all but the embedding table; the FFN's gate/up and down matrices apart
+    total_bytes = weights_read_per_token(dense)
+    gate_up_bytes = sum(int(layer.w_gate_up.nbytes) for layer in dense.weights.layers)
+    down_bytes = sum(int(layer.w_down.nbytes) for layer in dense.weights.layers)
+    for row in rows:
+        skipped = (row["neurons_skipped"] * (gate_up_bytes + down_bytes) if row["engine"].startswith("sparse")
+                   else row["inputs_skipped"] * gate_up_bytes + row["neurons_skipped"] * down_bytes)
+        row["bytes_ratio"] = (total_bytes - skipped) / total_bytes
+
     runners = {name: JaxEngine(name, engine) for name, engine in engines.items()}
     tps, tokens, loads = {name: [] for name in runners}, {}, []
     for r in range(args.rounds):
@@ -156,13 +165,18 @@ def main() -> None:
         f"decode {speed['dense']:.1f} tok/s (median of {args.rounds} interleaved rounds, {args.prompts} ChatGPT "
         f"prompts x {args.new_tokens} tokens). Thresholds calibrated on WikiText-2 valid.",
         "",
-        "| engine | perplexity | x dense | FFN inputs skipped | neurons skipped | decode tok/s | x dense | greedy agreement |",
-        "|---|---|---|---|---|---|---|---|",
+        f"Weight bytes per token: what a step reads of the {total_bytes / 2**20:.0f} MiB of matrices (all but the "
+        f"embedding table), given the skipped fractions; 'bytes bound' is the speed-up over dense if a step took time "
+        f"in proportion to them.",
+        "",
+        "| engine | perplexity | x dense | FFN inputs skipped | neurons skipped | weight bytes x dense | bytes bound "
+        "| decode tok/s | x dense | greedy agreement |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         lines.append(f"| {row['engine']} | {row['ppl']:.2f} | {row['ppl_ratio']:.3f} | {row['inputs_skipped']:.1%} | "
-                     f"{row['neurons_skipped']:.1%} | {row['tok_s']:.1f} | {row['speedup']:.2f} | "
-                     f"{row['agreement']:.1%} |")
+                     f"{row['neurons_skipped']:.1%} | {row['bytes_ratio']:.3f} | {1 / row['bytes_ratio']:.2f} | "
+                     f"{row['tok_s']:.1f} | {row['speedup']:.2f} | {row['agreement']:.1%} |")
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

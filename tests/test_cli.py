@@ -29,6 +29,11 @@ from jpinfer.cli import COMMANDS, main
         (["generate", "hi", "--mode", "sparse"], "needs predictors"),
         (["bench", "--modes", "dense", "sparse"], "needs predictors"),
         (["generate", "hi", "--mode", "hybrid", "--predictors", "p"], "needs a placement, or gpu_budget"),
+        (["generate", "hi", "--mode", "threshold"], "threshold sparsity needs thresholds"),
+        (["generate", "hi", "--mode", "hybrid", "--thresholds"], "threshold sparsity needs thresholds"),
+        (["generate", "hi", "--mode", "sparse", "--thresholds", "--predictors", "p"], "chooses neurons with predictors"),
+        (["bench", "--modes", "dense", "threshold"], "threshold sparsity needs thresholds"),
+        (["profile", "--out", "x.npz", "--input-sparsity", "1.2"], "input sparsity is the fraction skipped"),
     ],
 )
 def test_bad_arguments_exit_with_a_message(argv, message, capsys):
@@ -112,3 +117,23 @@ def test_train_predictors_from_a_saved_profile(tmp_path):
                               "--max-new-tokens", "8", "--stats", "--predictors", str(out_dir), "--profile",
                               str(profile_path), *mode], **run)
         assert out.stdout.strip() and "tok/s" in out.stderr, mode
+
+
+@pytest.mark.slow
+def test_threshold_mode_from_a_profile_with_thresholds(tmp_path):
+    """profile --activation-sparsity/--input-sparsity stores the thresholds; generate --mode threshold (one
+    device) and --mode hybrid --thresholds (two simulated devices) read them."""
+    path = tmp_path / "prof.npz"
+    env = os.environ | {"JPINFER_CACHE": str(tmp_path / "cache")}
+    run = dict(capture_output=True, text=True, timeout=900, check=True, env=env)
+    out = subprocess.run([sys.executable, "-m", "jpinfer", "profile", "--n-tokens", "2048", "--window", "256",
+                          "--activation-sparsity", "0.4", "--input-sparsity", "0.2", "--out", str(path),
+                          "--no-progress"], **run)
+    assert "threshold mode: activation 40% + input 20% (uniform)" in out.stdout
+    th = ActivationProfile.load(path).sparsity_thresholds()
+    assert th.activation.shape == th.input.shape == (30,) and np.all(th.input > 0)
+    for mode in (["--mode", "threshold"], ["--mode", "hybrid", "--thresholds", "--gpu-budget", "0.9"]):
+        out = subprocess.run([sys.executable, "-m", "jpinfer", "generate", "What is the capital of France?", "--chat",
+                              "--max-new-tokens", "8", "--stats", "--profile", str(path), *mode], **run)
+        assert "Paris" in out.stdout and "tok/s" in out.stderr, mode
+

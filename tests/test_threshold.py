@@ -326,6 +326,8 @@ def test_bad_threshold_mode_arguments_are_clear_errors():
         build_engine(dense.model, "sparse", predictors=all_active(dense), thresholds=given(dense.cfg, 0.1))
     with pytest.raises(JpinferError, match="threshold sparsity needs thresholds"):
         jpinfer.load(mode="threshold")  # before any model loads
+    with pytest.raises(JpinferError, match="needs a placement"):
+        build_engine(dense.model, "hybrid", thresholds=given(dense.cfg, 0.1))
     with pytest.raises(JpinferError, match="for 3 layers"):
         build_engine(dense.model, "threshold", thresholds=given(tiny_engine("swiglu", n_layers=3).cfg, 0.1))
     with pytest.raises(ValueError, match="activation or input"):
@@ -336,3 +338,23 @@ def test_bad_threshold_mode_arguments_are_clear_errors():
         other = tiny_engine("swiglu", seed=1)
         prof = profile(other, windows(), progress=False).with_sparsity_thresholds(given(dense.cfg, 0.1))
         build_engine(dense.model, "threshold", profile=prof)
+
+
+@pytest.mark.parametrize("kinds", ["activation", "input", "both"])
+def test_hybrid_threshold_on_two_devices_equals_one_device(kinds):
+    """Hot neurons on device 0, cold on device 1, each part applying the thresholds: the parts add up to the
+    one-device threshold FFN (a layer wholly hot, one wholly cold, and a split one)."""
+    dense = tiny_engine("swiglu", n_layers=3)
+    cfg = dense.cfg
+    th = calibrate_sparsity(dense, windows(4, 16, seed=8), activation=0.5 if kinds != "input" else None,
+                            input=0.3 if kinds != "activation" else None)
+    one = build_engine(dense.model, "threshold", thresholds=th)
+    masks = [np.ones(cfg.d_ff, bool), np.zeros(cfg.d_ff, bool), np.random.default_rng(2).random(cfg.d_ff) < 0.5]
+    two = build_engine(dense.model, "hybrid", thresholds=th, placement=masks)
+    assert two.stepper.cold[2].d_ff + two.stepper.layers[2].hot.d_ff == cfg.d_ff
+    config = GenerationConfig(max_new_tokens=24)
+    reference = one.generate(PROMPT, config).token_ids
+    assert two.generate(PROMPT, config).token_ids == reference
+    forced = reference[:10]
+    np.testing.assert_allclose(forced_logits(two, PROMPT, forced), forced_logits(one, PROMPT, forced),
+                               rtol=0, atol=DECODER_ATOL)

@@ -63,7 +63,9 @@ def load(
     fraction of the model's weights; the solver places the neurons), or a ``placement`` (a
     ``solver.Placement`` or one boolean mask per layer, True = accelerator). ``"threshold"``
     (training-free: small activations and FFN inputs skipped) needs ``thresholds`` (a
-    ``profiler.SparsityThresholds``) or a ``profile`` carrying them.
+    ``profiler.SparsityThresholds``) or a ``profile`` carrying them; ``"hybrid"`` given
+    ``thresholds`` (or ``"profile"``: the profile's) instead of predictors splits that mode over
+    the accelerator and the CPU.
     """
     check_mode_arguments(mode, predictors, profile, gpu_budget, placement, thresholds)  # before the model loads: fail fast
     if mode == "dense":
@@ -77,6 +79,8 @@ def load(
         model = load_model(source, dtype=dtype, ffn_kind=ffn_kind)
     if isinstance(profile, (str, pathlib.Path)):
         profile = ActivationProfile.load(profile, model)
+    if isinstance(thresholds, str):  # "profile", checked above
+        thresholds = profile.sparsity_thresholds()
     if isinstance(predictors, (str, pathlib.Path)):
         from jpinfer.predictor import Predictors
 

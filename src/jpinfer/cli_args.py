@@ -44,6 +44,8 @@ def add_mode_arguments(p: argparse.ArgumentParser, modes: bool = False) -> None:
     p.add_argument("--capacity", type=capacity_value, default="predicted",
                    help="most neurons per token and layer: 'predicted' (default: what the predictors pick on held-out "
                         "samples, 0.99 quantile), a quantile of the profile's active counts like 0.99, or K")
+    p.add_argument("--thresholds", action="store_true",
+                   help="hybrid: choose neurons by the profile's threshold-mode thresholds instead of predictors")
     p.add_argument("--gpu-budget", default=None,
                    help="hybrid: accelerator memory for the model, e.g. 6GB, 512MiB, or a fraction like 0.4")
 
@@ -59,4 +61,5 @@ def prepare_devices(modes: list[str]) -> None:
 
 def mode_options(args: argparse.Namespace) -> dict:
     """Keyword arguments of ``jpinfer.load`` from ``add_mode_arguments``' options (without the mode)."""
-    return dict(predictors=args.predictors, profile=args.profile, capacity=args.capacity, gpu_budget=args.gpu_budget)
+    return dict(predictors=args.predictors, profile=args.profile, capacity=args.capacity, gpu_budget=args.gpu_budget,
+                thresholds="profile" if args.thresholds else None)

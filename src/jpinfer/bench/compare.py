@@ -177,7 +177,8 @@ def run(args: argparse.Namespace) -> int:
     from jpinfer.modes import check_mode_arguments
 
     for mode in args.modes:  # before any model loads
-        check_mode_arguments(mode, args.predictors, args.profile, args.gpu_budget, None)
+        check_mode_arguments(mode, args.predictors, args.profile, args.gpu_budget, None,
+                             mode_options(args)["thresholds"])
     prepare_devices(args.modes)
     if args.dtypes is None:
         args.dtypes = ["float32"] if jax.devices()[0].platform == "cpu" else ["float32", "bfloat16"]

@@ -13,7 +13,7 @@ def check_mode_arguments(mode: str, predictors: Any, profile: Any, gpu_budget: A
     """Raise JpinferError when ``mode`` is unknown or lacks what it needs.
 
     ``threshold`` needs ``thresholds`` (``profiler.SparsityThresholds``) or a profile carrying them;
-    ``hybrid`` with thresholds instead of predictors is the threshold mode split over two devices."""
+    ``hybrid`` given thresholds instead of predictors is the threshold mode split over two devices."""
     if mode not in ENGINE_MODES:
         raise JpinferError(f"unknown mode {mode!r}; choose one of {', '.join(ENGINE_MODES)}")
     if mode == "dense":
@@ -21,9 +21,11 @@ def check_mode_arguments(mode: str, predictors: Any, profile: Any, gpu_budget: A
     if mode == "threshold" or (mode == "hybrid" and thresholds is not None):
         if predictors is not None:
             raise JpinferError("threshold sparsity needs no predictors: drop predictors= (or use mode 'sparse')")
-        if thresholds is None and profile is None:
+        if profile is None and (thresholds is None or isinstance(thresholds, str)):
             raise JpinferError("threshold sparsity needs thresholds: a profile carrying them (profile=PATH, made by "
                                "jpinfer profile --activation-sparsity S) or thresholds=SparsityThresholds")
+        if isinstance(thresholds, str) and thresholds != "profile":
+            raise JpinferError(f"thresholds must be a SparsityThresholds or 'profile' (the profile's), got {thresholds!r}")
     elif predictors is None:
         raise JpinferError(f"mode {mode!r} needs predictors (jpinfer train-predictors, then predictors=PATH), "
                            "or mode 'threshold' (training-free)")

@@ -124,7 +124,7 @@ def parse_budget(budget: str | int | float, model_bytes: int) -> int:
     return parse_budget(int(float(number) * _UNITS[unit]), model_bytes)  # 0 bytes is an error there
 
 
-def choose_placement(model: LoadedModel, profile: ActivationProfile, predictors: Predictors,
+def choose_placement(model: LoadedModel, profile: ActivationProfile, predictors: Predictors | None,
                      gpu_budget: str | int | float, *, context: int = 2048,
                      hardware: HardwareProfile | None = None) -> Placement:
     """The solver's placement for ``gpu_budget`` (see ``parse_budget``): maximise the accelerator's
@@ -136,7 +136,8 @@ def choose_placement(model: LoadedModel, profile: ActivationProfile, predictors:
     budget = parse_budget(gpu_budget, nbytes(model.weights))
     base = hardware or preset("rtx4090")
     hw = dataclasses.replace(base.replace(accel_memory=budget, reserved=0), name=f"{base.name}, budget {budget} B")
-    predictor_bytes = [p.n_params * 4 for p in predictors.layers]
+    predictor_bytes = [0 if predictors is None else p.n_params * 4 for p in
+                       (predictors.layers if predictors is not None else [None] * cfg.n_layers)]
     return solve_placement(
         profile.frequency(), cfg, hw, objective="latency" if hardware else "mass", dense_policy="strict",
         weight_bytes=dtype_bytes, kv_bytes=dtype_bytes, context=min(context, cfg.max_position),
@@ -168,10 +169,14 @@ def sparse_engine(model: LoadedModel, predictors: Predictors, capacity: tuple[in
     return Engine(sparse_model, FfnStrategy(PredictedSparseFFN(model.cfg, capacity, backend), states, "sparse"))
 
 
-def threshold_states(model: LoadedModel, thresholds: SparsityThresholds) -> list[ThresholdFFN]:
-    """Per layer the FFN laid out for ``thresholds`` (None for a kind: that kind off)."""
+def _check_layers(model: LoadedModel, thresholds: SparsityThresholds) -> None:
     if thresholds.n_layers != model.cfg.n_layers:
         raise JpinferError(f"got thresholds for {thresholds.n_layers} layers; the model has {model.cfg.n_layers}")
+
+
+def threshold_states(model: LoadedModel, thresholds: SparsityThresholds) -> list[ThresholdFFN]:
+    """Per layer the FFN laid out for ``thresholds`` (None for a kind: that kind off)."""
+    _check_layers(model, thresholds)
     pick = lambda values, i: None if values is None else float(values[i])
     return [threshold.from_layer(layer, model.cfg.ffn_kind, input_threshold=pick(thresholds.input, i),
                                  activation_threshold=pick(thresholds.activation, i))
@@ -194,29 +199,45 @@ def host_dtype_for(model_dtype: Any, host: Any) -> Any:
     return model_dtype
 
 
-def hybrid_engine(model: LoadedModel, predictors: Predictors, hot_masks: Sequence[np.ndarray],
-                  capacity: tuple[tuple[int, int], ...], devices: tuple[Any, Any] | None = None,
-                  host_dtype: Any = None) -> Engine:
+def _host_copy(part: NeuronFFN | ThresholdFFN, host_dtype: Any) -> NeuronFFN | ThresholdFFN:
+    """The cold part's weight arrays in ``host_dtype`` (ids and thresholds as they are)."""
+    cast = lambda a: None if a is None else a.astype(host_dtype)
+    if isinstance(part, ThresholdFFN):
+        return dataclasses.replace(part, gate_up=cast(part.gate_up), down=cast(part.down), b_up=cast(part.b_up))
+    return dataclasses.replace(part, rows=cast(part.rows), b_up=cast(part.b_up))
+
+
+def hybrid_engine(model: LoadedModel, predictors: Predictors | None, hot_masks: Sequence[np.ndarray],
+                  capacity: tuple[tuple[int, int], ...] | None, devices: tuple[Any, Any] | None = None,
+                  host_dtype: Any = None, thresholds: SparsityThresholds | None = None) -> Engine:
     """Hot neurons (``hot_masks[layer]``, boolean (d_ff,)) on the accelerator, the rest on the host
-    in ``host_dtype`` (default ``host_dtype_for``)."""
+    in ``host_dtype`` (default ``host_dtype_for``). The predictor picks each part's neurons, or, with
+    ``thresholds`` instead (and no predictors or capacity), each part applies the threshold mode."""
     accelerator, host = devices or default_devices()
     host_dtype = host_dtype_for(model.weights.dtype, host) if host_dtype is None else host_dtype
     cfg = model.cfg
     if len(hot_masks) != cfg.n_layers or any(np.shape(m) != (cfg.d_ff,) for m in hot_masks):
         raise JpinferError(f"need one boolean mask of {cfg.d_ff} neurons per layer ({cfg.n_layers})")
-    parts, colds = [], []
-    for layer, p, hot in zip(model.weights.layers, predictors.layers, hot_masks):
-        full = neurons.from_layer(layer, cfg.ffn_kind)
+    parts, colds, sizes = [], [], []
+    for i, (layer, hot) in enumerate(zip(model.weights.layers, hot_masks)):
         hot_ids, cold_ids = np.flatnonzero(hot).astype(np.int32), np.flatnonzero(~np.asarray(hot)).astype(np.int32)
-        hot_part, _ = full.subset(hot_ids)
-        cold_part, _ = full.subset(cold_ids, with_b_down=False)
-        cold_part = dataclasses.replace(cold_part, rows=cold_part.rows.astype(host_dtype),
-                                        b_up=None if cold_part.b_up is None else cold_part.b_up.astype(host_dtype))
-        part = AcceleratorLayer(without_ffn(layer), p, hot_part, jnp.asarray(hot_ids), jnp.asarray(cold_ids))
+        if thresholds is None:
+            full = neurons.from_layer(layer, cfg.ffn_kind)
+            hot_part, cold_part = full.subset(hot_ids)[0], full.subset(cold_ids, with_b_down=False)[0]
+            predictor = predictors.layers[i]
+        else:
+            pick = lambda values: None if values is None else float(values[i])
+            split = lambda ids, with_b_down: threshold.from_layer(
+                layer, cfg.ffn_kind, input_threshold=pick(thresholds.input),
+                activation_threshold=pick(thresholds.activation), neurons=ids, with_b_down=with_b_down)
+            hot_part, cold_part, predictor = split(hot_ids, True), split(cold_ids, False), None
+        cold_part = _host_copy(cold_part, host_dtype)
+        sizes.append((hot_ids.size, cold_ids.size))
+        part = AcceleratorLayer(without_ffn(layer), predictor, hot_part, jnp.asarray(hot_ids), jnp.asarray(cold_ids))
         parts.append(jax.device_put(part, accelerator))
         colds.append(jax.device_put(cold_part, host))
     top = jax.device_put(dataclasses.replace(model.weights, layers=[]), accelerator)
-    stepper = HybridStepper(cfg, top, parts, colds, capacity, accelerator, host)
+    stepper = HybridStepper(cfg, top, parts, colds, capacity or tuple(sizes), accelerator, host)
     weights = dataclasses.replace(top, layers=[part.layer for part in parts])
     return Engine(LoadedModel(cfg, weights, model.tokenizer, model.source), stepper=stepper)
 
@@ -238,10 +259,8 @@ def build_engine(
     check_mode_arguments(mode, predictors, profile, gpu_budget, placement, thresholds)
     if mode == "dense":
         return Engine(model)
-    if mode == "threshold":
-        if profile is not None:
-            profile.check_model(model)
-        return threshold_engine(model, thresholds if thresholds is not None else profile.sparsity_thresholds())
+    if mode == "threshold" or thresholds is not None:
+        return _threshold_engine(model, mode, profile, thresholds, gpu_budget, placement, devices, hardware)
     predictors.check_model(model)
     if profile is not None:
         predictors.check_profile(profile)
@@ -253,3 +272,20 @@ def build_engine(
     masks = placement.masks() if isinstance(placement, Placement) else [np.asarray(m, bool) for m in placement]
     frequency = None if profile is None else profile.frequency()
     return hybrid_engine(model, predictors, masks, part_capacities(ks, masks, frequency), devices)
+
+
+def _threshold_engine(model: LoadedModel, mode: str, profile: ActivationProfile | None,
+                      thresholds: SparsityThresholds | None, gpu_budget: Any, placement: Any,
+                      devices: tuple[Any, Any] | None, hardware: HardwareProfile | None) -> Engine:
+    """The threshold mode on one device, or (``mode="hybrid"``) split by a placement over two."""
+    if profile is not None:
+        profile.check_model(model)
+    thresholds = thresholds if thresholds is not None else profile.sparsity_thresholds()
+    if mode == "threshold":
+        return threshold_engine(model, thresholds)
+    _check_layers(model, thresholds)
+    if placement is None:
+        placement = choose_placement(model, profile, None, gpu_budget, hardware=hardware)
+    masks = placement.masks() if isinstance(placement, Placement) else [np.asarray(m, bool) for m in placement]
+    return hybrid_engine(model, None, masks, None, devices, thresholds=thresholds)
+

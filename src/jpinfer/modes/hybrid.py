@@ -10,6 +10,9 @@ the host dispatches, per layer:
     cold FFN (CPU device): runs while the accelerator finishes its hot FFN
     cold output -> accelerator, added by the next layer's call (or the final one)
 
+With threshold sparsity instead of predictors (``mode="hybrid"`` given thresholds) each part is
+a ``ThresholdFFN`` of its neurons and keeps what the thresholds keep; there are no lists.
+
 The down projection is a sum over neurons, so hot + cold is exactly the FFN over the
 union of both lists; ``b_down`` lives in the hot part only. Prefill computes every neuron
 of both parts (``all_rows_ffn``). Without a GPU two simulated CPU devices play the two
@@ -30,7 +33,7 @@ from jpinfer.models import transformer
 from jpinfer.models.params import Layer, Weights
 from jpinfer.predictor.mlp import PredictorWeights, predict_logits, select_neurons
 from jpinfer.runtime.sampling import sample_next_jit
-from jpinfer.sparse import NeuronFFN, all_rows_ffn, sparse_ffn
+from jpinfer.sparse import NeuronFFN, ThresholdFFN, all_rows_ffn, sparse_ffn, threshold_ffn
 
 
 @jax.tree_util.register_dataclass
@@ -40,8 +43,8 @@ class AcceleratorLayer:
     the predictor, the hot neurons (with ``b_down``) and the neuron ids of both parts."""
 
     layer: Layer
-    predictor: PredictorWeights
-    hot: NeuronFFN
+    predictor: PredictorWeights | None  # None: threshold sparsity (each part applies its thresholds)
+    hot: NeuronFFN | ThresholdFFN
     hot_ids: jax.Array  # (n_hot,) int32: neuron id of each hot row
     cold_ids: jax.Array  # (n_cold,) int32: neuron id of each cold row, in the CPU part's order
 
@@ -54,9 +57,12 @@ def _part_list(logits: jax.Array, ids: jax.Array, cutoff: jax.Array, capacity: i
     return chosen.ids, chosen.count
 
 
-def _part_ffn(ffn: NeuronFFN, x: jax.Array, chosen: tuple[jax.Array, jax.Array] | None) -> jax.Array:
-    """One part's FFN output (B, T, d): over its listed neurons (decode) or all of them (prefill)."""
+def _part_ffn(ffn: NeuronFFN | ThresholdFFN, x: jax.Array, chosen: tuple[jax.Array, jax.Array] | None) -> jax.Array:
+    """One part's FFN output (B, T, d): over its listed neurons (decode) or all of them (prefill);
+    a threshold part keeps what its thresholds keep, per token."""
     tokens = x.reshape(-1, x.shape[-1])
+    if isinstance(ffn, ThresholdFFN):
+        return threshold_ffn(ffn, tokens)[0].reshape(x.shape)
     if chosen is None:
         return all_rows_ffn(ffn, tokens).reshape(x.shape)
     return sparse_ffn(ffn, tokens[0], *chosen).reshape(x.shape)
@@ -72,7 +78,7 @@ def _accelerator_layer(part: AcceleratorLayer, h, y_hot, y_cold, positions, rope
     h, x, cache_k, cache_v = transformer.attention_residual(part.layer, h, positions, rope_cs, cache_k, cache_v, cfg,
                                                             attend)
     hot_list = cold_list = None
-    if capacity is not None:
+    if capacity is not None and part.predictor is not None:
         logits = predict_logits(part.predictor, x.reshape(-1))
         hot_list = _part_list(logits, part.hot_ids, part.predictor.cutoff, capacity[0])
         cold_list = _part_list(logits, part.cold_ids, part.predictor.cutoff, capacity[1])
@@ -95,7 +101,7 @@ _inputs = jax.jit(transformer.step_inputs, static_argnames=("cfg",))
 @dataclasses.dataclass
 class HybridStepper:
     """``runtime.Stepper`` over two devices: ``top`` (embeddings, head, norms) and ``layers``
-    on ``accelerator``, ``cold`` (one ``NeuronFFN`` per layer) on ``host``.
+    on ``accelerator``, ``cold`` (one ``NeuronFFN``, or ``ThresholdFFN``, per layer) on ``host``.
 
     ``capacity`` per layer: (hot K, cold K), each at most its part's size; 0 for an empty part.
     """
@@ -103,7 +109,7 @@ class HybridStepper:
     cfg: ModelConfig
     top: Weights
     layers: list[AcceleratorLayer]
-    cold: list[NeuronFFN]
+    cold: list[NeuronFFN | ThresholdFFN]
     capacity: tuple[tuple[int, int], ...]
     accelerator: Any
     host: Any

@@ -39,7 +39,10 @@ def run(args: argparse.Namespace) -> int:
     import numpy as np
 
     import jpinfer
+    from jpinfer.profiler.sparsity import check_targets
 
+    if args.activation_sparsity is not None or args.input_sparsity is not None:  # fail before the model loads
+        check_targets(args.activation_sparsity, args.input_sparsity, args.allocation)
     engine = jpinfer.load(args.model, dtype=args.dtype)
     prof = jpinfer.profile(
         engine, args.corpus, fields=args.fields, n_tokens=args.n_tokens, window=args.window, seed=args.seed,

@@ -20,7 +20,7 @@ from jpinfer.models import transformer
 from jpinfer.models.loading import LoadedModel, ModelArg, resolve_model
 from jpinfer.models.params import Layer
 from jpinfer.profiler import calibration, passes, samples
-from jpinfer.profiler.sparsity import calibrate_sparsity
+from jpinfer.profiler.sparsity import calibrate_sparsity, check_targets
 from jpinfer.profiler.activity import Score, activation_and_score, check_score
 from jpinfer.profiler.corpus import Corpus, TokenWindows, token_windows
 from jpinfer.profiler.stats import ActivationProfile, model_fingerprint
@@ -114,9 +114,14 @@ def profile(
     mode's thresholds (``calibrate_sparsity``, ``allocation`` uniform or greedy) on the first
     ``calibration_tokens`` (greedy: held out on the next as many) and store them with the profile.
     """
+    threshold_mode = activation_sparsity is not None or input_sparsity is not None
+    if threshold_mode:  # before the model loads and the pass runs
+        check_targets(activation_sparsity, input_sparsity, allocation)
     loaded = resolve_model(model)
     cfg = loaded.cfg
     check_score(score, cfg)
+    if threshold_mode:
+        check_targets(activation_sparsity, input_sparsity, allocation, cfg.ffn_kind)
     windows = _windows(loaded, corpus, fields, n_tokens, window, seed, bos)
     tokens = windows.tokens
     fingerprint = model_fingerprint(cfg, loaded.weights)
@@ -159,7 +164,7 @@ def profile(
     t2 = time.perf_counter()
 
     mode_thresholds = None
-    if activation_sparsity is not None or input_sparsity is not None:
+    if threshold_mode:
         n = max(1, min(len(tokens), calibration_tokens // tokens.shape[1]))
         if allocation == "greedy" and len(tokens) < 2 * n:
             raise ValueError(f"greedy allocation holds out {n} windows after the {n} it calibrates on; the corpus "

@@ -86,6 +86,21 @@ def _check_target(kind: str, value: float | None) -> float | None:
     return float(value)
 
 
+def check_targets(activation: float | None, input: float | None, method: str, ffn_kind: str | None = None
+                  ) -> dict[str, float | None]:
+    """The targets per kind, checked (callers check before a model loads or a pass runs; with the
+    model's ``ffn_kind`` also that an activation target suits it)."""
+    targets = {"activation": _check_target("activation", activation), "input": _check_target("input", input)}
+    if all(v is None for v in targets.values()):
+        raise ValueError("give activation= and/or input= (fractions to skip)")
+    if method not in METHODS:
+        raise ValueError(f"unknown allocation method {method!r}; choose one of {', '.join(METHODS)}")
+    if ffn_kind not in (None, "swiglu") and targets["activation"]:
+        raise ValueError(f"{ffn_kind} neurons are exactly zero when inactive: give activation=0.0 "
+                         "(threshold 0 skips exactly those), not a fraction to calibrate")
+    return targets
+
+
 def calibrate_sparsity(
     model: ModelArg,
     windows: Any,
@@ -101,17 +116,11 @@ def calibrate_sparsity(
     FFN input dimensions (None: that kind off), calibrated on ``windows`` (token windows (n, T)).
     ``method="greedy"`` also needs ``heldout`` windows (other text than the calibration's and the
     test's), on which it estimates each layer's loss increase per level."""
-    targets = {"activation": _check_target("activation", activation), "input": _check_target("input", input)}
-    if all(v is None for v in targets.values()):
-        raise ValueError("give activation= and/or input= (fractions to skip)")
-    if method not in METHODS:
-        raise ValueError(f"unknown allocation method {method!r}; choose one of {', '.join(METHODS)}")
+    check_targets(activation, input, method)
     if method == "greedy" and heldout is None:
         raise ValueError("method='greedy' measures the loss on held-out text: pass heldout= token windows")
     loaded = resolve_model(model)
-    if loaded.cfg.ffn_kind != "swiglu" and targets["activation"]:
-        raise ValueError(f"{loaded.cfg.ffn_kind} neurons are exactly zero when inactive: give activation=0.0 "
-                         "(threshold 0 skips exactly those), not a fraction to calibrate")
+    targets = check_targets(activation, input, method, loaded.cfg.ffn_kind)
     hists = dict(zip(KINDS, calibration.histograms(loaded, windows, batch_size=batch_size, progress=progress)))
     thresholds, fractions = {}, {}
     for kind, target in targets.items():

@@ -55,24 +55,34 @@ class ThresholdFFN:
 
     @property
     def d_ff(self) -> int:
+        """Neurons held (the layer's, or one part's)."""
         return self.down.shape[0] if self.activation_sparse else self.down.shape[1]
 
+    n_neurons = d_ff
 
-def from_layer(layer: Layer, kind: FfnKind, *, input_threshold: float | None, activation_threshold: float | None
-               ) -> ThresholdFFN:
+
+def from_layer(layer: Layer, kind: FfnKind, *, input_threshold: float | None, activation_threshold: float | None,
+               neurons: np.ndarray | None = None, with_b_down: bool = True) -> ThresholdFFN:
     """A decoder layer's FFN for threshold sparsity; a threshold of None turns that kind off.
 
     Only the matrices a kind reads sparsely change layout (one transposed copy replaces the
-    decoder's matrix), so memory does not grow."""
+    decoder's matrix), so memory does not grow. ``neurons`` (ids) keeps only those neurons: one
+    part of a layer split over two devices, whose outputs add up (keep ``b_down`` in one part)."""
     for name, value in (("input_threshold", input_threshold), ("activation_threshold", activation_threshold)):
         if value is not None and not (np.isfinite(value) and value >= 0):
             raise ValueError(f"{name} must be a finite number >= 0 (or None: that kind off), got {value!r}")
     input_sparse, activation_sparse = input_threshold is not None, activation_threshold is not None
+    gate_up, down, b_up = layer.w_gate_up, layer.w_down, layer.b_up
+    if neurons is not None:
+        ids = jnp.asarray(neurons, jnp.int32)
+        n = down.shape[1]
+        rows = jnp.concatenate([ids, ids + n]) if kind != "relu" else ids  # gate rows first, then up rows
+        gate_up, down, b_up = gate_up[rows], down[:, ids], None if b_up is None else b_up[ids]
     return ThresholdFFN(
-        gate_up=layer.w_gate_up.T if input_sparse else layer.w_gate_up,
-        down=layer.w_down.T if activation_sparse else layer.w_down,
-        b_up=layer.b_up,
-        b_down=layer.b_down,
+        gate_up=gate_up.T if input_sparse else gate_up,
+        down=down.T if activation_sparse else down,
+        b_up=b_up,
+        b_down=layer.b_down if with_b_down else None,
         input_threshold=jnp.float32(input_threshold or 0.0),
         activation_threshold=jnp.float32(activation_threshold or 0.0),
         kind=kind,
