@@ -136,8 +136,7 @@ def choose_placement(model: LoadedModel, profile: ActivationProfile, predictors:
     budget = parse_budget(gpu_budget, nbytes(model.weights))
     base = hardware or preset("rtx4090")
     hw = dataclasses.replace(base.replace(accel_memory=budget, reserved=0), name=f"{base.name}, budget {budget} B")
-    predictor_bytes = [0 if predictors is None else p.n_params * 4 for p in
-                       (predictors.layers if predictors is not None else [None] * cfg.n_layers)]
+    predictor_bytes = [p.n_params * 4 for p in predictors.layers] if predictors is not None else [0] * cfg.n_layers
     return solve_placement(
         profile.frequency(), cfg, hw, objective="latency" if hardware else "mass", dense_policy="strict",
         weight_bytes=dtype_bytes, kv_bytes=dtype_bytes, context=min(context, cfg.max_position),
@@ -174,12 +173,16 @@ def _check_layers(model: LoadedModel, thresholds: SparsityThresholds) -> None:
         raise JpinferError(f"got thresholds for {thresholds.n_layers} layers; the model has {model.cfg.n_layers}")
 
 
+def _layer_thresholds(thresholds: SparsityThresholds, layer: int) -> dict[str, float | None]:
+    """``threshold.from_layer``'s threshold arguments for one layer (None: that kind off)."""
+    pick = lambda values: None if values is None else float(values[layer])
+    return dict(input_threshold=pick(thresholds.input), activation_threshold=pick(thresholds.activation))
+
+
 def threshold_states(model: LoadedModel, thresholds: SparsityThresholds) -> list[ThresholdFFN]:
     """Per layer the FFN laid out for ``thresholds`` (None for a kind: that kind off)."""
     _check_layers(model, thresholds)
-    pick = lambda values, i: None if values is None else float(values[i])
-    return [threshold.from_layer(layer, model.cfg.ffn_kind, input_threshold=pick(thresholds.input, i),
-                                 activation_threshold=pick(thresholds.activation, i))
+    return [threshold.from_layer(layer, model.cfg.ffn_kind, **_layer_thresholds(thresholds, i))
             for i, layer in enumerate(model.weights.layers)]
 
 
@@ -226,10 +229,8 @@ def hybrid_engine(model: LoadedModel, predictors: Predictors | None, hot_masks: 
             hot_part, cold_part = full.subset(hot_ids)[0], full.subset(cold_ids, with_b_down=False)[0]
             predictor = predictors.layers[i]
         else:
-            pick = lambda values: None if values is None else float(values[i])
             split = lambda ids, with_b_down: threshold.from_layer(
-                layer, cfg.ffn_kind, input_threshold=pick(thresholds.input),
-                activation_threshold=pick(thresholds.activation), neurons=ids, with_b_down=with_b_down)
+                layer, cfg.ffn_kind, **_layer_thresholds(thresholds, i), neurons=ids, with_b_down=with_b_down)
             hot_part, cold_part, predictor = split(hot_ids, True), split(cold_ids, False), None
         cold_part = _host_copy(cold_part, host_dtype)
         sizes.append((hot_ids.size, cold_ids.size))
