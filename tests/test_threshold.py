@@ -156,19 +156,24 @@ def test_layout_replaces_the_matrices_it_reads_sparsely():
 
 # ----- the engine
 
+def assert_decodes_alike(engine, reference, n_tokens: int, n_forced: int) -> None:
+    """The same greedy tokens, and teacher-forced logits within DECODER_ATOL (the same values summed in
+    another order)."""
+    config = GenerationConfig(max_new_tokens=n_tokens)
+    tokens = reference.generate(PROMPT, config).token_ids
+    assert engine.generate(PROMPT, config).token_ids == tokens
+    forced = tokens[:n_forced]
+    np.testing.assert_allclose(forced_logits(engine, PROMPT, forced), forced_logits(reference, PROMPT, forced),
+                               rtol=0, atol=DECODER_ATOL)
+
+
 @pytest.mark.parametrize("kind", ["swiglu", "relu"])
 @pytest.mark.parametrize("kinds", ["activation", "input", "both"])
 def test_zero_thresholds_decode_like_dense(kind, kinds):
     """Threshold 0 keeps every non-zero entry: the sparse path computes the dense FFN, summed in another order."""
     dense = tiny_engine(kind)
     thresholds = given(dense.cfg, 0.0 if kinds != "input" else None, 0.0 if kinds != "activation" else None)
-    engine = build_engine(dense.model, "threshold", thresholds=thresholds)
-    config = GenerationConfig(max_new_tokens=32)
-    reference = dense.generate(PROMPT, config).token_ids
-    assert engine.generate(PROMPT, config).token_ids == reference
-    forced = reference[:12]
-    np.testing.assert_allclose(forced_logits(engine, PROMPT, forced), forced_logits(dense, PROMPT, forced),
-                               rtol=0, atol=DECODER_ATOL)
+    assert_decodes_alike(build_engine(dense.model, "threshold", thresholds=thresholds), dense, 32, 12)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -352,9 +357,4 @@ def test_hybrid_threshold_on_two_devices_equals_one_device(kinds):
     masks = [np.ones(cfg.d_ff, bool), np.zeros(cfg.d_ff, bool), np.random.default_rng(2).random(cfg.d_ff) < 0.5]
     two = build_engine(dense.model, "hybrid", thresholds=th, placement=masks)
     assert two.stepper.cold[2].d_ff + two.stepper.layers[2].hot.d_ff == cfg.d_ff
-    config = GenerationConfig(max_new_tokens=24)
-    reference = one.generate(PROMPT, config).token_ids
-    assert two.generate(PROMPT, config).token_ids == reference
-    forced = reference[:10]
-    np.testing.assert_allclose(forced_logits(two, PROMPT, forced), forced_logits(one, PROMPT, forced),
-                               rtol=0, atol=DECODER_ATOL)
+    assert_decodes_alike(two, one, 24, 10)
