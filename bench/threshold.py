@@ -43,7 +43,7 @@ from jpinfer.modes.build import threshold_states  # noqa: E402
 from jpinfer.modes.threshold import ThresholdSparseFFN  # noqa: E402
 from jpinfer.predictor import PredictedMaskFFN, mask_states  # noqa: E402
 from jpinfer.predictor.fit import retune  # noqa: E402
-from jpinfer.profiler import SparsityThresholds, calibration, evaluate, token_windows  # noqa: E402
+from jpinfer.profiler import calibration, evaluate, sparsity, token_windows  # noqa: E402
 
 WINDOW = 512
 
@@ -55,16 +55,6 @@ def parse_point(text: str) -> tuple[dict[str, float], str]:
     for part in text.rstrip("g").split("+"):
         targets[{"a": "activation", "i": "input"}[part[0]]] = float(part[1:])
     return targets, method
-
-
-def thresholds_for(targets, method, hists, sensitivities) -> SparsityThresholds:
-    values, fractions = {}, {}
-    for kind, target in targets.items():
-        hist = hists[kind]
-        cal = (calibration.uniform(hist, target) if method == "uniform"
-               else calibration.greedy(hist, sensitivities[kind], target))
-        values[kind], fractions[kind] = cal.thresholds, cal.layer_sparsity
-    return SparsityThresholds(values.get("activation"), values.get("input"), targets, fractions, method)
 
 
 def main() -> None:
@@ -89,7 +79,7 @@ def main() -> None:
     prompts = [dense.encode_prompt(t, chat=True)[:128] for t in chatgpt_prompts()[: args.prompts]]
     dense_ppl, _ = evaluate(dense, test, progress=True)
 
-    hists = dict(zip(("activation", "input"), calibration.histograms(dense, valid[:n_cal], progress=True)))
+    hists = sparsity.histograms(dense, valid[:n_cal], progress=True)
     points = [(text, *parse_point(text)) for text in args.points.split(",")]
     sensitivities = {}
     for kind in {k for _, targets, method in points if method == "greedy" for k in targets}:
@@ -97,7 +87,7 @@ def main() -> None:
 
     rows, engines = [], {"dense": dense}
     for text, targets, method in points:
-        th = thresholds_for(targets, method, hists, sensitivities)
+        th = sparsity.from_histograms(hists, targets, method, sensitivities)
         name = f"threshold {th.describe()}"
         engine = build_engine(dense.model, "threshold", thresholds=th)
         ppl, sums = evaluate(dense, test, ThresholdSparseFFN(), threshold_states(dense.model, th), progress=True)

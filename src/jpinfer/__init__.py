@@ -79,8 +79,6 @@ def load(
         model = load_model(source, dtype=dtype, ffn_kind=ffn_kind)
     if isinstance(profile, (str, pathlib.Path)):
         profile = ActivationProfile.load(profile, model)
-    if isinstance(thresholds, str):  # "profile", checked above
-        thresholds = profile.sparsity_thresholds()
     if isinstance(predictors, (str, pathlib.Path)):
         from jpinfer.predictor import Predictors
 

@@ -254,7 +254,7 @@ def build_engine(
     placement: Placement | Sequence[np.ndarray] | None = None,
     devices: tuple[Any, Any] | None = None,
     hardware: HardwareProfile | None = None,
-    thresholds: SparsityThresholds | None = None,
+    thresholds: SparsityThresholds | str | None = None,
 ) -> Engine:
     """The engine for ``mode`` (see the module docstring); arguments as in ``jpinfer.load``."""
     check_mode_arguments(mode, predictors, profile, gpu_budget, placement, thresholds)
@@ -268,25 +268,31 @@ def build_engine(
     ks = layer_capacities(model, capacity, profile, predictors)
     if mode == "sparse":
         return sparse_engine(model, predictors, ks)
-    if placement is None:
-        placement = choose_placement(model, profile, predictors, gpu_budget, hardware=hardware)
-    masks = placement.masks() if isinstance(placement, Placement) else [np.asarray(m, bool) for m in placement]
+    masks = _placement_masks(model, profile, predictors, gpu_budget, placement, hardware)
     frequency = None if profile is None else profile.frequency()
     return hybrid_engine(model, predictors, masks, part_capacities(ks, masks, frequency), devices)
 
 
 def _threshold_engine(model: LoadedModel, mode: str, profile: ActivationProfile | None,
-                      thresholds: SparsityThresholds | None, gpu_budget: Any, placement: Any,
+                      thresholds: SparsityThresholds | str | None, gpu_budget: Any, placement: Any,
                       devices: tuple[Any, Any] | None, hardware: HardwareProfile | None) -> Engine:
-    """The threshold mode on one device, or (``mode="hybrid"``) split by a placement over two."""
+    """The threshold mode on one device, or (``mode="hybrid"``) split by a placement over two.
+    ``thresholds`` None or "profile": the profile's."""
     if profile is not None:
         profile.check_model(model)
-    thresholds = thresholds if thresholds is not None else profile.sparsity_thresholds()
+    if thresholds is None or isinstance(thresholds, str):  # "profile" (check_mode_arguments refused others)
+        thresholds = profile.sparsity_thresholds()
     if mode == "threshold":
         return threshold_engine(model, thresholds)
     _check_layers(model, thresholds)
-    if placement is None:
-        placement = choose_placement(model, profile, None, gpu_budget, hardware=hardware)
-    masks = placement.masks() if isinstance(placement, Placement) else [np.asarray(m, bool) for m in placement]
+    masks = _placement_masks(model, profile, None, gpu_budget, placement, hardware)
     return hybrid_engine(model, None, masks, None, devices, thresholds=thresholds)
+
+
+def _placement_masks(model: LoadedModel, profile: ActivationProfile | None, predictors: Predictors | None,
+                     gpu_budget: Any, placement: Any, hardware: HardwareProfile | None) -> list[np.ndarray]:
+    """Per layer the boolean accelerator mask: of ``placement``, or of the solver's for ``gpu_budget``."""
+    if placement is None:
+        placement = choose_placement(model, profile, predictors, gpu_budget, hardware=hardware)
+    return placement.masks() if isinstance(placement, Placement) else [np.asarray(m, bool) for m in placement]
 

@@ -20,7 +20,7 @@ from jpinfer.models import transformer
 from jpinfer.models.loading import LoadedModel, ModelArg, resolve_model
 from jpinfer.models.params import Layer
 from jpinfer.profiler import calibration, passes, samples
-from jpinfer.profiler.sparsity import calibrate_sparsity, check_targets
+from jpinfer.profiler.sparsity import KINDS, calibrate_sparsity, check_targets
 from jpinfer.profiler.activity import Score, activation_and_score, check_score
 from jpinfer.profiler.corpus import Corpus, TokenWindows, token_windows
 from jpinfer.profiler.stats import ActivationProfile, model_fingerprint
@@ -61,8 +61,9 @@ def _windows(loaded: LoadedModel, corpus: Any, fields, n_tokens, window, seed, b
     return token_windows(corpus, loaded.tokenizer, window=window, n_tokens=n_tokens, seed=seed, bos=bos)
 
 
-def _thresholds(loaded, tokens, thresholds, sparsity, score, calibration_tokens, batch_size, progress):
-    """(per-layer thresholds, calibration record) for the pass."""
+def _thresholds(loaded, thresholds, sparsity, score, hist):
+    """(per-layer thresholds, calibration record) for the pass; ``hist`` the score histogram of the
+    calibration windows, taken when a SwiGLU model's thresholds are to be calibrated (else None)."""
     cfg = loaded.cfg
     if cfg.ffn_kind != "swiglu":
         if thresholds is not None or score != "product":
@@ -77,8 +78,6 @@ def _thresholds(loaded, tokens, thresholds, sparsity, score, calibration_tokens,
         if thr.shape != (cfg.n_layers,) or np.any(thr < 0) or not np.all(np.isfinite(thr)):
             raise ValueError(f"thresholds must be {cfg.n_layers} finite non-negative numbers, one per layer")
         return thr, {"method": "given", "score": score}
-    n = max(1, min(len(tokens), calibration_tokens // tokens.shape[1]))
-    hist = calibration.score_histogram(loaded, tokens[:n], score=score, batch_size=batch_size, progress=progress)
     cal = calibration.uniform(hist, sparsity)
     return cal.thresholds, cal.to_dict() | {"calibration_tokens": hist.n_tokens}
 
@@ -125,10 +124,16 @@ def profile(
     windows = _windows(loaded, corpus, fields, n_tokens, window, seed, bos)
     tokens = windows.tokens
     fingerprint = model_fingerprint(cfg, loaded.weights)
+    n = max(1, min(len(tokens), calibration_tokens // tokens.shape[1]))  # calibration windows
+    if threshold_mode and allocation == "greedy" and len(tokens) < 2 * n:
+        raise ValueError(f"greedy allocation holds out {n} windows after the {n} it calibrates on; the corpus "
+                         f"gave {len(tokens)}: profile more tokens or lower calibration_tokens")
     t0 = time.perf_counter()
-    thr, calibration_record = _thresholds(
-        loaded, tokens, thresholds, sparsity, score, calibration_tokens, batch_size, progress
-    )
+    # one histogram pass over the calibration windows serves the activity thresholds and the threshold mode's
+    take_hists = lambda: calibration.histograms(loaded, tokens[:n], score=score, batch_size=batch_size,
+                                                progress=progress)
+    hists = take_hists() if cfg.ffn_kind == "swiglu" and thresholds is None else None
+    thr, calibration_record = _thresholds(loaded, thresholds, sparsity, score, None if hists is None else hists[0])
     t1 = time.perf_counter()
 
     writer = sample_plan = None
@@ -165,13 +170,13 @@ def profile(
 
     mode_thresholds = None
     if threshold_mode:
-        n = max(1, min(len(tokens), calibration_tokens // tokens.shape[1]))
-        if allocation == "greedy" and len(tokens) < 2 * n:
-            raise ValueError(f"greedy allocation holds out {n} windows after the {n} it calibrates on; the corpus "
-                             f"gave {len(tokens)}: profile more tokens or lower calibration_tokens")
+        shared = None  # the threshold mode's activation histogram is of score "product"
+        if score == "product":
+            shared = dict(zip(KINDS, hists if hists is not None else take_hists()))
         mode_thresholds = calibrate_sparsity(
             loaded, tokens[:n], activation=activation_sparsity, input=input_sparsity, method=allocation,
-            heldout=tokens[n : 2 * n] if allocation == "greedy" else None, batch_size=batch_size, progress=progress)
+            heldout=tokens[n : 2 * n] if allocation == "greedy" else None, batch_size=batch_size, progress=progress,
+            hists=shared)
     t3 = time.perf_counter()
 
     meta = {

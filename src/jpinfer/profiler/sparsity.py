@@ -101,6 +101,35 @@ def check_targets(activation: float | None, input: float | None, method: str, ff
     return targets
 
 
+def from_histograms(
+    hists: dict[str, calibration.ScoreHistogram],
+    targets: dict[str, float | None],
+    method: str,
+    sensitivities: dict[str, calibration.Sensitivity] | None = None,
+) -> SparsityThresholds:
+    """Thresholds for ``targets`` (per kind, None: off) from the kinds' histograms (``histograms``:
+    "activation" of |a| by score "product", "input" of |x|); ``greedy`` reads each kind's
+    ``sensitivities`` (``calibration.sensitivity`` on held-out windows)."""
+    thresholds, fractions = {"activation": None, "input": None}, {}
+    for kind, target in targets.items():
+        if target is None:
+            continue
+        if method == "uniform":
+            cal = calibration.uniform(hists[kind], target)
+        else:
+            cal = calibration.greedy(hists[kind], sensitivities[kind], target)
+        thresholds[kind], fractions[kind] = cal.thresholds, cal.layer_sparsity
+    return SparsityThresholds(thresholds["activation"], thresholds["input"],
+                              {k: v for k, v in targets.items() if v is not None}, fractions, method,
+                              {"calibration_tokens": hists["input"].n_tokens})
+
+
+def histograms(model: ModelArg, windows: Any, *, batch_size: int = 4, progress: bool = False
+               ) -> dict[str, calibration.ScoreHistogram]:
+    """Per kind ("activation", "input") the histogram ``from_histograms`` reads, from one dense pass."""
+    return dict(zip(KINDS, calibration.histograms(model, windows, batch_size=batch_size, progress=progress)))
+
+
 def calibrate_sparsity(
     model: ModelArg,
     windows: Any,
@@ -111,9 +140,11 @@ def calibrate_sparsity(
     heldout: Any = None,
     batch_size: int = 4,
     progress: bool = False,
+    hists: dict[str, calibration.ScoreHistogram] | None = None,
 ) -> SparsityThresholds:
     """Thresholds skipping the fraction ``activation`` of each layer's neurons and ``input`` of its
-    FFN input dimensions (None: that kind off), calibrated on ``windows`` (token windows (n, T)).
+    FFN input dimensions (None: that kind off), calibrated on ``windows`` (token windows (n, T)),
+    or on their ``hists`` (``histograms``) when already taken.
     ``method="greedy"`` also needs ``heldout`` windows (other text than the calibration's and the
     test's), on which it estimates each layer's loss increase per level."""
     check_targets(activation, input, method)
@@ -121,18 +152,10 @@ def calibrate_sparsity(
         raise ValueError("method='greedy' measures the loss on held-out text: pass heldout= token windows")
     loaded = resolve_model(model)
     targets = check_targets(activation, input, method, loaded.cfg.ffn_kind)
-    hists = dict(zip(KINDS, calibration.histograms(loaded, windows, batch_size=batch_size, progress=progress)))
-    thresholds, fractions = {}, {}
-    for kind, target in targets.items():
-        if target is None:
-            thresholds[kind] = None
-            continue
-        hist = hists[kind]
-        if method == "uniform":
-            cal = calibration.uniform(hist, target)
-        else:
-            cal = calibration.greedy(hist, calibration.sensitivity(loaded, heldout, hist, progress=progress), target)
-        thresholds[kind], fractions[kind] = cal.thresholds, cal.layer_sparsity
-    meta = {"calibration_tokens": hists["input"].n_tokens}
-    return SparsityThresholds(thresholds["activation"], thresholds["input"],
-                              {k: v for k, v in targets.items() if v is not None}, fractions, method, meta)
+    if hists is None:
+        hists = histograms(loaded, windows, batch_size=batch_size, progress=progress)
+    sensitivities = None
+    if method == "greedy":
+        sensitivities = {kind: calibration.sensitivity(loaded, heldout, hists[kind], progress=progress)
+                         for kind, target in targets.items() if target is not None}
+    return from_histograms(hists, targets, method, sensitivities)

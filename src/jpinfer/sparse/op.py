@@ -122,6 +122,7 @@ def all_rows_ffn(ffn: NeuronFFN, x: jax.Array) -> jax.Array:
 def _gathered_rows_product(matrix: jax.Array, x: jax.Array, ids: jax.Array, count: jax.Array) -> jax.Array:
     """The listed rows gathered at once, then one product: for accelerators (on the CPU this spills
     the caches; docs/architecture.md)."""
+    ids = jnp.clip(ids, 0, matrix.shape[0] - 1)  # padding may hold any value (the loop clamps its own)
     weights = jnp.where(jnp.arange(ids.shape[0]) < count, x[:, ids].astype(jnp.float32), 0.0)
     return jnp.einsum("tk,km->tm", weights.astype(matrix.dtype), matrix[ids], preferred_element_type=jnp.float32)
 
@@ -142,7 +143,7 @@ def sparse_rows_product(
     if matrix.ndim != 2 or x.ndim != 2 or x.shape[1] != matrix.shape[0]:
         raise ValueError(f"need matrix (n, m) and x (T, n), got {matrix.shape} and {x.shape}")
     _check_list(ids, count)
-    ids = jnp.clip(ids.astype(jnp.int32), 0, matrix.shape[0] - 1)
+    ids = ids.astype(jnp.int32)
     count = jnp.asarray(count, jnp.int32)
     if ids.shape[0] == 0:
         return jnp.zeros((x.shape[0], matrix.shape[1]), jnp.float32)
