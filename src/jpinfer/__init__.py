@@ -50,6 +50,7 @@ def load(
     gpu_budget: str | int | float | None = None,
     placement: Any = None,
     thresholds: Any = None,
+    weights: str = "float",
 ) -> Engine:
     """Load a checkpoint (HF directory, .gguf file, or None for the default model) as an Engine.
 
@@ -66,17 +67,22 @@ def load(
     ``profiler.SparsityThresholds``) or a ``profile`` carrying them; ``"hybrid"`` given
     ``thresholds`` (or ``"profile"``: the profile's) instead of predictors splits that mode over
     the accelerator and the CPU.
+
+    ``weights``: ``"float"`` (every tensor in ``dtype``) or ``"int8"`` (W8A8: the projections and
+    the head quantized at load, one scale per output; modes ``dense`` and ``threshold``).
     """
-    check_mode_arguments(mode, predictors, profile, gpu_budget, placement, thresholds)  # before the model loads: fail fast
+    # before the model loads: fail fast
+    check_mode_arguments(mode, predictors, profile, gpu_budget, placement, thresholds, weights)
+    load_options = dict(dtype=dtype, ffn_kind=ffn_kind, weights=weights)
     if mode == "dense":
-        return Engine(load_model(source, dtype=dtype, ffn_kind=ffn_kind))
+        return Engine(load_model(source, **load_options))
     from jpinfer.modes import build_engine, default_devices  # loads the predictor package (Flax)
 
     if mode == "hybrid":  # load on the host: the accelerator receives only its share
         with jax.default_device(default_devices()[1]):
-            model = load_model(source, dtype=dtype, ffn_kind=ffn_kind)
+            model = load_model(source, **load_options)
     else:
-        model = load_model(source, dtype=dtype, ffn_kind=ffn_kind)
+        model = load_model(source, **load_options)
     if isinstance(profile, (str, pathlib.Path)):
         profile = ActivationProfile.load(profile, model)
     if isinstance(predictors, (str, pathlib.Path)):

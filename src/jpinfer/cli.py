@@ -78,13 +78,13 @@ def run(args: argparse.Namespace) -> int:
     import jpinfer
 
     if args.command == "info":
-        return _info(jpinfer.load(args.model, dtype=args.dtype), args)
+        return _info(jpinfer.load(args.model, dtype=args.dtype, weights=args.weights), args)
     config = jpinfer.GenerationConfig(  # checked before the model loads: bad settings fail fast
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
         top_p=args.top_p, seed=args.seed, stop=tuple(args.stop), chat=args.command == "chat" or args.chat,
     )
     prepare_devices([args.mode])
-    engine = jpinfer.load(args.model, dtype=args.dtype, mode=args.mode, **mode_options(args))
+    engine = jpinfer.load(args.model, dtype=args.dtype, weights=args.weights, mode=args.mode, **mode_options(args))
     if args.command == "chat":
         return _chat(engine, config, args.system)
     result = None
@@ -132,5 +132,5 @@ def _info(engine, args: argparse.Namespace) -> int:
     print(f"source: {engine.source}")
     for field, value in vars(engine.cfg).items():
         print(f"{field}: {value}")
-    print(f"weight bytes: {nbytes(engine.weights) / 1e6:.1f} MB ({args.dtype})")
+    print(f"weight bytes: {nbytes(engine.weights) / 1e6:.1f} MB ({args.dtype}, {args.weights} weights)")
     return 0

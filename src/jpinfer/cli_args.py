@@ -5,17 +5,21 @@ from __future__ import annotations
 
 import argparse
 
-from jpinfer.config import ENGINE_MODES
+from jpinfer.config import ENGINE_MODES, WEIGHT_FORMATS
 
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    """--model and --dtype, for every command that loads a model."""
+    """--model, --dtype and --weights, for every command that loads a model."""
     p.add_argument("--model", default=None, help="HF checkpoint directory or .gguf file (default: SmolLM2-135M-Instruct)")
     p.add_argument(
         "--dtype", default="float32", choices=DTYPE_CHOICES,
         help="weight dtype (default float32; on the CPU bfloat16 decodes 5-8x slower, see README)",
+    )
+    p.add_argument(
+        "--weights", default="float", choices=WEIGHT_FORMATS,
+        help="float (default: every tensor in --dtype) or int8 (W8A8, quantized at load; modes dense and threshold)",
     )
 
 

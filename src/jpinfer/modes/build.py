@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jpinfer.errors import JpinferError
+from jpinfer.models import int8
 from jpinfer.models.loading import LoadedModel
 from jpinfer.models.params import Layer, nbytes
 from jpinfer.modes.arguments import check_mode_arguments
@@ -257,7 +258,8 @@ def build_engine(
     thresholds: SparsityThresholds | str | None = None,
 ) -> Engine:
     """The engine for ``mode`` (see the module docstring); arguments as in ``jpinfer.load``."""
-    check_mode_arguments(mode, predictors, profile, gpu_budget, placement, thresholds)
+    check_mode_arguments(mode, predictors, profile, gpu_budget, placement, thresholds,
+                         "int8" if int8.is_int8(model.weights) else "float")
     if mode == "dense":
         return Engine(model)
     if mode == "threshold" or thresholds is not None:

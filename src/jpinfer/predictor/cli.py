@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
     from jpinfer.profiler import ActivationProfile
 
     config = TrainConfig(recall=args.recall, max_epochs=args.epochs)
-    engine = jpinfer.load(args.model, dtype=args.dtype)
+    engine = jpinfer.load(args.model, dtype=args.dtype, weights=args.weights)
     if args.profile is not None:
         prof = ActivationProfile.load(args.profile, engine)
     else:

@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.activation_sparsity is not None or args.input_sparsity is not None:  # fail before the model loads
         check_targets(args.activation_sparsity, args.input_sparsity, args.allocation)
-    engine = jpinfer.load(args.model, dtype=args.dtype)
+    engine = jpinfer.load(args.model, dtype=args.dtype, weights=args.weights)
     prof = jpinfer.profile(
         engine, args.corpus, fields=args.fields, n_tokens=args.n_tokens, window=args.window, seed=args.seed,
         sparsity=args.sparsity, n_samples=args.samples, activation_sparsity=args.activation_sparsity,

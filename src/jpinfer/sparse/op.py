@@ -123,17 +123,29 @@ def _gathered_rows_product(matrix: jax.Array, x: jax.Array, ids: jax.Array, coun
     """The listed rows gathered at once, then one product: for accelerators (on the CPU this spills
     the caches; docs/architecture.md)."""
     ids = jnp.clip(ids, 0, matrix.shape[0] - 1)  # padding may hold any value (the loop clamps its own)
+    rows = matrix[ids]
+    if _integer(matrix, x):
+        weights = jnp.where(jnp.arange(ids.shape[0]) < count, x[:, ids], 0)
+        return jnp.einsum("tk,km->tm", weights, rows, preferred_element_type=jnp.int32)
+    if not jnp.issubdtype(rows.dtype, jnp.floating):  # int8 rows, float x: products in float32
+        rows = rows.astype(jnp.float32)
     weights = jnp.where(jnp.arange(ids.shape[0]) < count, x[:, ids].astype(jnp.float32), 0.0)
-    return jnp.einsum("tk,km->tm", weights.astype(matrix.dtype), matrix[ids], preferred_element_type=jnp.float32)
+    return jnp.einsum("tk,km->tm", weights.astype(rows.dtype), rows, preferred_element_type=jnp.float32)
+
+
+def _integer(matrix: jax.Array, x: jax.Array) -> bool:
+    return not (jnp.issubdtype(matrix.dtype, jnp.floating) or jnp.issubdtype(x.dtype, jnp.floating))
 
 
 @functools.partial(jax.jit, static_argnames=("backend",))
 def sparse_rows_product(
     matrix: jax.Array, x: jax.Array, ids: jax.Array, count: jax.Array | int, *, backend: RowsBackend = "auto"
 ) -> jax.Array:
-    """x @ matrix over the first ``count`` listed rows of ``matrix`` only, float32 (T, m).
+    """x @ matrix over the first ``count`` listed rows of ``matrix`` only, float32 (T, m), or the exact
+    int32 product when both are int8 (W8A8: the caller applies the scales).
 
-    matrix: (n, m), input-major (a row per input dimension); x: (T, n); ids: (K,) row indices
+    matrix: (n, m), input-major (a row per input dimension), float or int8 (int8 rows with a float x
+    are multiplied in float32); x: (T, n); ids: (K,) row indices
     (padding past ``count``; valid ones in [0, n), clamped, not checked). Backends: ``loop``
     (``cpu_backend.sparse_rows_product``, chunks read in place: for the CPU), ``gather`` (all
     rows at once, then one product), ``auto`` (the loop on the CPU, the gather elsewhere).
@@ -146,7 +158,7 @@ def sparse_rows_product(
     ids = ids.astype(jnp.int32)
     count = jnp.asarray(count, jnp.int32)
     if ids.shape[0] == 0:
-        return jnp.zeros((x.shape[0], matrix.shape[1]), jnp.float32)
+        return jnp.zeros((x.shape[0], matrix.shape[1]), jnp.int32 if _integer(matrix, x) else jnp.float32)
     args = (matrix, x, ids, count)
     if backend == "loop":
         return sparse_rows_chunked(*args)

@@ -27,6 +27,8 @@ import numpy as np
 
 from jpinfer.activations import activate
 from jpinfer.config import FfnKind
+from jpinfer.models import int8
+from jpinfer.models.int8 import Int8Matrix
 from jpinfer.models.params import Layer
 from jpinfer.sparse.op import RowsBackend, sparse_rows_product
 
@@ -39,12 +41,13 @@ class ThresholdFFN:
     gate_up: (R n, d) as the decoder stores it, or (d, R n) input-major when ``input_sparse``
              (R = 2 gated, gate block first; R = 1 for kind relu).
     down:    (d, n) as the decoder stores it, or (n, d) neuron-major when ``activation_sparse``.
+    (Either may be an ``models.int8.Int8Matrix``, one scale per output, when the model's weights are int8.)
     input_threshold / activation_threshold: float32 scalars; an entry is kept when its
              magnitude is strictly greater (so 0 keeps every non-zero entry).
     """
 
-    gate_up: jax.Array
-    down: jax.Array
+    gate_up: jax.Array | Int8Matrix
+    down: jax.Array | Int8Matrix
     b_up: jax.Array | None
     b_down: jax.Array | None
     input_threshold: jax.Array
@@ -77,7 +80,7 @@ def from_layer(layer: Layer, kind: FfnKind, *, input_threshold: float | None, ac
         ids = jnp.asarray(neurons, jnp.int32)
         n = down.shape[1]
         rows = jnp.concatenate([ids, ids + n]) if kind != "relu" else ids  # gate rows first, then up rows
-        gate_up, down, b_up = gate_up[rows], down[:, ids], None if b_up is None else b_up[ids]
+        gate_up, down, b_up = _take(gate_up, rows, 0), _take(down, ids, 1), None if b_up is None else b_up[ids]
     return ThresholdFFN(
         gate_up=gate_up.T if input_sparse else gate_up,
         down=down.T if activation_sparse else down,
@@ -91,6 +94,10 @@ def from_layer(layer: Layer, kind: FfnKind, *, input_threshold: float | None, ac
     )
 
 
+def _take(matrix: jax.Array | Int8Matrix, index: jax.Array, axis: int) -> jax.Array | Int8Matrix:
+    return matrix.take(index, axis) if isinstance(matrix, Int8Matrix) else jnp.take(matrix, index, axis)
+
+
 def kept(values: jax.Array, threshold: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(indices of the entries of ``values`` (n,) with magnitude over ``threshold``, in order and
     padded to length n; their count)."""
@@ -98,21 +105,35 @@ def kept(values: jax.Array, threshold: jax.Array) -> tuple[jax.Array, jax.Array]
     return jnp.nonzero(keep, size=values.shape[0], fill_value=0)[0].astype(jnp.int32), keep.sum(dtype=jnp.int32)
 
 
-def _project(matrix: jax.Array, x: jax.Array, input_major: bool, threshold: jax.Array, backend: RowsBackend
-             ) -> tuple[jax.Array, jax.Array]:
+def _project(matrix: jax.Array | Int8Matrix, x: jax.Array, input_major: bool, threshold: jax.Array,
+             backend: RowsBackend) -> tuple[jax.Array, jax.Array]:
     """(x (T, in) through ``matrix``, float32 (T, out); inputs kept per token (T,)).
 
     input_major: ``matrix`` is (in, out) and x's entries at most ``threshold`` are skipped;
-    otherwise it is (out, in) and the product is dense."""
+    otherwise it is (out, in) and the product is dense. An int8 matrix (one scale per output): every
+    product is W8A8 (``int8.matmul``); one token quantizes x whole (its peak is kept, so the token's
+    scale is that of x with the skipped entries zeroed) and sums the kept rows in int32."""
+    quantized = isinstance(matrix, Int8Matrix)
     if not input_major:
-        product = jnp.einsum("ti,oi->to", x.astype(matrix.dtype), matrix, preferred_element_type=jnp.float32)
+        if quantized:
+            product = int8.matmul(x, matrix)
+        else:
+            product = jnp.einsum("ti,oi->to", x.astype(matrix.dtype), matrix, preferred_element_type=jnp.float32)
         return product, jnp.full(x.shape[:1], x.shape[1], jnp.int32)
     if x.shape[0] == 1:
         ids, count = kept(x[0], threshold)
+        if quantized:  # the same integers as int8.matmul of x with the skipped entries zeroed
+            q, token_scales = int8.quantize_tokens(x)
+            acc = sparse_rows_product(matrix.values, q, ids, count, backend=backend)
+            return acc.astype(jnp.float32) * (token_scales[:, None] * matrix.scales[None, :]), count[None]
         return sparse_rows_product(matrix, x, ids, count, backend=backend), count[None]
     keep = jnp.abs(x.astype(jnp.float32)) > threshold
-    masked = jnp.where(keep, x, 0).astype(matrix.dtype)
-    return jnp.einsum("ti,io->to", masked, matrix, preferred_element_type=jnp.float32), keep.sum(-1, dtype=jnp.int32)
+    masked = jnp.where(keep, x, 0)
+    if quantized:
+        product = int8.matmul(masked, matrix)
+    else:
+        product = jnp.einsum("ti,io->to", masked.astype(matrix.dtype), matrix, preferred_element_type=jnp.float32)
+    return product, keep.sum(-1, dtype=jnp.int32)
 
 
 @functools.partial(jax.jit, static_argnames=("backend",))

@@ -58,7 +58,8 @@ def _padded_chunks(ids: jax.Array, count, n: int, chunk: int) -> tuple[jax.Array
 
 def _add_rows(acc: jax.Array, weights: jax.Array, rows: jax.Array, chunk_ids: jax.Array, slot: int | None
               ) -> jax.Array:
-    """acc (T, m) + sum_j weights[:, j] * row j: one fused loop reading the rows straight from
+    """acc (T, m) + sum_j weights[:, j] * row j, in acc's dtype (float32, or int32 for int8 rows and
+    weights: exact): one fused loop reading the rows straight from
     ``rows`` with dynamic indices, never copying them. Row j is ``rows[chunk_ids[j], slot]`` of
     (n, R, m) bundles, or ``rows[chunk_ids[j]]`` of an (n, m) matrix (slot None: reshaping it to
     (n, 1, m) made XLA copy the whole matrix into the loop, 4x the time of the dense product)."""
@@ -67,7 +68,7 @@ def _add_rows(acc: jax.Array, weights: jax.Array, rows: jax.Array, chunk_ids: ja
         row = lambda j: jax.lax.dynamic_slice(rows, (chunk_ids[j], 0), (1, m))
     else:
         row = lambda j: jax.lax.dynamic_slice(rows, (chunk_ids[j], slot, 0), (1, 1, m))[0]
-    return acc + sum(weights[:, j : j + 1] * row(j).astype(jnp.float32) for j in range(chunk_ids.shape[0]))
+    return acc + sum(weights[:, j : j + 1] * row(j).astype(acc.dtype) for j in range(chunk_ids.shape[0]))
 
 
 @functools.partial(jax.jit, static_argnames=("kind", "chunk"))
@@ -114,16 +115,19 @@ def sparse_rows_product(
     matrix: jax.Array, x: jax.Array, ids: jax.Array, count: jax.Array, *, chunk: int | None = None
 ) -> jax.Array:
     """x @ matrix over the first ``count`` listed rows only: sum_j x[:, ids[j]] * matrix[ids[j]],
-    float32 (T, m). matrix: (n, m), input-major (a row per input dimension); x: (T, n); ids and
-    count as in ``sparse_ffn_chunked``; ``chunk`` rows per trip (default ``rows_chunk``)."""
+    float32 (T, m), or the exact int32 sum when x and matrix are both integer (int8). matrix: (n, m),
+    input-major (a row per input dimension); x: (T, n); ids and count as in ``sparse_ffn_chunked``;
+    ``chunk`` rows per trip (default ``rows_chunk``)."""
     n, m = matrix.shape
     chunk = rows_chunk(m * matrix.dtype.itemsize) if chunk is None else chunk
     ids, count, c, trips = _padded_chunks(ids, count, n, chunk)
+    integer = not (jnp.issubdtype(x.dtype, jnp.floating) or jnp.issubdtype(matrix.dtype, jnp.floating))
+    acc_dtype = jnp.int32 if integer else jnp.float32
 
     def body(i, acc):
         start = i * c
         chunk_ids = jax.lax.dynamic_slice(ids, (start,), (c,))
-        weights = jnp.where(start + jnp.arange(c) < count, x[:, chunk_ids].astype(jnp.float32), 0.0)  # (T, c)
+        weights = jnp.where(start + jnp.arange(c) < count, x[:, chunk_ids].astype(acc_dtype), 0)  # (T, c)
         return _add_rows(acc, weights, matrix, chunk_ids, None)
 
-    return jax.lax.fori_loop(0, trips, body, jnp.zeros((x.shape[0], m), jnp.float32))
+    return jax.lax.fori_loop(0, trips, body, jnp.zeros((x.shape[0], m), acc_dtype))
