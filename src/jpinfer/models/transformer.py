@@ -170,9 +170,8 @@ def embed(weights: Weights, tokens: jax.Array, positions: jax.Array, cfg: ModelC
     """Input embeddings (B, T, d): rows of ``embed``, or columns of the tied ``head``."""
     if weights.embed is not None:
         h = weights.embed[tokens]
-    elif isinstance(weights.head, Int8Matrix):  # (vocab, d) int8 rows
-        head = weights.head
-        h = (head.values[tokens].astype(jnp.float32) * head.scales[tokens][..., None]).astype(weights.dtype)
+    elif isinstance(weights.head, Int8Matrix):  # the tied head's (vocab, d) int8 rows
+        h = int8.rows(weights.head, tokens, weights.dtype)
     else:
         h = jnp.moveaxis(jnp.take(weights.head, tokens, axis=1), 0, -1)
     if cfg.positions == "learned":
