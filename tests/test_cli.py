@@ -34,6 +34,10 @@ from jpinfer.cli import COMMANDS, main
         (["generate", "hi", "--mode", "sparse", "--thresholds", "--predictors", "p"], "chooses neurons with predictors"),
         (["bench", "--modes", "dense", "threshold"], "threshold sparsity needs thresholds"),
         (["profile", "--out", "x.npz", "--input-sparsity", "1.2"], "input sparsity is the fraction skipped"),
+        (["generate", "hi", "--weights", "int8", "--mode", "sparse", "--predictors", "p"],
+         "int8 weights run in the modes dense and threshold"),
+        (["bench", "--modes", "dense", "hybrid", "--weights", "int8", "--predictors", "p"],
+         "int8 weights run in the modes dense and threshold"),
     ],
 )
 def test_bad_arguments_exit_with_a_message(argv, message, capsys):
@@ -137,3 +141,17 @@ def test_threshold_mode_from_a_profile_with_thresholds(tmp_path):
                               "--max-new-tokens", "8", "--stats", "--profile", str(path), *mode], **run)
         assert "Paris" in out.stdout and "tok/s" in out.stderr, mode
 
+
+
+@pytest.mark.slow
+def test_int8_weights_dense_and_threshold(tmp_path):
+    """--weights int8: dense generation, and the threshold mode from a profile of the int8 model itself."""
+    path = tmp_path / "prof8.npz"
+    env = os.environ | {"JPINFER_CACHE": str(tmp_path / "cache")}
+    run = dict(capture_output=True, text=True, timeout=900, check=True, env=env)
+    subprocess.run([sys.executable, "-m", "jpinfer", "profile", "--weights", "int8", "--n-tokens", "2048",
+                    "--window", "256", "--activation-sparsity", "0.4", "--out", str(path), "--no-progress"], **run)
+    for mode in ([], ["--mode", "threshold", "--profile", str(path)]):
+        out = subprocess.run([sys.executable, "-m", "jpinfer", "generate", "What is the capital of France?", "--chat",
+                              "--max-new-tokens", "8", "--stats", "--weights", "int8", *mode], **run)
+        assert "Paris" in out.stdout and "tok/s" in out.stderr, mode

@@ -16,7 +16,7 @@ from jpinfer import GenerationConfig, JpinferError
 from jpinfer.models import int8, loading, params, transformer
 from jpinfer.models.int8 import Int8Matrix
 from jpinfer.modes import build_engine
-from jpinfer.profiler import smoothing, token_windows
+from jpinfer.profiler import ProfileMismatchError, profile, smoothing, token_windows
 from jpinfer.sparse import ROWS_BACKENDS, sparse_rows_product, threshold, threshold_ffn
 from profiler_fixtures import ffn_inputs, thresholds_in_gaps, tiny_engine
 from test_modes import PROMPT, forced_logits
@@ -396,3 +396,16 @@ def test_int8_threshold_engine_at_zero_thresholds_decodes_like_int8_dense():
     assert engine.generate(PROMPT, config).token_ids == tokens
     np.testing.assert_allclose(forced_logits(engine, PROMPT, tokens[:8]), forced_logits(dense, PROMPT, tokens[:8]),
                                rtol=KERNEL_RTOL, atol=KERNEL_ATOL)
+
+
+def test_the_int8_model_is_profiled_on_its_own():
+    """The threshold mode's thresholds compare the int8 model's own activations (the migration rescales them),
+    so a float model's profile is refused with the command that makes the right one."""
+    dense, quantized = tiny_engine("swiglu"), int8_engine("swiglu")
+    tokens = windows(4, 16, seed=8)
+    with pytest.raises(ProfileMismatchError, match=r"with int8 weights \(jpinfer profile --weights int8\)"):
+        build_engine(quantized.model, "threshold", profile=profile(dense, tokens, activation_sparsity=0.4,
+                                                                    progress=False))
+    prof = profile(quantized, tokens, activation_sparsity=0.4, progress=False)
+    engine = build_engine(quantized.model, "threshold", profile=prof)
+    assert len(engine.generate(PROMPT, GenerationConfig(max_new_tokens=6)).token_ids) == 6

@@ -21,6 +21,7 @@ import numpy as np
 
 from jpinfer.bench.machine import matvec_read_bandwidth
 from jpinfer.cli_args import add_mode_arguments, mode_options, prepare_devices
+from jpinfer.config import WEIGHT_FORMATS
 
 PEERS = ("llama.cpp", "transformers")
 
@@ -47,9 +48,9 @@ def _engines(args: argparse.Namespace) -> list:
     from jpinfer.bench.engines import JaxEngine, TransformersEager
     from jpinfer.bench.llama_cpp import INSTALL_MESSAGE, LlamaCppEngine, float32_gguf
 
-    engines = [JaxEngine(f"jpinfer {mode} {dtype}", jpinfer.load(args.model, dtype=dtype, mode=mode,
-                                                                   **mode_options(args)))
-               for mode in args.modes for dtype in args.dtypes]
+    engines = [JaxEngine(f"jpinfer {mode} {dtype}" + (" int8 weights" if weights == "int8" else ""),
+                         jpinfer.load(args.model, dtype=dtype, mode=mode, weights=weights, **mode_options(args)))
+               for mode in args.modes for dtype in args.dtypes for weights in args.weights]
     source = pathlib.Path(engines[0].engine.source)
     if "llama.cpp" in args.peers:
         if not LlamaCppEngine.available():
@@ -159,6 +160,8 @@ def add_arguments(parser: argparse.ArgumentParser, command: str = "bench") -> No
         help="dense engines to run (default: float32 on a CPU, where bfloat16 decodes 5-8x slower; float32 and "
              "bfloat16 on an accelerator)",
     )
+    parser.add_argument("--weights", nargs="+", choices=WEIGHT_FORMATS, default=["float"],
+                        help="weight formats to run each mode with (int8: modes dense and threshold)")
     add_mode_arguments(parser, modes=True)
     parser.add_argument("--prompts", type=int, default=5, help="number of ChatGPT prompts")
     parser.add_argument("--max-prompt-tokens", type=int, default=128)
@@ -177,8 +180,9 @@ def run(args: argparse.Namespace) -> int:
     from jpinfer.modes import check_mode_arguments
 
     for mode in args.modes:  # before any model loads
-        check_mode_arguments(mode, args.predictors, args.profile, args.gpu_budget, None,
-                             mode_options(args)["thresholds"])
+        for weights in args.weights:
+            check_mode_arguments(mode, args.predictors, args.profile, args.gpu_budget, None,
+                                 mode_options(args)["thresholds"], weights)
     prepare_devices(args.modes)
     if args.dtypes is None:
         args.dtypes = ["float32"] if jax.devices()[0].platform == "cpu" else ["float32", "bfloat16"]

@@ -24,6 +24,7 @@ import numpy as np
 from jpinfer import artifacts
 from jpinfer.config import ModelConfig
 from jpinfer.errors import ArtifactError
+from jpinfer.models import int8
 from jpinfer.models.loading import ModelArg, resolve_model
 from jpinfer.models.params import Weights
 from jpinfer.profiler.samples import SAMPLES_REMAKE, PredictorSamples, SamplesError
@@ -220,9 +221,10 @@ class ActivationProfile:
         model = resolve_model(model)
         fingerprint = model_fingerprint(model.cfg, model.weights)
         if fingerprint != self.model_fingerprint:
+            weights = " with int8 weights (jpinfer profile --weights int8)" if int8.is_int8(model.weights) else ""
             raise ProfileMismatchError(
                 f"this profile was made for model {self.model_name!r} (fingerprint {self.model_fingerprint[:12]}), "
-                f"not for {model.cfg.name!r} (fingerprint {fingerprint[:12]}): profile this model first"
+                f"not for {model.cfg.name!r} (fingerprint {fingerprint[:12]}): profile this model{weights} first"
             )
 
 

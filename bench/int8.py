@@ -1,0 +1,204 @@
+"""int8 weights (W8A8) on the default model: accuracy and decode speed against float32 and llama.cpp's
+F32 / Q8_0 / Q4_1, dense and threshold-sparse, in one interleaved run.
+
+Protocol (CPU):
+- models: jpinfer float32 (the GGUF dequantized), jpinfer int8 (``load(weights="int8")``: SmoothQuant's
+  migration then per-row int8), the same without the migration ("no migration"); the threshold mode on the
+  int8 model at ``--points`` (thresholds calibrated on the int8 model itself, WikiText-2 *valid*, as
+  ``jpinfer profile --weights int8`` does); llama.cpp on a float32 GGUF of the same weights and on that file
+  quantized by llama.cpp to Q8_0 and Q4_1 (``--threads`` threads);
+- accuracy: WikiText-2 test perplexity (``--test-windows`` x 512 tokens; llama.cpp's from its own logits on
+  the same token windows), greedy agreement with jpinfer float32 on the speed prompts; where the int8 error
+  comes from: each projection kind quantized alone, with and without the migration (``--attribution-windows``);
+- speed: decode tok/s and end to end tok/s (new tokens / (prefill + decode)) over ``--prompts`` ChatGPT prompts
+  (chat template, at most 128 tokens) x ``--new-tokens`` greedy tokens, every engine once per round,
+  ``--rounds`` interleaved rounds; medians, and ratios to jpinfer float32 from the same rounds.
+
+    python bench/int8.py --out bench/results/int8.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import pathlib
+import platform
+import statistics
+
+import jax
+import numpy as np
+from threshold import parse_point
+
+import jpinfer
+from jpinfer.bench.engines import JaxEngine, weights_read_per_token
+from jpinfer.bench.llama_cpp import LlamaCppEngine, float32_gguf, perplexity, quantized_gguf
+from jpinfer.data import chatgpt_prompts
+from jpinfer.models import int8
+from jpinfer.models.default_model import default_model_path
+from jpinfer.models.loading import LoadedModel
+from jpinfer.modes import build_engine
+from jpinfer.modes.build import threshold_states
+from jpinfer.modes.threshold import ThresholdSparseFFN
+from jpinfer.profiler import evaluate, sparsity, token_windows
+from jpinfer.profiler.smoothing import ALPHA, channel_peaks, int8_model
+
+WINDOW = 512
+KINDS = ("w_qkv", "wo", "w_gate_up", "w_down", "head")
+
+
+def quantized_alone(model: LoadedModel, weights, kind: str) -> LoadedModel:
+    """``model`` with only ``kind`` (a projection of every layer, or the head) int8 from ``weights``."""
+    full = int8.quantize_weights(weights)
+    if kind == "head":
+        mixed = dataclasses.replace(weights, head=full.head)
+    else:
+        mixed = dataclasses.replace(weights, layers=[dataclasses.replace(layer, **{kind: getattr(q, kind)})
+                                                     for layer, q in zip(weights.layers, full.layers)])
+    return LoadedModel(model.cfg, mixed, model.tokenizer, model.source)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--points", default="a0.4,a0.5", help="threshold-mode points on the int8 model")
+    parser.add_argument("--calibration-windows", type=int, default=32)
+    parser.add_argument("--test-windows", type=int, default=32)
+    parser.add_argument("--attribution-windows", type=int, default=8)
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2, help="llama.cpp threads")
+    parser.add_argument("--out", default=None, help="markdown file (a .json with the rows is written beside it)")
+    args = parser.parse_args()
+
+    dense = jpinfer.load()
+    quantized = jpinfer.load(weights="int8")
+    model, cfg = dense.model, dense.cfg
+    plain = jpinfer.Engine(LoadedModel(cfg, int8.quantize_weights(model.weights), model.tokenizer, model.source))
+    test = token_windows("wikitext2-test", dense.tokenizer, window=WINDOW, n_tokens=args.test_windows * WINDOW).tokens
+    valid = token_windows("wikitext2-valid", dense.tokenizer, window=WINDOW,
+                          n_tokens=args.calibration_windows * WINDOW).tokens
+    prompts = [dense.encode_prompt(t, chat=True)[:128] for t in chatgpt_prompts()[: args.prompts]]
+
+    base, _ = evaluate(dense, test, progress=True)
+    rows = [dict(engine="jpinfer float32", ppl=base)]
+    engines = {"jpinfer float32": JaxEngine("jpinfer float32", dense)}
+    rows.append(dict(engine="jpinfer int8", ppl=evaluate(quantized, test, progress=True)[0]))
+    engines["jpinfer int8"] = JaxEngine("jpinfer int8", quantized)
+    rows.append(dict(engine="jpinfer int8, no migration (accuracy only)", ppl=evaluate(plain, test, progress=True)[0]))
+    dense_int8_bytes = weights_read_per_token(quantized)
+    gate_up_bytes = sum(layer.w_gate_up.nbytes for layer in quantized.weights.layers)
+    down_bytes = sum(layer.w_down.nbytes for layer in quantized.weights.layers)
+
+    hists = sparsity.histograms(quantized, valid, progress=True)
+    for text in args.points.split(","):
+        targets, method = parse_point(text)
+        th = sparsity.from_histograms(hists, targets, method)
+        name = f"jpinfer int8 threshold {th.describe()}"
+        ppl, sums = evaluate(quantized, test, ThresholdSparseFFN(), threshold_states(quantized.model, th),
+                             progress=True)
+        n = test.size * cfg.n_layers
+        neurons_skipped = 1 - sum(s["neurons"] for s in sums) / (n * cfg.d_ff)
+        inputs_skipped = 1 - sum(s["inputs"] for s in sums) / (n * cfg.d_model)
+        rows.append(dict(engine=name, ppl=ppl, neurons_skipped=neurons_skipped,
+                         weight_mb=(dense_int8_bytes - neurons_skipped * down_bytes - inputs_skipped * gate_up_bytes) / 1e6))
+        engines[name] = JaxEngine(name, build_engine(quantized.model, "threshold", thresholds=th))
+
+    peers = {}
+    if LlamaCppEngine.available():
+        f32_file = float32_gguf(default_model_path())
+        for label, path in (("F32", f32_file), ("Q8_0", quantized_gguf(f32_file, "Q8_0")),
+                            ("Q4_1", quantized_gguf(f32_file, "Q4_1"))):
+            name = f"llama.cpp {label}"
+            rows.append(dict(engine=name, ppl=perplexity(path, test, args.threads)))
+            peers[name] = LlamaCppEngine(path, n_threads=args.threads, label=label)
+    engines |= peers
+
+    attribution_windows = test[: args.attribution_windows]
+    attribution_base, _ = evaluate(dense, attribution_windows)
+    smoothed = int8.smooth(model.weights, channel_peaks(model, token_windows(
+        "chatgpt-prompts", dense.tokenizer, window=WINDOW, n_tokens=8 * WINDOW)), ALPHA)
+    smoothed_model = LoadedModel(cfg, smoothed, model.tokenizer, model.source)
+    attribution = []
+    for kind in KINDS:
+        alone = [evaluate(quantized_alone(m, m.weights, kind), attribution_windows)[0] / attribution_base
+                 for m in (model, smoothed_model)]
+        attribution.append(dict(kind=kind, plain=alone[0], migrated=alone[1]))
+
+    tps = {name: [] for name in engines}
+    e2e = {name: [] for name in engines}
+    tokens, loads = {}, []
+    for r in range(args.rounds):
+        loads.append(os.getloadavg()[0])
+        for name, runner in engines.items():
+            steps, total_s, total_new, outs = [], 0.0, 0, []
+            for p in prompts:
+                stats = runner.run(p, args.new_tokens)
+                steps += stats.step_s
+                total_s += stats.prefill_s + sum(stats.step_s)
+                total_new += len(stats.tokens)
+                outs.append(stats.tokens)
+            tps[name].append(len(steps) / sum(steps))
+            e2e[name].append(total_new / total_s)
+            tokens.setdefault(name, outs)
+        print(f"round {r + 1} (load {loads[-1]:.1f}): " + ", ".join(f"{n} {tps[n][-1]:.1f}" for n in engines),
+              flush=True)
+    ref = tokens["jpinfer float32"]
+    for row in rows:
+        name = row["engine"]
+        row["ppl_ratio"] = row["ppl"] / base
+        if name in engines:
+            pairs = [(a, b) for x, y in zip(ref, tokens[name]) for a, b in zip(x, y)]
+            ratios = [a / b for a, b in zip(tps[name], tps["jpinfer float32"])]
+            row.update(tok_s=statistics.median(tps[name]), e2e_tok_s=statistics.median(e2e[name]),
+                       speedup=statistics.median(ratios), speedup_range=[min(ratios), max(ratios)],
+                       agreement=sum(a == b for a, b in pairs) / max(len(pairs), 1))
+            row.setdefault("weight_mb", engines[name].weight_bytes_per_token / 1e6)
+
+    lines = [
+        "# int8 weights (W8A8) against float32 and llama.cpp, default model",
+        "",
+        f"{datetime.date.today()}, jax {jax.__version__}, {platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} CPUs, load average {min(loads):.1f}-{max(loads):.1f} during the speed rounds. Command: "
+        f"`python bench/int8.py --points {args.points} --test-windows {args.test_windows} --rounds {args.rounds} "
+        f"--prompts {args.prompts} --new-tokens {args.new_tokens} --threads {args.threads}`",
+        "",
+        f"Perplexity: WikiText-2 test, {args.test_windows} x {WINDOW} tokens (llama.cpp's from its own logits on the "
+        f"same windows). Speed: {args.prompts} ChatGPT prompts x {args.new_tokens} greedy tokens, median of "
+        f"{args.rounds} interleaved rounds; 'x float32' is the median of the same-round decode ratios to jpinfer "
+        f"float32 (range beside it). Weight MB: what one decode step reads (all but an untied embedding table; for the "
+        f"threshold mode, less the skipped down rows on the test text).",
+        "",
+        "| engine | perplexity | x float32 | neurons skipped | weight MB/token | decode tok/s | x float32 | range "
+        "| end to end tok/s | greedy agreement |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        speed = (f"{row['weight_mb']:.0f} | {row['tok_s']:.1f} | {row['speedup']:.2f} | {row['speedup_range'][0]:.2f}-"
+                 f"{row['speedup_range'][1]:.2f} | {row['e2e_tok_s']:.1f} | {row['agreement']:.1%}"
+                 if "tok_s" in row else " | ".join([""] * 6))
+        skipped = f"{row['neurons_skipped']:.1%}" if "neurons_skipped" in row else ""
+        lines.append(f"| {row['engine']} | {row['ppl']:.2f} | {row['ppl_ratio']:.3f} | {skipped} | {speed} |")
+    lines += [
+        "",
+        f"Where the int8 error comes from: perplexity x float32 with one projection kind int8 and the rest float "
+        f"({args.attribution_windows} x {WINDOW} WikiText-2 test tokens), per-row int8 as loaded, without and with the "
+        f"migration (alpha {ALPHA}).",
+        "",
+        "| int8 alone | no migration | migration |",
+        "|---|---|---|",
+    ] + [f"| {a['kind']} | {a['plain']:.4f} | {a['migrated']:.4f} |" for a in attribution]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        out = pathlib.Path(args.out)
+        out.write_text(text)
+        out.with_suffix(".json").write_text(json.dumps(
+            {"rows": rows, "attribution": attribution, "loads": loads, "tok_s_rounds": tps, "e2e_rounds": e2e},
+            indent=1))
+
+
+if __name__ == "__main__":
+    main()
