@@ -150,7 +150,7 @@ def test_int8_weights_dense_and_threshold(tmp_path):
     env = os.environ | {"JPINFER_CACHE": str(tmp_path / "cache")}
     run = dict(capture_output=True, text=True, timeout=900, check=True, env=env)
     subprocess.run([sys.executable, "-m", "jpinfer", "profile", "--weights", "int8", "--n-tokens", "2048",
-                    "--window", "256", "--activation-sparsity", "0.4", "--out", str(path), "--no-progress"], **run)
+                    "--window", "256", "--activation-sparsity", "0.2", "--out", str(path), "--no-progress"], **run)
     for mode in ([], ["--mode", "threshold", "--profile", str(path)]):
         out = subprocess.run([sys.executable, "-m", "jpinfer", "generate", "What is the capital of France?", "--chat",
                               "--max-new-tokens", "8", "--stats", "--weights", "int8", *mode], **run)
