@@ -22,9 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import json
 import os
-import pathlib
 import platform
 import statistics
 
@@ -33,6 +31,7 @@ import numpy as np
 from threshold import parse_point
 
 import jpinfer
+from jpinfer.bench.results import publish
 from jpinfer.bench.engines import JaxEngine, weights_read_per_token
 from jpinfer.bench.llama_cpp import LlamaCppEngine, float32_gguf, perplexity, quantized_gguf
 from jpinfer.data import chatgpt_prompts
@@ -190,14 +189,8 @@ def main() -> None:
         "| int8 alone | no migration | migration |",
         "|---|---|---|",
     ] + [f"| {a['kind']} | {a['plain']:.4f} | {a['migrated']:.4f} |" for a in attribution]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        out = pathlib.Path(args.out)
-        out.write_text(text)
-        out.with_suffix(".json").write_text(json.dumps(
-            {"rows": rows, "attribution": attribution, "loads": loads, "tok_s_rounds": tps, "e2e_rounds": e2e},
-            indent=1))
+    publish("\n".join(lines) + "\n", args.out,
+            {"rows": rows, "attribution": attribution, "loads": loads, "tok_s_rounds": tps, "e2e_rounds": e2e})
 
 
 if __name__ == "__main__":

@@ -26,9 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import json
 import os
-import pathlib
 import platform
 import statistics
 import time
@@ -42,6 +40,7 @@ import numpy as np  # noqa: E402
 from predictors import cached_profile, trained  # noqa: E402
 
 import jpinfer  # noqa: E402
+from jpinfer.bench.results import publish  # noqa: E402
 from jpinfer.bench.engines import JaxEngine  # noqa: E402
 from jpinfer.data import chatgpt_prompts  # noqa: E402
 from jpinfer.models import transformer  # noqa: E402
@@ -274,11 +273,7 @@ def main() -> None:
                     transfer_ms_per_token=transfer_s * 1e3, link_latency_us=hardware.link_latency * 1e6,
                     sync_us=hardware.sync_cost * 1e6, capacities=[list(c) for c in split]),
     )
-    text = render(report, args)
-    print(text)
-    if args.out:
-        pathlib.Path(args.out).write_text(text)
-        pathlib.Path(args.out).with_suffix(".json").write_text(json.dumps(report, indent=1))
+    publish(render(report, args), args.out, report)
 
 
 def render(r: dict, args) -> str:

@@ -33,6 +33,7 @@ import jax
 import numpy as np
 
 import jpinfer
+from jpinfer.bench.results import publish
 from jpinfer.cache import cache_dir
 from jpinfer.data import chatgpt_prompts
 from jpinfer.errors import ArtifactError
@@ -224,15 +225,11 @@ def main() -> None:
         lines.append(f"| {layer} | {adaptive.ranks[layer]} | {adaptive.layers[layer].n_params:,} | "
                      f"{a['precision']:.3f} | {a['predicted']:.3f} | {test_recall[layer]:.3f} | {f['precision']:.3f} | "
                      f"{f['predicted']:.3f} | {sizing.get('start', ['-'] * cfg.n_layers)[layer]} | {trial_text} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        args.out.write_text(text)
-        args.out.with_suffix(".json").write_text(json.dumps(
+    publish("\n".join(lines) + "\n", args.out,
             {"rows": rows, "dense_ppl": dense_ppl, "agreement": agree, "agreement_first_point": agree_first,
              "cost": cost,
              "adaptive": {"ranks": adaptive.ranks, "seconds": adaptive_s, "n_params": adaptive.n_params},
-             "fixed": {"rank": fixed_rank, "seconds": fixed_s, "n_params": fixed.n_params}}, indent=1, default=float))
+             "fixed": {"rank": fixed_rank, "seconds": fixed_s, "n_params": fixed.n_params}})
 
 
 if __name__ == "__main__":

@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
-import pathlib
 import platform
 import statistics
 
@@ -36,6 +34,7 @@ import numpy as np  # noqa: E402
 from predictors import cached_profile, trained  # noqa: E402
 
 import jpinfer  # noqa: E402
+from jpinfer.bench.results import publish  # noqa: E402
 from jpinfer.bench.engines import JaxEngine, weights_read_per_token  # noqa: E402
 from jpinfer.data import chatgpt_prompts  # noqa: E402
 from jpinfer.modes import build_engine, layer_capacities  # noqa: E402
@@ -171,14 +170,8 @@ def main() -> None:
                      f"{row['neurons_skipped']:.1%} | {row['bytes_ratio']:.3f} | {1 / row['bytes_ratio']:.2f} | "
                      f"{row['tok_s']:.1f} | {row['speedup']:.2f} | {row['speedup_range'][0]:.2f}-"
                      f"{row['speedup_range'][1]:.2f} | {row['agreement']:.1%} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        out = pathlib.Path(args.out)
-        out.write_text(text)
-        out.with_suffix(".json").write_text(json.dumps(
-            {"dense_ppl": dense_ppl, "dense_tok_s": speed["dense"], "rows": rows, "loads": loads,
-             "tok_s_rounds": tps}, indent=1))
+    publish("\n".join(lines) + "\n", args.out,
+            {"dense_ppl": dense_ppl, "dense_tok_s": speed["dense"], "rows": rows, "loads": loads, "tok_s_rounds": tps})
 
 
 if __name__ == "__main__":

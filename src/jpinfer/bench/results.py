@@ -1,0 +1,19 @@
+"""How the bench scripts record a run: the markdown table printed, and with ``out`` written there, its data
+beside it as JSON (same name, ``.json``), so every recorded number has a machine-readable source."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from typing import Any
+
+
+def publish(text: str, out: str | os.PathLike | None, data: Any) -> None:
+    """Print ``text``; when ``out`` is given, write it there and ``data`` to ``out`` with a .json suffix
+    (numpy scalars become floats)."""
+    print(text)
+    if out:
+        path = pathlib.Path(out)
+        path.write_text(text)
+        path.with_suffix(".json").write_text(json.dumps(data, indent=1, default=float))
