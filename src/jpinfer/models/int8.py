@@ -2,9 +2,9 @@
 
 Decoding reads every weight once per token, so the bytes read set the speed. XLA:CPU does not
 fuse an int8 -> float conversion into a matrix-vector product (42-68 ms for an 11008 x 4096
-matrix, against 3.6-4.1 ms in float32), but it runs an int8 x int8 -> int32 product through
+matrix, against 3.6-5.2 ms in float32), but it runs an int8 x int8 -> int32 product through
 its YNNPACK fusion when the right operand has at least two columns: a single token is padded to
-two columns, and then the same matrix took 1.4-1.9 ms (measured, bench/results/int8.md). So the
+two columns, and then the same matrix took 1.4-1.9 ms (docs/architecture.md, measured facts). So the
 activations are quantized too (symmetric, one scale per token), the product is exact in int32,
 and the result is rescaled in float32: y = acc * (weight scale of the output) * (token scale).
 
@@ -189,7 +189,7 @@ def smooth(weights: Weights, peaks: ChannelPeaks, alpha: float) -> Weights:
     the q/k/v and gate/up inputs through the preceding norm's scale (and bias), the down projection's
     inputs (the activations a = act(gate) * up, linear in up for every kind) through the up rows and
     bias, the head's through the final norm (a tied input embedding becomes a float copy of the head as it
-    was, so ``quantize_weights`` quantizes it on its own). The attention output projection is left as it is
+    was: the head itself changes). The attention output projection is left as it is
     (its input mixes value channels across a head group; quantizing it alone moved perplexity by 0.07%)."""
     if not 0 <= alpha <= 1:
         raise ValueError(f"alpha must lie in [0, 1], got {alpha}")
@@ -227,8 +227,8 @@ def quantize_weights(weights: Weights) -> Weights:
     stored (d_model, vocab), see ``params.Weights``); a tied model's input embedding is then read
     from those int8 rows, so nothing is stored twice. Norms, biases and an input embedding of its own
     stay in float: the embedding is read one row per token (nothing to gain in time), and quantizing
-    it per row cost the default model 0.4% perplexity after the migration (which gives a tied model
-    an embedding of its own, ``smooth``)."""
+    it per row cost the default model 0.4% perplexity after the migration (scratch run; the migration
+    gives a tied model an embedding of its own, ``smooth``)."""
     if is_int8(weights):
         raise ValueError("the weights are int8 already")
     layers = [
