@@ -13,6 +13,7 @@ import pytest
 import gguf_fixtures as fx
 import jpinfer
 from jpinfer import GenerationConfig, JpinferError
+from jpinfer.cache import CacheWarning
 from jpinfer.models import int8, loading, params, transformer
 from jpinfer.models.int8 import Int8Matrix
 from jpinfer.modes import build_engine
@@ -410,3 +411,26 @@ def test_the_int8_model_is_profiled_on_its_own():
     engine = build_engine(quantized.model, "threshold", profile=prof)
     assert engine.stepper.name == "threshold"
     assert engine.generate(PROMPT, GenerationConfig(max_new_tokens=6)).token_ids
+
+
+def test_calibration_peaks_are_cached(tmp_path, monkeypatch):
+    """Keyed by the weights and the token windows; a damaged entry is reported, removed and recomputed."""
+    engine = tiny_engine("swiglu")
+    tokens = windows(4, 16, seed=9)
+    real, calls = smoothing.channel_peaks, []
+    monkeypatch.setattr(smoothing, "channel_peaks", lambda *a, **k: calls.append(1) or real(*a, **k))
+    first = smoothing.cached_channel_peaks(engine.model, tokens)
+    root = tmp_path / "cache" / "int8"
+    (entry,) = root.iterdir()
+    again = smoothing.cached_channel_peaks(engine.model, tokens)
+    assert len(calls) == 1  # served from the cache
+    for field in ("attention", "ffn", "down", "head"):
+        np.testing.assert_array_equal(getattr(again, field), getattr(first, field))
+    smoothing.cached_channel_peaks(engine.model, windows(4, 16, seed=10))  # other text: its own entry
+    smoothing.cached_channel_peaks(tiny_engine("swiglu", seed=1).model, tokens)  # other weights: too
+    assert len(calls) == 3 and len(list(root.iterdir())) == 3
+    entry.write_bytes(b"not an npz")
+    with pytest.warns(CacheWarning, match="removing it and calibrating again"):
+        rebuilt = smoothing.cached_channel_peaks(engine.model, tokens)
+    assert len(calls) == 4
+    np.testing.assert_array_equal(rebuilt.down, first.down)
