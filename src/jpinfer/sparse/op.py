@@ -127,10 +127,8 @@ def _gathered_rows_product(matrix: jax.Array, x: jax.Array, ids: jax.Array, coun
     if _integer(matrix, x):
         weights = jnp.where(jnp.arange(ids.shape[0]) < count, x[:, ids], 0)
         return jnp.einsum("tk,km->tm", weights, rows, preferred_element_type=jnp.int32)
-    if not jnp.issubdtype(rows.dtype, jnp.floating):  # int8 rows, float x: products in float32
-        rows = rows.astype(jnp.float32)
     weights = jnp.where(jnp.arange(ids.shape[0]) < count, x[:, ids].astype(jnp.float32), 0.0)
-    return jnp.einsum("tk,km->tm", weights.astype(rows.dtype), rows, preferred_element_type=jnp.float32)
+    return jnp.einsum("tk,km->tm", weights.astype(matrix.dtype), rows, preferred_element_type=jnp.float32)
 
 
 def _integer(matrix: jax.Array, x: jax.Array) -> bool:
@@ -144,8 +142,8 @@ def sparse_rows_product(
     """x @ matrix over the first ``count`` listed rows of ``matrix`` only, float32 (T, m), or the exact
     int32 product when both are int8 (W8A8: the caller applies the scales).
 
-    matrix: (n, m), input-major (a row per input dimension), float or int8 (int8 rows with a float x
-    are multiplied in float32); x: (T, n); ids: (K,) row indices
+    matrix: (n, m), input-major (a row per input dimension), float, or int8 with an int8 x; x: (T, n);
+    ids: (K,) row indices
     (padding past ``count``; valid ones in [0, n), clamped, not checked). Backends: ``loop``
     (``cpu_backend.sparse_rows_product``, chunks read in place: for the CPU), ``gather`` (all
     rows at once, then one product), ``auto`` (the loop on the CPU, the gather elsewhere).
