@@ -27,7 +27,6 @@ import platform
 import statistics
 
 import jax
-import numpy as np
 from threshold import parse_point
 
 import jpinfer
@@ -42,15 +41,16 @@ from jpinfer.modes import build_engine
 from jpinfer.modes.build import threshold_states
 from jpinfer.modes.threshold import ThresholdSparseFFN
 from jpinfer.profiler import evaluate, sparsity, token_windows
-from jpinfer.profiler.smoothing import ALPHA, channel_peaks, int8_model
+from jpinfer.profiler.smoothing import ALPHA, cached_channel_peaks, calibration_windows
 
 WINDOW = 512
 KINDS = ("w_qkv", "wo", "w_gate_up", "w_down", "head")
 
 
-def quantized_alone(model: LoadedModel, weights, kind: str) -> LoadedModel:
-    """``model`` with only ``kind`` (a projection of every layer, or the head) int8 from ``weights``."""
-    full = int8.quantize_weights(weights)
+def quantized_alone(model: LoadedModel, full, kind: str) -> LoadedModel:
+    """``model`` with only ``kind`` (a projection of every layer, or the head) taken from ``full``, the int8
+    form of its weights."""
+    weights = model.weights
     if kind == "head":
         mixed = dataclasses.replace(weights, head=full.head)
     else:
@@ -117,13 +117,13 @@ def main() -> None:
 
     attribution_windows = test[: args.attribution_windows]
     attribution_base, _ = evaluate(dense, attribution_windows)
-    smoothed = int8.smooth(model.weights, channel_peaks(model, token_windows(
-        "chatgpt-prompts", dense.tokenizer, window=WINDOW, n_tokens=8 * WINDOW)), ALPHA)
+    smoothed = int8.smooth(model.weights, cached_channel_peaks(model, calibration_windows(model.tokenizer)), ALPHA)
     smoothed_model = LoadedModel(cfg, smoothed, model.tokenizer, model.source)
+    int8_forms = [(m, int8.quantize_weights(m.weights)) for m in (model, smoothed_model)]
     attribution = []
     for kind in KINDS:
-        alone = [evaluate(quantized_alone(m, m.weights, kind), attribution_windows)[0] / attribution_base
-                 for m in (model, smoothed_model)]
+        alone = [evaluate(quantized_alone(m, full, kind), attribution_windows)[0] / attribution_base
+                 for m, full in int8_forms]
         attribution.append(dict(kind=kind, plain=alone[0], migrated=alone[1]))
 
     tps = {name: [] for name in engines}

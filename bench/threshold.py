@@ -30,7 +30,6 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", 2)
 
-import numpy as np  # noqa: E402
 from predictors import cached_profile, trained  # noqa: E402
 
 import jpinfer  # noqa: E402

@@ -17,7 +17,7 @@ from jpinfer.cache import CacheWarning
 from jpinfer.models import int8, loading, params, transformer
 from jpinfer.models.int8 import Int8Matrix
 from jpinfer.modes import build_engine
-from jpinfer.profiler import ProfileMismatchError, profile, smoothing, token_windows
+from jpinfer.profiler import ProfileMismatchError, profile, smoothing
 from jpinfer.sparse import ROWS_BACKENDS, sparse_rows_product, threshold, threshold_ffn
 from profiler_fixtures import ffn_inputs, thresholds_in_gaps, tiny_engine
 from test_modes import PROMPT, forced_logits
@@ -249,9 +249,7 @@ def test_load_int8_from_a_gguf_file(tmp_path):
     engine = jpinfer.load(path, weights="int8")
     assert int8.is_int8(engine.weights)
     model = loading.load_model(path)
-    windows = token_windows(smoothing.SMOOTHING_CORPUS, model.tokenizer, window=smoothing.WINDOW,
-                            n_tokens=smoothing.SMOOTHING_WINDOWS * smoothing.WINDOW)
-    peaks = smoothing.channel_peaks(model, windows)
+    peaks = smoothing.channel_peaks(model, smoothing.calibration_windows(model.tokenizer))
     expected = int8.quantize_weights(int8.smooth(model.weights, peaks, smoothing.ALPHA))
     for got, want in zip(jax.tree.leaves(engine.weights), jax.tree.leaves(expected)):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

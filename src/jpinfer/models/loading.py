@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from jpinfer import artifacts
 from jpinfer.cache import CacheWarning, cache_dir
-from jpinfer.config import WEIGHT_FORMATS, ModelConfig
+from jpinfer.config import ModelConfig
 from jpinfer.errors import CacheError, CheckpointError, JpinferError
 from jpinfer.models.hf_loader import load_hf
 from jpinfer.models.params import Weights, build_weights
@@ -80,12 +80,6 @@ def resolve_model(model: ModelArg) -> LoadedModel:
     raise JpinferError(
         f"model must be an Engine (jpinfer.load), a LoadedModel, a checkpoint path or None, got {type(model).__name__}"
     )
-
-
-def check_weights_format(weights: str) -> None:
-    """Raise JpinferError unless ``weights`` is one of ``WEIGHT_FORMATS``."""
-    if weights not in WEIGHT_FORMATS:
-        raise JpinferError(f"unknown weights format {weights!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
 
 
 def load_model(source: str | os.PathLike | None = None, dtype: Any = "float32", ffn_kind: str | None = None) -> LoadedModel:

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from jpinfer.config import ENGINE_MODES
+from jpinfer.config import ENGINE_MODES, WEIGHT_FORMATS
 from jpinfer.errors import JpinferError
-from jpinfer.models.loading import check_weights_format
-
 
 INT8_MODES = ("dense", "threshold")  # the modes whose matrices have an int8 form (models.int8)
 
@@ -21,7 +19,8 @@ def check_mode_arguments(mode: str, predictors: Any, profile: Any, gpu_budget: A
     ``hybrid`` given thresholds instead of predictors is the threshold mode split over two devices."""
     if mode not in ENGINE_MODES:
         raise JpinferError(f"unknown mode {mode!r}; choose one of {', '.join(ENGINE_MODES)}")
-    check_weights_format(weights)
+    if weights not in WEIGHT_FORMATS:
+        raise JpinferError(f"unknown weights format {weights!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
     if weights == "int8" and mode not in INT8_MODES:
         raise JpinferError(f"int8 weights run in the modes {' and '.join(INT8_MODES)}; mode {mode!r} reads float "
                            "neuron bundles: use mode 'threshold' (training-free sparsity) or float weights")

@@ -203,7 +203,7 @@ def host_dtype_for(model_dtype: Any, host: Any) -> Any:
     return model_dtype
 
 
-def _host_copy(part: NeuronFFN | ThresholdFFN, host_dtype: Any) -> NeuronFFN | ThresholdFFN:
+def _host_copy(part: neurons.NeuronFFN | ThresholdFFN, host_dtype: Any) -> neurons.NeuronFFN | ThresholdFFN:
     """The cold part's weight arrays in ``host_dtype`` (ids and thresholds as they are)."""
     cast = lambda a: None if a is None else a.astype(host_dtype)
     if isinstance(part, ThresholdFFN):

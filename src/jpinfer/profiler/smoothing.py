@@ -131,11 +131,15 @@ def _read_peaks(path, cfg: ModelConfig) -> ChannelPeaks:
     return ChannelPeaks(**arrays)
 
 
+def calibration_windows(tokenizer) -> TokenWindows:
+    """The default calibration text: ``SMOOTHING_WINDOWS`` windows of ``WINDOW`` tokens of ``SMOOTHING_CORPUS``."""
+    return token_windows(SMOOTHING_CORPUS, tokenizer, window=WINDOW, n_tokens=SMOOTHING_WINDOWS * WINDOW)
+
+
 def int8_model(model: LoadedModel, windows: TokenWindows | np.ndarray | None = None, *, alpha: float = ALPHA,
                progress: bool = False) -> LoadedModel:
     """``model`` with int8 weights (``int8.quantize_weights``) after SmoothQuant's migration, the peaks taken
-    on ``windows`` (default: ``SMOOTHING_WINDOWS`` x 512 tokens of ``SMOOTHING_CORPUS``; cached,
-    ``cached_channel_peaks``). A model without a tokenizer and no windows given is quantized without
+    on ``windows`` (default: ``calibration_windows``; cached, ``cached_channel_peaks``). A model without a tokenizer and no windows given is quantized without
     migration, with a warning."""
     weights = model.weights
     if windows is None and model.tokenizer is None:
@@ -143,7 +147,6 @@ def int8_model(model: LoadedModel, windows: TokenWindows | np.ndarray | None = N
                       "SmoothQuant's migration (pass token windows to calibrate)", stacklevel=2)
     else:
         if windows is None:
-            windows = token_windows(SMOOTHING_CORPUS, model.tokenizer, window=WINDOW,
-                                    n_tokens=SMOOTHING_WINDOWS * WINDOW)
+            windows = calibration_windows(model.tokenizer)
         weights = int8.smooth(weights, cached_channel_peaks(model, windows, progress=progress), alpha)
     return LoadedModel(model.cfg, int8.quantize_weights(weights), model.tokenizer, model.source)
