@@ -8,12 +8,12 @@ import pytest
 from jpinfer.sparse import neurons
 from jpinfer.config import FFN_KINDS, ModelConfig
 from jpinfer.models import params, transformer
-from jpinfer.sparse.pallas_kernels import sparse_rows_ffn
+from jpinfer.sparse.pallas_kernels import KERNELS, MAX_TOKENS, listed_ffn, sparse_rows_ffn
 from jpinfer.sparse.op import all_rows_ffn, sparse_ffn
 from tolerances import KERNEL_ATOL, KERNEL_RTOL
 
 D, N = 192, 96  # d = 3 tiles of 64 in the Pallas kernel; N = 3 blocks / chunks of 32
-BACKENDS = ["xla", "pallas"]
+BACKENDS = ["xla", "gather", "pallas"]
 
 
 def _weights(kind, seed=0, d=D, n=N):
@@ -82,6 +82,46 @@ def test_equals_float64_reference(kind, backend):
             assert got.shape == x.shape and got.dtype == jnp.float32
             want = _reference(kind, w, x, ids, count)
             np.testing.assert_allclose(np.asarray(got), want, rtol=KERNEL_RTOL, atol=KERNEL_ATOL, err_msg=name)
+
+
+@pytest.mark.parametrize("variant", sorted(KERNELS))
+@pytest.mark.parametrize("kind", FFN_KINDS)
+def test_every_kernel_variant_equals_float64_reference(kind, variant):
+    """Each Pallas variant (interpret mode), not only the op's default: every list case, one token and
+    a batch sharing the list, and a batch over MAX_TOKENS (run in groups)."""
+    rng = np.random.default_rng(11 + FFN_KINDS.index(kind))
+    w = _weights(kind)
+    ffn = _layout(kind, w)
+    kernel = KERNELS[variant]
+    batches = (rng.standard_normal((1, D)), rng.standard_normal((3, D)), rng.standard_normal((MAX_TOKENS + 2, D)))
+    for name, ids, count in _lists(rng):
+        if ids.shape[0] == 0:
+            continue  # sparse_ffn answers an empty list without a kernel
+        for x in batches if name == "random_padded" else batches[1:2]:
+            got = kernel(ffn.rows, ffn.b_up, jnp.asarray(x, jnp.float32), jnp.asarray(ids), jnp.int32(count), kind=kind,
+                         interpret=True)
+            assert got.shape == x.shape and got.dtype == jnp.float32
+            want = _reference(kind, w, x, ids, count) - (0.0 if w["b_down"] is None else w["b_down"])
+            np.testing.assert_allclose(np.asarray(got), want, rtol=KERNEL_RTOL, atol=KERNEL_ATOL,
+                                       err_msg=f"{name}, {x.shape[0]} tokens")
+
+
+@pytest.mark.parametrize("variant", ["split", "fused"])
+def test_kernel_tiles_that_do_not_divide_the_list_or_d(variant):
+    """Small blocks: many programs, the list padded to whole blocks, d in several tiles; a list
+    with a repeated padding id past the count; every neuron listed in reverse."""
+    kind = "swiglu"
+    w = _weights(kind, seed=9)
+    ffn = _layout(kind, w)
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((2, D))
+    small = dict(block_neurons=2, block_d=32, block_neurons_down=8, block_d_down=16)
+    for ids, count in ((rng.permutation(N)[:37].astype(np.int32), 37), (np.arange(N, dtype=np.int32)[::-1].copy(), N),
+                       (np.concatenate([rng.permutation(N)[:5], np.full(12, 3)]).astype(np.int32), 5)):
+        got = listed_ffn(ffn.rows, None, jnp.asarray(x, jnp.float32), jnp.asarray(ids), count, kind=kind,
+                         variant=variant, interpret=True, **small)
+        np.testing.assert_allclose(np.asarray(got), _reference(kind, w, x, ids, count), rtol=KERNEL_RTOL,
+                                   atol=KERNEL_ATOL)
 
 
 @pytest.mark.parametrize("kind", FFN_KINDS)
@@ -199,6 +239,10 @@ def test_bad_inputs_are_value_errors():
         sparse_ffn(ffn, x, ids, 1, backend="cuda")
     with pytest.raises(ValueError, match="power of two"):
         sparse_rows_ffn(ffn.rows, None, x[None], ids, 1, kind="swiglu", block_k=24, interpret=True)
+    with pytest.raises(ValueError, match="powers of two"):
+        listed_ffn(ffn.rows, None, x[None], ids, 1, kind="swiglu", block_d=96, interpret=True)
+    with pytest.raises(ValueError, match="variant"):
+        listed_ffn(ffn.rows, None, x[None], ids, 1, kind="swiglu", variant="atomic", interpret=True)
 
 
 # The NVIDIA GPU that the two tests below lower for, on any host. The Triton lowering needs a target compute
@@ -213,19 +257,24 @@ GPU_TARGET = jax.sharding.AbstractMesh(
     (), (), abstract_device=jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=None, platform="gpu"))
 
 
-@pytest.mark.parametrize("kind,d,n,bias", [("swiglu", 4096, 11008, False), ("drelu", 576, 1536, False), ("relu", 40, 64, True)])
-def test_pallas_kernel_lowers_for_triton(kind, d, n, bias):
-    """The Triton lowering (run here without a GPU) accepts the kernel: power-of-two tiles, grid <= 3 dims,
-    also under vmap (one list per token, as the oracle runs it)."""
-    rows = jax.ShapeDtypeStruct((n, 2 if kind == "relu" else 3, d), jnp.float32)
-    b_up = jax.ShapeDtypeStruct((n,), jnp.float32) if bias else None
-    x = jax.ShapeDtypeStruct((2, d), jnp.float32)
+@pytest.mark.parametrize("variant", sorted(KERNELS))
+@pytest.mark.parametrize("kind,d,n,bias,dtype", [("swiglu", 4096, 11008, False, jnp.bfloat16), ("drelu", 576, 1536, False, jnp.float32),
+                                                 ("relu", 40, 64, True, jnp.float32)])
+def test_pallas_kernels_lower_for_triton(variant, kind, d, n, bias, dtype):
+    """The Triton lowering (run here without a GPU) accepts every variant: power-of-two tiles, grid <= 3 dims,
+    one token, a batch sharing the list (MAX_TOKENS, and more: groups), and under vmap (one list per token,
+    as the oracle runs it)."""
+    kernel = KERNELS[variant]
+    rows = jax.ShapeDtypeStruct((n, 2 if kind == "relu" else 3, d), dtype)
+    b_up = jax.ShapeDtypeStruct((n,), dtype) if bias else None
     ids = jax.ShapeDtypeStruct((1100,), jnp.int32)
     with jax.sharding.use_abstract_mesh(GPU_TARGET):
-        one = jax.jit(lambda *a: sparse_rows_ffn(*a, kind=kind)).trace(rows, b_up, x, ids, jnp.int32(7))
-        per_token = jax.jit(jax.vmap(lambda r, b, x, i, c: sparse_rows_ffn(r, b, x[None], i, c, kind=kind), (None, None, 0, 0, 0)))
-        batched = per_token.trace(rows, b_up, x, jax.ShapeDtypeStruct((2, 160), jnp.int32), jax.ShapeDtypeStruct((2,), jnp.int32))
-        for traced in (one, batched):
+        shared = [jax.jit(lambda *a: kernel(*a, kind=kind)).trace(rows, b_up, jax.ShapeDtypeStruct((t, d), dtype), ids,
+                                                                  jnp.int32(7)) for t in (1, MAX_TOKENS, MAX_TOKENS + 1)]
+        per_token = jax.jit(jax.vmap(lambda r, b, x, i, c: kernel(r, b, x[None], i, c, kind=kind), (None, None, 0, 0, 0)))
+        batched = per_token.trace(rows, b_up, jax.ShapeDtypeStruct((2, d), dtype), jax.ShapeDtypeStruct((2, 160), jnp.int32),
+                                  jax.ShapeDtypeStruct((2,), jnp.int32))
+        for traced in (*shared, batched):
             assert "triton" in traced.lower(lowering_platforms=("cuda",)).as_text()
 
 
@@ -238,3 +287,16 @@ def test_auto_backend_picks_the_kernel_per_lowering_platform():
         gpu, cpu = [traced.lower(lowering_platforms=(p,)).as_text() for p in ("cuda", "cpu")]
     assert "triton" in gpu and "stablehlo.while" not in gpu
     assert "triton" not in cpu and "stablehlo.while" in cpu
+
+
+def test_auto_backend_falls_back_to_the_xla_gather_without_triton(monkeypatch):
+    """A jax without the Pallas Triton lowering (deprecated since 0.11) still runs on a GPU: XLA's gather."""
+    import jpinfer.sparse.op as op
+
+    monkeypatch.setattr(op, "triton_available", lambda: False)
+    ffn = jax.eval_shape(lambda: _layout("swiglu", _weights("swiglu")))
+    with jax.sharding.use_abstract_mesh(GPU_TARGET):
+        traced = jax.jit(lambda f, x, i, c: sparse_ffn(f, x, i, c)).trace(  # a capacity no other test traces
+            ffn, jax.ShapeDtypeStruct((D,), jnp.float32), jax.ShapeDtypeStruct((41,), jnp.int32), jnp.int32(3))
+        gpu = traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert "triton" not in gpu and "stablehlo.gather" in gpu and "stablehlo.while" not in gpu

@@ -6,10 +6,13 @@ over a whole layer equals the dense FFN output, up to rounding). The list has a 
 capacity K (its length) and a traced valid count: entries at positions >= count are
 padding and contribute nothing, so one compiled function serves every token.
 
-Backends: a Pallas sparse-row kernel on GPUs and a chunked XLA loop elsewhere
-(``backend="auto"`` picks per lowering platform, so a function jitted for the CPU
-device on a GPU machine still gets the CPU kernel). ``backend="pallas"`` forces the
-kernel; on the CPU it runs in interpret mode (tests). ``backend="xla"`` forces the loop.
+Backends, picked per lowering platform (``backend="auto"``, so a function jitted for the CPU
+device on a GPU machine still gets the CPU kernel): on CUDA GPUs the Pallas kernel
+(``pallas_kernels.DEFAULT_KERNEL``) when this jax has the Triton lowering, else the XLA gather
+(``_gathered_ffn``: the listed rows taken at once, then products); on other accelerators the XLA
+gather; on the CPU the chunked XLA loop (``cpu_backend``). ``backend="pallas"`` forces the kernel
+(interpret mode on the CPU: tests); ``backend="xla"`` forces the platform's XLA form and
+``backend="gather"`` the XLA gather on any platform.
 
 ``sparse_rows_product(matrix, x, ids, count)`` is the product x @ matrix over listed rows
 only: the input-sparse linear map of the threshold mode (``threshold.py``).
@@ -28,10 +31,10 @@ from jpinfer.activations import activate
 from jpinfer.sparse.cpu_backend import sparse_ffn_chunked
 from jpinfer.sparse.cpu_backend import sparse_rows_product as sparse_rows_chunked
 from jpinfer.sparse.neurons import NeuronFFN
-from jpinfer.sparse.pallas_kernels import sparse_rows_ffn
+from jpinfer.sparse.pallas_kernels import DEFAULT_KERNEL, KERNELS, triton_available
 
-Backend = Literal["auto", "xla", "pallas"]
-BACKENDS: tuple[str, ...] = ("auto", "xla", "pallas")
+Backend = Literal["auto", "xla", "gather", "pallas"]
+BACKENDS: tuple[str, ...] = ("auto", "xla", "gather", "pallas")
 RowsBackend = Literal["auto", "loop", "gather"]
 ROWS_BACKENDS: tuple[str, ...] = ("auto", "loop", "gather")
 
@@ -75,18 +78,37 @@ def sparse_ffn(
         y = jnp.zeros(x2.shape, jnp.float32)
     else:
         args = (ffn.rows, ffn.b_up, x2, ids, count)
-        xla = lambda *a: sparse_ffn_chunked(*a, kind=ffn.kind)
-        pallas = lambda *a: sparse_rows_ffn(*a, kind=ffn.kind)
-        interpreted = lambda *a: sparse_rows_ffn(*a, kind=ffn.kind, interpret=True)
+        loop = lambda *a: sparse_ffn_chunked(*a, kind=ffn.kind)
+        gather = lambda *a: _gathered_ffn(*a, kind=ffn.kind)
+        kernel = lambda *a: KERNELS[DEFAULT_KERNEL](*a, kind=ffn.kind)
         if backend == "xla":
-            y = xla(*args)
+            y = jax.lax.platform_dependent(*args, cpu=loop, default=gather)
+        elif backend == "gather":
+            y = gather(*args)
         elif backend == "pallas":
-            y = jax.lax.platform_dependent(*args, cpu=interpreted, default=pallas)
+            interpreted = lambda *a: KERNELS[DEFAULT_KERNEL](*a, kind=ffn.kind, interpret=True)
+            y = jax.lax.platform_dependent(*args, cpu=interpreted, default=kernel)
         else:
-            y = jax.lax.platform_dependent(*args, cuda=pallas, rocm=pallas, default=xla)
+            y = jax.lax.platform_dependent(*args, cpu=loop, cuda=kernel if triton_available() else gather,
+                                           default=gather)
     if ffn.b_down is not None:
         y = y + ffn.b_down.astype(jnp.float32)
     return y.astype(x.dtype).reshape(x.shape)
+
+
+def _gathered_ffn(rows: jax.Array, b_up: jax.Array | None, x: jax.Array, ids: jax.Array, count: jax.Array, *,
+                  kind: str) -> jax.Array:
+    """The listed neurons' rows gathered at once, then dense products (float32 (T, d)): the XLA form
+    for accelerators, where one gather of K rows is one wide parallel read (on the CPU the gathered
+    copy spills the caches: the chunked loop is faster there)."""
+    ids = jnp.clip(ids, 0, rows.shape[0] - 1)
+    picked = rows[ids]  # (K, R, d)
+    n_in = rows.shape[1] - 1
+    h = jnp.einsum("td,krd->rtk", x.astype(rows.dtype), picked[:, :n_in], preferred_element_type=jnp.float32)
+    up = h[n_in - 1] + (0.0 if b_up is None else b_up[ids].astype(jnp.float32))
+    act = activate(kind, h[0] if n_in == 2 else None, up)
+    act = jnp.where(jnp.arange(ids.shape[0]) < count, act, 0.0)
+    return jnp.einsum("tk,kd->td", act.astype(rows.dtype), picked[:, n_in], preferred_element_type=jnp.float32)
 
 
 @jax.jit

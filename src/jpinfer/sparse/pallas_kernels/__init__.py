@@ -1,5 +1,18 @@
-"""Pallas kernels for the accelerator (GPU via Triton; interpret mode on CPU for tests)."""
+"""Pallas kernels for the accelerator (GPU via Triton; interpret mode on the CPU for tests).
 
+``KERNELS`` maps each variant to one call signature ``(rows, b_up, x, ids, count, *, kind,
+interpret=False)``; ``DEFAULT_KERNEL`` is the one ``sparse_ffn`` runs on a GPU.
+"""
+
+import functools
+
+from jpinfer.sparse.pallas_kernels.listed_ffn import MAX_TOKENS, VARIANTS, listed_ffn
 from jpinfer.sparse.pallas_kernels.sparse_rows import sparse_rows_ffn
+from jpinfer.sparse.pallas_kernels.triton import triton_available
 
-__all__ = ["sparse_rows_ffn"]
+KERNELS = {"rows": sparse_rows_ffn} | {v: functools.partial(listed_ffn, variant=v) for v in VARIANTS}
+# The one form measured on a GPU (the two-phase form, H200: 3.5x over dense at 90%; docs/architecture.md,
+# "GPU kernels"); the atomic and fused variants await a GPU run of bench/gpu_kernels.py.
+DEFAULT_KERNEL = "split"
+
+__all__ = ["KERNELS", "DEFAULT_KERNEL", "MAX_TOKENS", "listed_ffn", "sparse_rows_ffn", "triton_available"]
