@@ -300,3 +300,29 @@ def test_auto_backend_falls_back_to_the_xla_gather_without_triton(monkeypatch):
             ffn, jax.ShapeDtypeStruct((D,), jnp.float32), jax.ShapeDtypeStruct((41,), jnp.int32), jnp.int32(3))
         gpu = traced.lower(lowering_platforms=("cuda",)).as_text()
     assert "triton" not in gpu and "stablehlo.gather" in gpu and "stablehlo.while" not in gpu
+
+
+def test_accelerator_bench_runs_and_its_sparse_ops_equal_dense_over_every_neuron(tmp_path):
+    """The GPU table's script, here in interpret mode (a smoke test, not a timing): it writes a row for dense and
+    for every sparse op; and over the full list each op's chain of layers equals the dense chain."""
+    import json
+
+    from jpinfer.bench import chain_kernels
+    from jpinfer.cli import main
+
+    out = tmp_path / "chain.md"
+    assert main(["bench-kernels", "--chain", "--shapes", "tiny", "--layers", "1", "--sparsity", "0.9",
+                 "--tokens", "2", "--rounds", "1", "--dtype", "float32", "--out", str(out)]) == 0
+    (table,) = json.loads(out.with_suffix(".json").read_text())["tables"]
+    ops = [r["op"] for r in table["rows"]]
+    assert ops == ["dense", *chain_kernels.sparse_ops("swiglu", 1, True)] and all("ms" in r for r in table["rows"])
+    assert "pallas split" in out.read_text()
+
+    chain = chain_kernels.random_chain(64, 96, "swiglu", 3, jnp.float32, seed=1)
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((2, 64)), jnp.float32)
+    every = [jnp.arange(96, dtype=jnp.int32)[::-1]] * 3
+    dense = chain_kernels.chained(lambda layer, y, ids: transformer.ffn_dense(layer, y, chain.cfg))(
+        chain.dense, x, [None] * 3)
+    for name, op in chain_kernels.sparse_ops("swiglu", 96, True).items():
+        got = chain_kernels.chained(op)(chain.ffns, x, every)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(dense), rtol=KERNEL_RTOL, atol=KERNEL_ATOL, err_msg=name)

@@ -1,7 +1,9 @@
-"""``python -m jpinfer.bench`` is ``jpinfer bench`` (engines side by side, see jpinfer.bench.compare)."""
+"""``python -m jpinfer.bench`` is ``jpinfer bench`` (engines side by side, see jpinfer.bench.compare);
+``python -m jpinfer.bench --kernels ...`` is ``jpinfer bench-kernels ...`` (the sparse FFN kernels)."""
 
 import sys
 
 from jpinfer.cli import main
 
-sys.exit(main(["bench", *sys.argv[1:]]))
+args = sys.argv[1:]
+sys.exit(main(["bench-kernels", *[a for a in args if a != "--kernels"]] if "--kernels" in args else ["bench", *args]))

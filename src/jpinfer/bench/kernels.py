@@ -9,6 +9,11 @@ neurons. Efficiency is speedup * (1 - s): 1.0 means the sparse op moves
 its bytes as fast as the dense one. The byte columns show where the time goes: the rate
 each op reached and the sparse op's share of the machine's measured read bandwidth.
 ``--primitives`` times the two halves of the sparse op separately.
+
+On a GPU (or with ``--chain``) it prints the accelerator table instead (``chain_kernels``):
+chains of ``--layers`` layers in one jit, dense against every Pallas kernel variant and XLA's
+gather, in ``--dtype``; ``--chain`` on the CPU runs the kernels in interpret mode (a check of the
+script, not a timing).
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ class Shape:
 SHAPES = {
     "7b": Shape("7B (Llama-2)", 4096, 11008, "swiglu"),
     "smollm2": Shape("SmolLM2-135M", 576, 1536, "swiglu"),
+    "tiny": Shape("tiny", 256, 688, "swiglu"),
 }
 SPARSITIES = (0.5, 0.8, 0.9, 0.95)
 
@@ -207,12 +213,58 @@ def add_arguments(ap: argparse.ArgumentParser, command: str = "bench-kernels") -
     ap.add_argument("--primitives", action="store_true", help="also time the op's halves (7B layer, s=0.9)")
     ap.add_argument("--no-huge-pages", dest="huge_pages", action="store_false",
                     help="keep weights in XLA's own buffers (4 KiB pages) instead of huge pages")
+    chain = ap.add_argument_group("accelerator table (the default on a GPU; shapes default to 7b)")
+    chain.add_argument("--chain", action="store_true", help="the accelerator table on any device (CPU: interpret mode)")
+    chain.add_argument("--layers", type=int, default=32, help="layers chained in one jit")
+    chain.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    chain.add_argument("--tokens", type=int, nargs="+", default=[1], help="tokens sharing each list")
+    chain.add_argument("--out", help="write the accelerator table (markdown) here, its data beside it (.json)")
+
+
+def run_chain(args: argparse.Namespace) -> int:
+    """The accelerator table: see ``chain_kernels``."""
+    import datetime
+    import sys
+
+    from jpinfer.bench import chain_kernels
+    from jpinfer.bench.results import publish
+
+    device = jax.devices()[0]
+    interpret = device.platform == "cpu"
+    if args.layers < 1 or min(args.tokens) < 1:
+        raise ValueError(f"--layers and --tokens must be >= 1, got {args.layers} and {args.tokens}")
+    bandwidth = chain_kernels.copy_bandwidth(device)
+    lines = [f"# Sparse FFN kernels on {device.device_kind} ({device.platform})", "",
+             f"- date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}; jax {jax.__version__}",
+             f"- command: `{' '.join(['jpinfer bench-kernels', *sys.argv[2:]])}`" if sys.argv[1:2] == ["bench-kernels"]
+             else f"- command: `{' '.join(sys.argv)}`",
+             f"- {args.layers} layers chained in one jit, {args.dtype}, random weights and random lists per layer; "
+             f"copy bandwidth {bandwidth / 1e12:.3f} TB/s (read + write of 1 GiB, best of 5); fastest of "
+             f"{args.rounds} x 3 calls" + ("; INTERPRET MODE (CPU): not a timing" if interpret else ""), ""]
+    data = []
+    for key in args.shapes:
+        shape = SHAPES[key]
+        chain = chain_kernels.random_chain(shape.d_model, shape.d_ff, shape.kind, args.layers, jnp.dtype(args.dtype),
+                                           args.seed)
+        for tokens in args.tokens:
+            rows = chain_kernels.chain_rows(chain, args.sparsity, tokens, args.rounds, bandwidth, interpret, args.seed)
+            lines += [f"## {shape.name}: d_model {shape.d_model}, d_ff {shape.d_ff}, {tokens} token(s)", "",
+                      chain_kernels.table(rows), ""]
+            data.append(dict(shape=shape.name, tokens=tokens, rows=rows))
+        del chain
+    lines.append("effic. = speedup over dense x (1 - s); GB/s = weight bytes the op must read / time; copy = that "
+                 "rate / copy bandwidth; `pallas rows` is the first kernel, `pallas split` the one `sparse_ffn` runs.")
+    publish("\n".join(lines), args.out, dict(device=device.device_kind, jax=jax.__version__, layers=args.layers,
+                                             dtype=args.dtype, copy_bandwidth=bandwidth, tables=data))
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
     bad = [s for s in args.sparsity if not 0 <= s < 1]
     if bad:
         raise ValueError(f"--sparsity values must lie in [0, 1), got {bad}")
+    if args.chain or jax.devices()[0].platform == "gpu":
+        return run_chain(args)
 
     pages = "huge pages" if args.huge_pages else "4 KiB pages"
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; backend={args.backend}; weights in {pages}; "
