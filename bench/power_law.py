@@ -1,12 +1,14 @@
 """Power law of neuron activity: how few neurons carry most activations (default model).
 
 Profiles ``--n-tokens`` of WikiText-2 valid (random windows, seed 0) at a uniform target
-sparsity, saves the profile under $JPINFER_CACHE/profiles/, and writes a PNG of the
+sparsity, saves the profile under $JPINFER_CACHE/profiles/ (or, with ``--pack [DIR]``, reads the
+profile of a pack: the default model's when no directory is given), and writes a PNG of the
 cumulative activation share against the fraction of neurons (hottest first) for a few
-layers, plus a markdown table: per layer, the fraction of neurons carrying 50/80/90% of
-all activations, the mean skipped fraction, and the 99th-percentile active count.
+layers, plus a markdown table (its rows also as JSON): per layer, the fraction of neurons
+carrying 50/80/90% of all activations, the mean skipped fraction, and the 99th-percentile
+active count.
 
-    python bench/power_law.py --out-dir bench/results
+    python bench/power_law.py --pack --out-dir bench/results
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jpinfer  # noqa: E402
+from jpinfer.bench.results import publish  # noqa: E402
 from jpinfer.cache import cache_dir  # noqa: E402
 from jpinfer.profiler import ActivationProfile, profile  # noqa: E402
 
@@ -53,10 +56,18 @@ def main() -> None:
     ap.add_argument("--layers", default="0,7,15,22,29")
     ap.add_argument("--out-dir", type=pathlib.Path, default=pathlib.Path("bench/results"))
     ap.add_argument("--reuse", action="store_true", help="redraw from the saved profile of an earlier run")
+    ap.add_argument("--pack", nargs="?", const="default", default=None,
+                    help="read the profile of this pack directory (no value: the default model's pack) instead")
     args = ap.parse_args()
 
     saved = cache_dir("profiles") / f"smollm2-135m-wikitext2-valid-{args.n_tokens}-s{args.sparsity}.npz"
-    if args.reuse and saved.is_file():
+    if args.pack:
+        from jpinfer.pack import Pack, default_pack
+
+        pack = default_pack() if args.pack == "default" else Pack.load(args.pack)
+        prof, saved = pack.profile, pack.path / "profile.npz"
+        args.sparsity, args.window, args.n_samples = pack.settings.sparsity, pack.settings.window, pack.settings.n_samples
+    elif args.reuse and saved.is_file():
         prof = ActivationProfile.load(saved)
     else:
         prof = profile(jpinfer.load(), "wikitext2-valid", n_tokens=args.n_tokens, window=args.window,
@@ -71,6 +82,10 @@ def main() -> None:
 
     share = np.stack([prof.neurons_for_share(s) for s in SHARES], 1)
     sec = prof.meta["seconds"]
+    calibration_tokens = prof.meta["calibration"].get("calibration_tokens")
+    where = (f"the pack `{saved.parent.name}` (`$JPINFER_CACHE/packs/`, not in the repo; calibrated on "
+             f"{pack.settings.calibration_tokens} tokens of its own windows)" if args.pack
+             else f"`$JPINFER_CACHE/profiles/{saved.name}` (not in the repo)")
     lines = [
         "# Power law of FFN neuron activity (SmolLM2-135M-Instruct, float32)",
         "",
@@ -79,13 +94,11 @@ def main() -> None:
         "",
         f"Profile: {prof.n_tokens} tokens ({prof.meta['corpus']['n_windows']} random windows of {args.window}, "
         f"seed 0) of WikiText-2 valid; active = |silu(g)*u| over a per-layer threshold calibrated (uniform) for "
-        f"{args.sparsity:.0%} sparsity on the first {prof.meta['calibration']['calibration_tokens']} tokens; "
-        f"{args.n_samples} predictor samples per layer. Saved to `$JPINFER_CACHE/profiles/{saved.name}` (not in the "
-        "repo).",
+        f"{args.sparsity:.0%} sparsity" + (f" on the first {calibration_tokens} tokens" if calibration_tokens else "")
+        + f"; {args.n_samples} predictor samples per layer. Profile: {where}.",
         "",
         f"Time on a shared 2-core CPU (other jobs running): calibration {sec['calibration']:.0f} s, profiling pass "
-        f"{sec['pass']:.0f} s ({prof.n_tokens / sec['pass']:.0f} tok/s), together "
-        f"{prof.n_tokens / (sec['pass'] + sec['calibration']):.0f} tok/s. Dense-prefill comparison: profile_speed.md.",
+        f"{sec['pass']:.0f} s ({prof.n_tokens / sec['pass']:.0f} tok/s). Dense-prefill comparison: profile_speed.md.",
         "",
         f"![cumulative share]({png.name})",
         "",
@@ -103,9 +116,13 @@ def main() -> None:
         lines.append(f"| {layer} | {a:.3f} | {b:.3f} | {c:.3f} | {sparsity[layer]:.3f} | {k99[layer]} |")
     lines.append(f"| mean | {share[:, 0].mean():.3f} | {share[:, 1].mean():.3f} | {share[:, 2].mean():.3f} | "
                  f"{sparsity.mean():.3f} | {k99.mean():.0f} |")
-    text = "\n".join(lines) + "\n"
-    (args.out_dir / "power_law.md").write_text(text)
-    print(text)
+    rows = [{"layer": layer, "share_50": float(share[layer, 0]), "share_80": float(share[layer, 1]),
+             "share_90": float(share[layer, 2]), "skipped": float(sparsity[layer]), "k99": int(k99[layer])}
+            for layer in range(prof.n_layers)]
+    publish("\n".join(lines) + "\n", args.out_dir / "power_law.md",
+            {"n_tokens": prof.n_tokens, "sparsity": args.sparsity, "rows": rows,
+             "mean": {key: float(np.mean([r[key] for r in rows])) for key in ("share_50", "share_80", "share_90",
+                                                                               "skipped", "k99")}})
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ["JPINFER_COMPILE_CACHE"] = "0"  # the CLI's XLA cache: each test's cache directory is temporary
 
 import jax  # noqa: E402
 

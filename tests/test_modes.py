@@ -63,19 +63,20 @@ def half_masks(cfg, seed=0):
 
 
 @dataclasses.dataclass(frozen=True)
-class DenseThenMasked:
-    """Reference: dense prefill (several tokens), the predicted-mask FFN when decoding one token."""
+class DenseThenDecode:
+    """Reference: dense prefill (several tokens), ``inner`` (e.g. the predicted-mask FFN) when decoding one token."""
 
-    inner: PredictedMaskFFN
+    cfg: object
+    inner: object
 
     def __call__(self, i, layer, x, state):
         if x.shape[1] > 1:
-            return transformer.ffn_dense(layer, x, self.inner.cfg), None
+            return transformer.ffn_dense(layer, x, self.cfg), None
         return self.inner(i, layer, x, state)[0], None
 
 
 def masked_reference(dense, predictors, capacity=None) -> jpinfer.Engine:
-    impl = DenseThenMasked(PredictedMaskFFN(dense.cfg, capacity))
+    impl = DenseThenDecode(dense.cfg, PredictedMaskFFN(dense.cfg, capacity))
     thresholds = np.zeros(dense.cfg.n_layers)
     return dense.with_ffn(FfnStrategy(impl, mask_states(predictors.layers, thresholds), "masked reference"))
 
@@ -331,3 +332,35 @@ def test_a_16_bit_model_keeps_its_cold_neurons_in_float32_on_the_cpu():
     assert hybrid.stepper.cold[0].rows.dtype == jnp.float32
     assert hybrid.stepper.layers[0].hot.rows.dtype == jnp.bfloat16
     assert len(hybrid.generate(PROMPT, max_new_tokens=8).token_ids) == 8
+
+
+def test_decode_equivalent_computes_what_each_decode_step_computes():
+    """``modes.evaluation.decode_equivalent`` (the perplexity view of an engine): decoding one token through its
+    strategy equals the engine's decode step, for the sparse and hybrid modes with clipping capacities (their
+    prefill is dense, so is the reference's) and the threshold mode split over two devices (it skips in prefill
+    too)."""
+    from jpinfer.modes.evaluation import decode_equivalent
+    from jpinfer.profiler import SparsityThresholds
+
+    dense = tiny_engine("swiglu", n_layers=3)
+    cfg = dense.cfg
+    predictors = predictors_for(dense, [random_predictor(cfg, seed=20 + i) for i in range(cfg.n_layers)])
+    thresholds = SparsityThresholds(np.full(cfg.n_layers, 0.02, np.float32), np.full(cfg.n_layers, 0.3, np.float32),
+                                    {}, {}, "given")
+    engines = [
+        build_engine(dense.model, "sparse", predictors=predictors, capacity=(8, 16, 24)),
+        build_engine(dense.model, "hybrid", predictors=predictors, capacity=16, placement=half_masks(cfg, seed=2)),
+        build_engine(dense.model, "hybrid", predictors=predictors, capacity=cfg.d_ff, placement=half_masks(cfg)),
+        build_engine(dense.model, "hybrid", thresholds=thresholds, placement=half_masks(cfg, seed=2)),
+    ]
+    forced = [4, 8, 15, 16, 23, 2, 7, 3]
+    plain = forced_logits(dense, PROMPT, forced)
+    for engine, dense_prefill in zip(engines, (True, True, True, False)):
+        model, strategy = decode_equivalent(engine, dense.model, np.zeros(cfg.n_layers))
+        impl = DenseThenDecode(cfg, strategy.impl) if dense_prefill else strategy.impl
+        reference = jpinfer.Engine(model, FfnStrategy(impl, strategy.state))
+        expected = forced_logits(reference, PROMPT, forced)
+        assert np.abs(expected - plain).max() > 100 * DECODER_ATOL  # the sparsity changed something
+        np.testing.assert_allclose(forced_logits(engine, PROMPT, forced), expected, rtol=0, atol=DECODER_ATOL)
+    dense_model, dense_strategy = decode_equivalent(dense, dense.model)
+    assert dense_model is dense.model and dense_strategy.impl is None

@@ -347,7 +347,7 @@ def test_bad_threshold_mode_arguments_are_clear_errors():
     with pytest.raises(JpinferError, match="chooses neurons with predictors"):
         build_engine(dense.model, "sparse", predictors=all_active(dense), thresholds=given(dense.cfg, 0.1))
     with pytest.raises(JpinferError, match="threshold sparsity needs thresholds"):
-        jpinfer.load(mode="threshold")  # before any model loads
+        jpinfer.load("/nonexistent/m.gguf", mode="threshold")  # before any model loads (the default model has a pack)
     with pytest.raises(JpinferError, match="needs a placement"):
         build_engine(dense.model, "hybrid", thresholds=given(dense.cfg, 0.1))
     with pytest.raises(JpinferError, match="for 3 layers"):

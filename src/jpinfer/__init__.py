@@ -14,27 +14,27 @@ import jax
 
 from jpinfer.config import ModelConfig
 from jpinfer.errors import ArtifactError, CacheError, CheckpointError, JpinferError
-from jpinfer.models.loading import LoadedModel, load_model
-from jpinfer.modes.arguments import check_mode_arguments
+from jpinfer.models.loading import LoadedModel, load_model, parse_dtype
+from jpinfer.modes.arguments import check_mode, check_mode_arguments
 from jpinfer.profiler import ActivationProfile, profile
 from jpinfer.runtime.engine import Engine, FfnStrategy, GenerationConfig, GenerationResult
 
 __all__ = [
     "load", "load_model", "generate", "Engine", "FfnStrategy", "GenerationConfig", "GenerationResult", "ModelConfig",
     "LoadedModel", "JpinferError", "CheckpointError", "ArtifactError", "CacheError", "profile", "ActivationProfile",
-    "train_predictors", "Predictors",
+    "train_predictors", "Predictors", "prepare",
 ]
 __version__ = "0.1.0"
 
 _engines: dict[str, Engine] = {}
-_LAZY = {"train_predictors", "Predictors"}  # from jpinfer.predictor: Flax and optax load only when used
+_LAZY = {"train_predictors": "predictor", "Predictors": "predictor", "prepare": "pack"}  # Flax loads only when used
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        from jpinfer import predictor
+        import importlib
 
-        return getattr(predictor, name)
+        return getattr(importlib.import_module(f"jpinfer.{_LAZY[name]}"), name)
     raise AttributeError(f"module 'jpinfer' has no attribute {name!r}")
 
 
@@ -44,6 +44,7 @@ def load(
     dtype: Any = "float32",
     ffn_kind: str | None = None,
     mode: str = "dense",
+    pack: Any = None,
     predictors: Any = None,
     profile: ActivationProfile | str | pathlib.Path | None = None,
     capacity: str | float | int | Sequence[int] = "predicted",
@@ -68,12 +69,29 @@ def load(
     ``thresholds`` (or ``"profile"``: the profile's) instead of predictors splits that mode over
     the accelerator and the CPU.
 
+    ``pack`` (a directory made by ``jpinfer prepare``, or a ``pack.Pack``) supplies the profile,
+    predictors, placement and thresholds a mode needs where they are not given (``dense`` ignores
+    it). For the default model (``source`` None) the other modes use its default pack when none of
+    ``pack``, ``predictors``, ``profile`` and ``placement`` is given (and ``thresholds`` is None or
+    "profile"): prepared into the cache on first use (about five minutes on two CPU cores), reused after.
+
     ``weights``: ``"float"`` (every tensor in ``dtype``) or ``"int8"`` (W8A8: the projections and
     the head quantized at load, one scale per output, after SmoothQuant's migration calibrated on a
     few thousand tokens of bundled text, ``profiler.smoothing``; modes ``dense`` and ``threshold``).
     """
-    # before the model loads: fail fast
-    check_mode_arguments(mode, predictors, profile, gpu_budget, placement, thresholds, weights)
+    check_mode(mode, weights)  # before anything loads: fail fast
+    given = dict(predictors=predictors, profile=profile, placement=placement, gpu_budget=gpu_budget,
+                 thresholds=thresholds)
+    default_pack = (mode != "dense" and pack is None and source is None and thresholds in (None, "profile")
+                    and all(given[k] is None for k in ("predictors", "profile", "placement")))
+    if mode != "dense" and pack is not None:
+        from jpinfer.pack import Pack, mode_arguments
+
+        pack = pack if isinstance(pack, Pack) else Pack.load(pack)  # verified before the model loads
+        given = mode_arguments(pack, mode, str(parse_dtype(dtype)), **given)
+    if not default_pack:  # before the model loads: fail fast
+        check_mode_arguments(mode, given["predictors"], given["profile"], given["gpu_budget"], given["placement"],
+                             given["thresholds"], weights)
     if mode == "dense":
         return Engine(_load_model(source, dtype, ffn_kind, weights))
     from jpinfer.modes import build_engine, default_devices  # loads the predictor package (Flax)
@@ -83,14 +101,23 @@ def load(
             model = load_model(source, dtype=dtype, ffn_kind=ffn_kind)
     else:
         model = _load_model(source, dtype, ffn_kind, weights)
+    if default_pack:
+        from jpinfer.pack import default_pack as cached_pack, mode_arguments
+
+        pack = cached_pack(model)
+        given = mode_arguments(pack, mode, str(parse_dtype(dtype)), **given)
+        check_mode_arguments(mode, given["predictors"], given["profile"], given["gpu_budget"], given["placement"],
+                             given["thresholds"], weights)
+    elif pack is not None:
+        pack.check_model(model)
+    profile = given.pop("profile")
     if isinstance(profile, (str, pathlib.Path)):
         profile = ActivationProfile.load(profile, model)
-    if isinstance(predictors, (str, pathlib.Path)):
+    if isinstance(given["predictors"], (str, pathlib.Path)):
         from jpinfer.predictor import Predictors
 
-        predictors = Predictors.load(predictors, model, profile)
-    return build_engine(model, mode, predictors=predictors, profile=profile, capacity=capacity,
-                        gpu_budget=gpu_budget, placement=placement, thresholds=thresholds)
+        given["predictors"] = Predictors.load(given["predictors"], model, profile)
+    return build_engine(model, mode, profile=profile, capacity=capacity, **given)
 
 
 def _load_model(source: Any, dtype: Any, ffn_kind: str | None, weights: str) -> LoadedModel:

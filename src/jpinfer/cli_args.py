@@ -10,17 +10,18 @@ from jpinfer.config import ENGINE_MODES, WEIGHT_FORMATS
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 
 
-def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    """--model, --dtype and --weights, for every command that loads a model."""
+def add_model_arguments(p: argparse.ArgumentParser, weights: bool = True) -> None:
+    """--model, --dtype and (with ``weights``) --weights, for every command that loads a model."""
     p.add_argument("--model", default=None, help="HF checkpoint directory or .gguf file (default: SmolLM2-135M-Instruct)")
     p.add_argument(
         "--dtype", default="float32", choices=DTYPE_CHOICES,
         help="weight dtype (default float32; on the CPU bfloat16 decodes 5-8x slower, see README)",
     )
-    p.add_argument(
-        "--weights", default="float", choices=WEIGHT_FORMATS,
-        help="float (default: every tensor in --dtype) or int8 (W8A8, quantized at load; modes dense and threshold)",
-    )
+    if weights:
+        p.add_argument(
+            "--weights", default="float", choices=WEIGHT_FORMATS,
+            help="float (default: every tensor in --dtype) or int8 (W8A8, quantized at load; modes dense and threshold)",
+        )
 
 
 def capacity_value(text: str) -> str | float | int:
@@ -37,11 +38,16 @@ def add_mode_arguments(p: argparse.ArgumentParser, modes: bool = False) -> None:
     """The engine mode (``--mode``, or ``--modes`` for a bench) and what the sparse modes read."""
     choices = ENGINE_MODES
     if modes:
-        p.add_argument("--modes", nargs="+", choices=choices, default=["dense"], help="engine modes to compare")
+        p.add_argument("--modes", nargs="+", choices=choices, default=None,
+                       help="engine modes to compare, dense first (default: all of them when a pack is at hand: the "
+                            "default model's, or --pack; dense alone otherwise)")
     else:
         p.add_argument("--mode", choices=choices, default="dense",
                        help="dense (default); sparse: predicted neurons only; hybrid: hot neurons on the accelerator; "
                             "threshold: training-free, small activations and inputs skipped (thresholds from --profile)")
+    p.add_argument("--pack", default=None,
+                   help="pack directory (jpinfer prepare): the profile, predictors, placement and thresholds the mode "
+                        "needs, where not given (default model: its pack in the cache, built on first use)")
     p.add_argument("--predictors", default=None, help="predictor directory (jpinfer train-predictors) for sparse modes")
     p.add_argument("--profile", default=None,
                    help="profile file (jpinfer profile) for capacities, placement and the threshold mode's thresholds")
@@ -65,5 +71,5 @@ def prepare_devices(modes: list[str]) -> None:
 
 def mode_options(args: argparse.Namespace) -> dict:
     """Keyword arguments of ``jpinfer.load`` from ``add_mode_arguments``' options (without the mode)."""
-    return dict(predictors=args.predictors, profile=args.profile, capacity=args.capacity, gpu_budget=args.gpu_budget,
-                thresholds="profile" if args.thresholds else None)
+    return dict(pack=args.pack, predictors=args.predictors, profile=args.profile, capacity=args.capacity,
+                gpu_budget=args.gpu_budget, thresholds="profile" if args.thresholds else None)

@@ -1,57 +1,105 @@
-"""jpinfer bench (python -m jpinfer.bench): engines side by side on real prompts, with ratios.
+"""jpinfer bench (python -m jpinfer.bench): every engine side by side on the paper's protocol.
 
-Prints one table: prefill and decode speed, per-token latency percentiles, the share of
-the machine's measured read bandwidth the decode reaches, host overhead per step, speed
-relative to the first engine (dense float32) and greedy agreement with it. Peers, when
-installed: llama.cpp (extra ``peers``) on a float32 GGUF of the same weights and on the
-original file, and transformers' PyTorch eager model.
+Engines: jpinfer's modes (dense, sparse, hybrid, threshold; the sparse ones read a pack: the
+default model's is built into the cache on first use), then the peers that are installed:
+llama.cpp (extra ``peers``) on a float32 GGUF of the same weights and on the original file, and
+transformers' PyTorch eager model. Protocol (PowerInfer, Song et al., 2023): prompts of 8, 64
+and 128 tokens sampled with a seed from the ChatGPT prompts and Alpaca (``prompts``), 128 greedy
+output tokens, batch 1, plus one long prompt. Each round draws new prompts and runs every engine
+on each (interleaved, the engine order rotating), so machine load hits all alike; ratios to
+dense are medians of same-round ratios. Accuracy: WikiText-2 test perplexity of what each engine
+decodes with (``accuracy``), greedy agreement with dense, neurons computed and clipped.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import pathlib
-import resource
 import sys
+from typing import Any
 
 import jax
 import numpy as np
+from tqdm.auto import tqdm
 
-from jpinfer.bench.machine import matvec_read_bandwidth
 from jpinfer.cli_args import add_mode_arguments, mode_options, prepare_devices
-from jpinfer.config import WEIGHT_FORMATS
+from jpinfer.config import ENGINE_MODES, WEIGHT_FORMATS
 
 PEERS = ("llama.cpp", "transformers")
+LENGTHS = (8, 64, 128)
+LONG_PROMPT = 1024
+INT8_MODES = ("dense", "threshold")
 
 
-def _prompts(engine, n: int, max_tokens: int) -> list[list[int]]:
-    from jpinfer.data import chatgpt_prompts
+def _rss_mb() -> float:
+    """The process's resident memory now (MB; Linux), or its peak so far elsewhere."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e6
+    except OSError:
+        import resource
 
-    texts = chatgpt_prompts()[:n]
-    return [engine.encode_prompt(t, chat=True)[:max_tokens] for t in texts]
-
-
-def _peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _load_average() -> str:
     one, five, _ = os.getloadavg()
-    return f"load average {one:.2f} (1 min) {five:.2f} (5 min) on {os.cpu_count()} cores"
+    return f"{one:.2f} (1 min) {five:.2f} (5 min) on {os.cpu_count()} cores"
 
 
-def _engines(args: argparse.Namespace) -> list:
-    """The jpinfer engines, then the peers that are asked for and installed."""
+def _pack(args: argparse.Namespace, modes: list[str]) -> Any:
+    """The pack the sparse modes read (a ``pack.Pack``, or None when they need none or were given their
+    predictors and profile): --pack, or for the default model its pack (built on first use)."""
+    from jpinfer.pack import Pack, default_pack
+
+    if args.pack is not None:
+        return Pack.load(args.pack)
+    if set(modes) <= {"dense"} or args.predictors or args.profile or args.model is not None:
+        return None
+    import jpinfer
+
+    print("the sparse modes read the default model's pack (built once into the cache, reused after)", file=sys.stderr)
+    return default_pack(jpinfer.load_model(None, dtype=args.dtypes[0]))
+
+
+def _activity_thresholds(args: argparse.Namespace, pack: Any) -> np.ndarray | None:
+    """What "active" means for the clipped-active count: the pack's or --profile's thresholds."""
+    if pack is not None:
+        return pack.profile.thresholds
+    if args.profile:
+        from jpinfer.profiler import ActivationProfile
+
+        return ActivationProfile.load(args.profile).thresholds
+    return None
+
+
+def _engines(args: argparse.Namespace, modes: list[str], pack: Any) -> list[tuple[Any, float]]:
+    """(engine, resident MB it added) for the jpinfer engines, then the peers asked for and installed."""
     import jpinfer
     from jpinfer.bench.engines import JaxEngine, TransformersEager
     from jpinfer.bench.llama_cpp import INSTALL_MESSAGE, LlamaCppEngine, float32_gguf
 
-    engines = [JaxEngine(f"jpinfer {mode} {dtype}" + (" int8 weights" if weights == "int8" else ""),
-                         jpinfer.load(args.model, dtype=dtype, mode=mode, weights=weights, **mode_options(args)))
-               for mode in args.modes for dtype in args.dtypes for weights in args.weights]
-    source = pathlib.Path(engines[0].engine.source)
+    options = mode_options(args) | {"pack": pack}
+    out = []
+
+    def add(make) -> None:
+        before = _rss_mb()
+        engine = make()
+        out.append((engine, _rss_mb() - before))
+
+    for mode in modes:
+        for dtype in args.dtypes:
+            for weights in args.weights:
+                if weights == "int8" and mode not in INT8_MODES:
+                    continue  # no int8 form (run refuses a mode left with no engine at all)
+                label = f"jpinfer {mode} {dtype}" + (" int8 weights" if weights == "int8" else "")
+                print(f"loading {label} ...", file=sys.stderr)
+                add(lambda: JaxEngine(label, jpinfer.load(args.model, dtype=dtype, mode=mode, weights=weights,
+                                                          **options)))
+    source = pathlib.Path(out[0][0].engine.source)
     if "llama.cpp" in args.peers:
         if not LlamaCppEngine.available():
             print(f"skipping llama.cpp: {INSTALL_MESSAGE}", file=sys.stderr)
@@ -59,66 +107,137 @@ def _engines(args: argparse.Namespace) -> list:
             print("skipping llama.cpp: it reads GGUF files and the model is a Hugging Face directory", file=sys.stderr)
         else:
             print("writing (once, cached) a float32 GGUF of the same weights for llama.cpp ...", file=sys.stderr)
-            engines.append(LlamaCppEngine(float32_gguf(source), n_threads=args.threads))
-            original = LlamaCppEngine(source, n_threads=args.threads)
-            if original.name != engines[-1].name:  # the file itself, unless it is float32 already
-                engines.append(original)
+            f32 = float32_gguf(source)
+            add(lambda: LlamaCppEngine(f32, n_threads=args.threads))
+            add(lambda: LlamaCppEngine(source, n_threads=args.threads))
+            if out[-1][0].name == out[-2][0].name:  # the file is float32 already
+                out.pop()
     if "transformers" in args.peers:
         if TransformersEager.available():
-            engines.append(TransformersEager(str(source)))
+            add(lambda: TransformersEager(str(source)))
         else:
             print("skipping transformers eager: PyTorch is not installed (pip install 'jpinfer[bench]')", file=sys.stderr)
-    return engines
+    return out
 
 
-def bench_engines(args: argparse.Namespace) -> list[dict]:
-    """Every engine on every prompt, interleaved (round r: prompt p: each engine in turn), so
-    that machine load hits all engines alike; ratios are taken within each round."""
-    print("measuring XLA matvec read bandwidth ...", file=sys.stderr)
-    bandwidth = matvec_read_bandwidth()
-    engines = _engines(args)
-    prompts = _prompts(engines[0].engine, args.prompts, args.max_prompt_tokens)
+def bench(args: argparse.Namespace) -> dict:
+    """Run the protocol; returns everything measured (what --json writes)."""
+    from jpinfer.bench import accuracy
+    from jpinfer.bench.prompts import sample_prompts
+
+    modes = args.modes
+    pack = _pack(args, modes)
     load_before = _load_average()
-    for bench_engine in engines:  # compile and warm caches outside the timed rounds
-        print(f"warming up {bench_engine.name} ...", file=sys.stderr)
-        for p in prompts:
-            bench_engine.run(p, 2)
-    runs = [[[] for _ in prompts] for _ in engines]  # engine -> prompt -> one RunStats per round
-    for r in range(args.rounds):
-        print(f"round {r + 1}/{args.rounds} ...", file=sys.stderr)
-        for i, p in enumerate(prompts):
-            for e, bench_engine in enumerate(engines):
-                runs[e][i].append(bench_engine.run(p, args.max_new_tokens))
+    loaded = _engines(args, modes, pack)
+    engines = [engine for engine, _ in loaded]
+    first = engines[0].engine
+    lengths = list(args.lengths) + ([args.long_prompt] if args.long_prompt else [])
+    prompts = sample_prompts(first.tokenizer, lengths, args.rounds, args.seed)
+    for engine in tqdm(engines, desc="warming up (compiling)", unit="engine", disable=not args.progress):
+        for length in lengths:
+            engine.warm(length, args.max_new_tokens)
 
-    def decode_tps(e: int, r: int) -> float:
-        steps = np.concatenate([runs[e][i][r].step_s for i in range(len(prompts))])
-        return len(steps) / steps.sum()
+    runs = {e: {n: [] for n in lengths} for e in range(len(engines))}  # engine -> length -> RunStats per round
+    total = args.rounds * len(lengths) * len(engines)
+    with tqdm(total=total, desc="benchmarking", unit="run", disable=not args.progress) as bar:
+        for r in range(args.rounds):
+            for length in lengths:
+                for k in range(len(engines)):
+                    e = (k + r) % len(engines)  # rotate who goes first
+                    bar.set_postfix_str(f"round {r + 1}, {length} tokens, {engines[e].name}")
+                    runs[e][length].append(engines[e].run(prompts[length][r], args.max_new_tokens))
+                    bar.update()
 
-    rows = []
-    reference_tokens = [runs[0][i][0].tokens for i in range(len(prompts))]
-    for e, bench_engine in enumerate(engines):
-        all_runs = [run for per_prompt in runs[e] for run in per_prompt]
-        steps = np.concatenate([run.step_s for run in all_runs])
-        tps = float(np.median([decode_tps(e, r) for r in range(args.rounds)]))
-        tokens = [runs[e][i][0].tokens for i in range(len(prompts))]
-        rows.append(
-            dict(
-                engine=bench_engine.name,
-                prefill_tok_s=sum(run.n_prompt for run in all_runs) / sum(run.prefill_s for run in all_runs),
-                ttft_ms=1e3 * float(np.median([run.prefill_s for run in all_runs])),
-                decode_tok_s=tps,
-                p50_ms=1e3 * float(np.percentile(steps, 50)),
-                p99_ms=1e3 * float(np.percentile(steps, 99)),
-                bandwidth_fraction=(bench_engine.weight_bytes_per_token * tps / bandwidth)
-                if bench_engine.weight_bytes_per_token else None,
-                host_overhead=bench_engine.host_overhead(prompts[0], args.max_new_tokens),
-                decode_vs_first=float(np.median([decode_tps(e, r) / decode_tps(0, r) for r in range(args.rounds)])),
-                greedy_agreement=float(np.mean([_prefix_agreement(a, b) for a, b in zip(tokens, reference_tokens)])),
-                peak_rss_mb=_peak_rss_mb(),
-            )
-        )
-    print(_table(rows, bandwidth, args, load_before))
-    return rows
+    scores = [None] * len(engines)
+    window = min(accuracy.WINDOW, first.cfg.max_position)
+    if args.ppl_windows:
+        dense = _dense_model(engines, args)
+        windows = accuracy.wikitext_windows(first.tokenizer, args.ppl_windows, window)
+        activity = _activity_thresholds(args, pack)
+        for e, engine in enumerate(tqdm(engines, desc="perplexity", unit="engine", disable=not args.progress)):
+            scores[e] = accuracy.score(engine, dense, windows, activity, args.threads)
+    return _results(args, engines, [mb for _, mb in loaded], runs, lengths, scores, pack, load_before, window)
+
+
+def _dense_model(engines: list, args: argparse.Namespace) -> Any:
+    """The dense float model the predictor modes are scored with: the dense engine's, or loaded now."""
+    from jpinfer.bench.engines import JaxEngine
+    from jpinfer.models import int8
+
+    for engine in engines:
+        if isinstance(engine, JaxEngine) and engine.engine.stepper.name == "dense" and not int8.is_int8(
+                engine.engine.weights):
+            return engine.engine.model
+    import jpinfer
+
+    return jpinfer.load_model(args.model, dtype=args.dtypes[0])
+
+
+def _round_rate(stats: list, tokens, seconds) -> float:
+    return sum(tokens(s) for s in stats) / sum(seconds(s) for s in stats)
+
+
+def _results(args, engines, resident_mb, runs, lengths, scores, pack, load_before, window) -> dict:
+    rounds = range(args.rounds)
+    decode = lambda e, r, ls=lengths: _round_rate([runs[e][n][r] for n in ls], lambda s: len(s.step_s),
+                                                  lambda s: sum(s.step_s))
+    e2e = lambda e, r, ls=lengths: _round_rate([runs[e][n][r] for n in ls], lambda s: len(s.tokens),
+                                               lambda s: s.total_s)
+    reference = {n: [runs[0][n][r].tokens for r in rounds] for n in lengths}
+    summary = []
+    for e, engine in enumerate(engines):
+        every = [s for n in lengths for s in runs[e][n]]
+        steps = np.concatenate([s.step_s for s in every])
+        acc = scores[e]
+        summary.append(dict(
+            engine=engine.name,
+            prefill_tok_s=sum(s.n_prompt for s in every) / sum(s.prefill_s for s in every),
+            decode_tok_s=float(np.median([decode(e, r) for r in rounds])),
+            e2e_tok_s=float(np.median([e2e(e, r) for r in rounds])),
+            decode_vs_dense=float(np.median([decode(e, r) / decode(0, r) for r in rounds])),
+            e2e_vs_dense=float(np.median([e2e(e, r) / e2e(0, r) for r in rounds])),
+            p50_ms=1e3 * float(np.percentile(steps, 50)), p99_ms=1e3 * float(np.percentile(steps, 99)),
+            resident_mb=resident_mb[e],
+            perplexity=None if acc is None else acc.perplexity,
+            neurons=None if acc is None else acc.neurons, clipped=None if acc is None else acc.clipped,
+            clipped_active=None if acc is None else acc.clipped_active,
+            greedy_agreement=float(np.mean([_prefix_agreement(runs[e][n][r].tokens, reference[n][r])
+                                            for n in lengths for r in rounds])),
+        ))
+    dense_ppl = summary[0]["perplexity"]
+    for row in summary:
+        row["ppl_vs_dense"] = row["perplexity"] / dense_ppl if row["perplexity"] and dense_ppl else None
+    per_length = [dict(engine=engine.name, length=n,
+                       prefill_tok_s=n * len(rounds) / sum(s.prefill_s for s in runs[e][n]),
+                       ttft_ms=1e3 * float(np.median([s.prefill_s for s in runs[e][n]])),
+                       decode_tok_s=float(np.median([decode(e, r, [n]) for r in rounds])),
+                       e2e_tok_s=float(np.median([e2e(e, r, [n]) for r in rounds])),
+                       decode_vs_dense=float(np.median([decode(e, r, [n]) / decode(0, r, [n]) for r in rounds])))
+                  for n in lengths for e, engine in enumerate(engines)]
+    return {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "command": "jpinfer bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]),
+        "model": args.model or "default (SmolLM2-135M-Instruct)",
+        "pack": None if pack is None else {
+            "path": str(pack.path), "settings": pack.manifest["settings"],
+            "stage_seconds": {stage: entry["seconds"] for stage, entry in pack.manifest["stages"].items()}},
+        "protocol": {"lengths": list(args.lengths), "long_prompt": args.long_prompt, "rounds": args.rounds,
+                     "max_new_tokens": args.max_new_tokens, "seed": args.seed, "ppl_windows": args.ppl_windows,
+                     "ppl_window_tokens": window},
+        "machine": {"jax": jax.__version__, "platform": jax.devices()[0].platform, "cpus": os.cpu_count(),
+                    "load_before": load_before, "load_after": _load_average(), "peak_rss_mb": _peak_rss_mb()},
+        "engines": summary,
+        "per_length": per_length,
+        "runs": [{"engine": engines[e].name, "length": n, "round": r, "n_prompt": s.n_prompt, "tokens": s.tokens,
+                  "prefill_s": s.prefill_s, "step_s": s.step_s}
+                 for e in runs for n in lengths for r, s in enumerate(runs[e][n])],
+    }
+
+
+def _peak_rss_mb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _prefix_agreement(a: list[int], b: list[int]) -> float:
@@ -132,65 +251,107 @@ def _fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def _table(rows: list[dict], bandwidth: float, args: argparse.Namespace, load_before: str) -> str:
-    header = (
-        f"model: {args.model or 'default (SmolLM2-135M-Instruct)'}; {args.prompts} ChatGPT prompts "
-        f"(chat template, <= {args.max_prompt_tokens} tokens), {args.max_new_tokens} new tokens, greedy, "
-        f"{args.rounds} interleaved rounds (decode tok/s and x decode: median over rounds);\n"
-        f"XLA matvec read bandwidth {bandwidth / 1e9:.1f} GB/s; jax {jax.__version__} on {jax.devices()[0].platform}; "
-        f"before: {load_before}; after: {_load_average()}"
-    )
-    cols = [
-        ("engine", "engine", "<38"), ("prefill tok/s", "prefill_tok_s", ">13.1f"), ("TTFT ms", "ttft_ms", ">8.1f"),
-        ("decode tok/s", "decode_tok_s", ">12.1f"), ("p50 ms", "p50_ms", ">7.2f"), ("p99 ms", "p99_ms", ">7.2f"),
-        ("BW frac", "bandwidth_fraction", ">7.2f"), ("host ovh", "host_overhead", ">8.1%"),
-        ("x decode", "decode_vs_first", ">8.2f"), ("greedy agree", "greedy_agreement", ">12.2f"),
-        ("peak RSS MB", "peak_rss_mb", ">11.0f"),
-    ]
-    lines = [header, "  ".join(format(title, spec.split(".")[0].rstrip("f%")) for title, _, spec in cols)]
-    for row in rows:
-        lines.append("  ".join(_fmt(row[key], spec) for _, key, spec in cols))
+def _markdown(rows: list[dict], cols: list[tuple[str, str, str]]) -> str:
+    lines = ["| " + " | ".join(title for title, _, _ in cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(_fmt(row[key], spec) for _, key, spec in cols) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def report(results: dict) -> str:
+    """The bench's markdown: protocol, one row per engine, then the speeds per prompt length."""
+    p, m = results["protocol"], results["machine"]
+    lengths = ", ".join(str(n) for n in p["lengths"]) + (f" and {p['long_prompt']}" if p["long_prompt"] else "")
+    head = [
+        f"# jpinfer bench: {results['model']}", "",
+        f"Command: `{results['command']}` ({results['date']}; jax {m['jax']} on {m['platform']}, {m['cpus']} CPUs; "
+        f"load average before {m['load_before']}, after {m['load_after']}).",
+        f"Protocol: prompts of {lengths} tokens (ChatGPT prompts and Alpaca instructions, seed {p['seed']}), "
+        f"{p['max_new_tokens']} greedy output tokens, batch 1, {p['rounds']} interleaved rounds; decode and end-to-end "
+        "tok/s: median over rounds; x dense: median of same-round ratios; p50/p99: per decode step.",
+        f"Accuracy: WikiText-2 test perplexity over {p['ppl_windows']} windows of {p['ppl_window_tokens']} tokens of "
+        "what each engine decodes with; neurons / clipped: per token and layer (clipped active: of those, truly "
+        "active); greedy agreement: share of output tokens equal to dense's before the first difference.",
+        f"Pack: {results['pack']['path'] if results['pack'] else 'none'}. Resident MB: memory the process gained "
+        f"loading and warming the engine; process peak {m['peak_rss_mb']:.0f} MB.", "",
+    ]
+    main = _markdown(results["engines"], [
+        ("engine", "engine", ""), ("decode tok/s", "decode_tok_s", ".1f"), ("x dense", "decode_vs_dense", ".2f"),
+        ("end-to-end tok/s", "e2e_tok_s", ".1f"), ("x dense", "e2e_vs_dense", ".2f"),
+        ("prefill tok/s", "prefill_tok_s", ".0f"), ("p50 ms", "p50_ms", ".2f"), ("p99 ms", "p99_ms", ".2f"),
+        ("perplexity", "perplexity", ".2f"), ("x dense", "ppl_vs_dense", ".3f"),
+        ("greedy agree", "greedy_agreement", ".2f"), ("neurons", "neurons", ".0f"), ("clipped", "clipped", ".1f"),
+        ("clipped active", "clipped_active", ".1f"), ("resident MB", "resident_mb", ".0f"),
+    ])
+    by_length = _markdown(results["per_length"], [
+        ("prompt tokens", "length", "d"), ("engine", "engine", ""), ("prefill tok/s", "prefill_tok_s", ".0f"),
+        ("TTFT ms", "ttft_ms", ".1f"), ("decode tok/s", "decode_tok_s", ".1f"), ("x dense", "decode_vs_dense", ".2f"),
+        ("end-to-end tok/s", "e2e_tok_s", ".1f"),
+    ])
+    return "\n".join(head) + "\n" + main + "\n\n## Per prompt length\n\n" + by_length + "\n"
 
 
 def add_arguments(parser: argparse.ArgumentParser, command: str = "bench") -> None:
     parser.add_argument("--model", default=None, help="HF directory or .gguf (default: the default model)")
     parser.add_argument(
         "--dtypes", nargs="+", default=None,
-        help="dense engines to run (default: float32 on a CPU, where bfloat16 decodes 5-8x slower; float32 and "
+        help="dtypes to run each mode in (default: float32 on a CPU, where bfloat16 decodes 5-8x slower; float32 and "
              "bfloat16 on an accelerator)",
     )
     parser.add_argument("--weights", nargs="+", choices=WEIGHT_FORMATS, default=["float"],
                         help="weight formats to run each mode with (int8: modes dense and threshold)")
     add_mode_arguments(parser, modes=True)
-    parser.add_argument("--prompts", type=int, default=5, help="number of ChatGPT prompts")
-    parser.add_argument("--max-prompt-tokens", type=int, default=128)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds over all prompts and engines")
+    parser.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS),
+                        help=f"prompt lengths in tokens (default {' '.join(map(str, LENGTHS))})")
+    parser.add_argument("--long-prompt", type=int, default=LONG_PROMPT,
+                        help=f"one more, long prompt of this many tokens (default {LONG_PROMPT}; 0: none)")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="output tokens per prompt (default 128)")
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds, each with new prompts (default 2)")
+    parser.add_argument("--seed", type=int, default=0, help="prompt sampling seed")
+    parser.add_argument("--ppl-windows", type=int, default=16,
+                        help="WikiText-2 test windows of 512 tokens for perplexity (default 16; 0: no accuracy)")
     parser.add_argument(
         "--peers", nargs="*", choices=PEERS, default=list(PEERS),
         help="peer engines to run when installed (default: all; llama.cpp needs the 'peers' extra)",
     )
     parser.add_argument("--no-peers", dest="peers", action="store_const", const=[], help="run jpinfer only")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="llama.cpp threads (default: all cores)")
-    parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    parser.add_argument("--json", default=None, help="also write everything measured to this JSON file")
+    parser.add_argument("--out", default=None, help="also write the markdown report to this file")
+    parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
 
 
 def run(args: argparse.Namespace) -> int:
     from jpinfer.modes import check_mode_arguments
 
+    if args.modes is None:  # every mode when a pack is at hand (the default model's is built if missing)
+        args.modes = list(ENGINE_MODES) if args.model is None or args.pack else ["dense"]
+        if args.modes == ["dense"]:
+            print("running dense only: give --pack DIR (jpinfer prepare --model ...) to add sparse, hybrid and "
+                  "threshold", file=sys.stderr)
+    for name in ("rounds", "max_new_tokens", "threads"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.long_prompt < 0 or args.ppl_windows < 0 or min(args.lengths) < 1:
+        raise ValueError("--lengths must be >= 1 and --long-prompt, --ppl-windows >= 0")
+    if args.modes[0] != "dense":
+        raise ValueError("--modes must start with dense: every ratio and agreement is taken against it")
+    for mode in args.modes:
+        if mode not in INT8_MODES and "float" not in args.weights:
+            raise ValueError(f"int8 weights run in the modes {' and '.join(INT8_MODES)}; mode {mode!r} needs float "
+                             "weights (--weights float int8 runs both where both exist)")
+    uses_pack = args.pack is not None or args.model is None
     for mode in args.modes:  # before any model loads
-        for weights in args.weights:
+        if mode != "dense" and not uses_pack:
             check_mode_arguments(mode, args.predictors, args.profile, args.gpu_budget, None,
-                                 mode_options(args)["thresholds"], weights)
+                                 mode_options(args)["thresholds"], "float")
     prepare_devices(args.modes)
     if args.dtypes is None:
         args.dtypes = ["float32"] if jax.devices()[0].platform == "cpu" else ["float32", "bfloat16"]
-    for name in ("prompts", "max_prompt_tokens", "max_new_tokens", "rounds", "threads"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    rows = bench_engines(args)
+    results = bench(args)
+    text = report(results)
+    print(text)
+    if args.out:
+        pathlib.Path(args.out).write_text(text)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+        pathlib.Path(args.json).write_text(json.dumps(results, indent=1))
     return 0

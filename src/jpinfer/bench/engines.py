@@ -1,4 +1,8 @@
-"""The engines the bench compares. Adding one is a small class with ``name`` and ``run``."""
+"""The engines the bench compares. Adding one is a small class with ``name``, ``warm`` and ``run``.
+
+Every engine runs the bench's protocol: greedy, exactly ``max_new_tokens`` tokens whatever the
+model emits (end-of-sequence does not stop it), so every engine decodes the same number of steps.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,6 @@ import importlib.util
 import time
 from typing import Protocol
 
-import numpy as np
 
 from jpinfer.runtime.engine import Engine, GenerationConfig
 
@@ -21,15 +24,19 @@ class RunStats:
     prefill_s: float
     step_s: list[float]
 
+    @property
+    def total_s(self) -> float:
+        return self.prefill_s + sum(self.step_s)
+
 
 class BenchEngine(Protocol):
     name: str
     weight_bytes_per_token: int  # bytes read from weights per decoded token (0 = unknown)
 
-    def run(self, prompt_ids: list[int], max_new_tokens: int) -> RunStats: ...
+    def warm(self, n_prompt: int, max_new_tokens: int) -> None:
+        """Compile or load whatever a run of this shape needs, untimed."""
 
-    def host_overhead(self, prompt_ids: list[int], max_new_tokens: int) -> float | None:
-        """Fraction of a decode step spent outside the device computation (None = unknown)."""
+    def run(self, prompt_ids: list[int], max_new_tokens: int) -> RunStats: ...
 
 
 def weights_read_per_token(engine: Engine) -> int:
@@ -49,16 +56,14 @@ class JaxEngine:
         self.engine = engine
         self.weight_bytes_per_token = weights_read_per_token(engine)
 
+    def warm(self, n_prompt: int, max_new_tokens: int) -> None:
+        self.engine.warmup(n_prompt, GenerationConfig(max_new_tokens=max_new_tokens, ignore_eos=True))
+
     def run(self, prompt_ids: list[int], max_new_tokens: int) -> RunStats:
-        config = GenerationConfig(max_new_tokens=max_new_tokens)
+        config = GenerationConfig(max_new_tokens=max_new_tokens, ignore_eos=True)
         self.engine.warmup(len(prompt_ids), config)
         result = self.engine.generate(prompt_ids, config)
         return RunStats(len(prompt_ids), result.token_ids, result.prefill_s, result.step_s)
-
-    def host_overhead(self, prompt_ids: list[int], max_new_tokens: int) -> float:
-        loop = np.median(self.run(prompt_ids, max_new_tokens).step_s)
-        device = self.engine.device_step_seconds(prompt_ids, max_new_tokens - 1)
-        return max(0.0, (loop - device) / loop)
 
 
 class TransformersEager:
@@ -84,6 +89,9 @@ class TransformersEager:
     def available() -> bool:
         return importlib.util.find_spec("torch") is not None
 
+    def warm(self, n_prompt: int, max_new_tokens: int) -> None:
+        self.run([0] * n_prompt, 2)
+
     def run(self, prompt_ids: list[int], max_new_tokens: int) -> RunStats:
         torch = self.torch
         ids = torch.tensor([prompt_ids])
@@ -101,6 +109,3 @@ class TransformersEager:
         tokens = out[0, len(prompt_ids) :].tolist()
         assert tokens[0] == first[0, -1].item()
         return RunStats(len(prompt_ids), tokens, prefill_s, [per_step] * (n_new - 1))
-
-    def host_overhead(self, prompt_ids: list[int], max_new_tokens: int) -> None:
-        return None

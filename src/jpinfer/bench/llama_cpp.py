@@ -110,7 +110,8 @@ def _file_type_label(reader: GGUFReader) -> str:
 
 
 class LlamaCppEngine:
-    """llama.cpp (llama-cpp-python) on CPU, greedy on token ids, timed like the other engines.
+    """llama.cpp (llama-cpp-python) on CPU, greedy on token ids, timed like the other engines
+    (exactly ``max_new_tokens`` tokens, end-of-sequence included, as every bench engine).
 
     Uses ``Llama.eval`` and argmax of the last logits row read straight from the context,
     so neither llama-cpp-python's sampler chain nor text (de)tokenization is timed.
@@ -128,11 +129,6 @@ class LlamaCppEngine:
         self.model_path = pathlib.Path(model_path)
         reader = GGUFReader(self.model_path)
         self.weight_bytes_per_token = _weight_bytes_per_token(reader)
-        self.eos_ids = {
-            int(reader.fields[k].contents())
-            for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
-            if k in reader.fields
-        }
         self.name = f"llama.cpp {label or _file_type_label(reader)} ({n_threads} threads)"
         del reader
         self._llama_cpp = llama_cpp
@@ -173,20 +169,18 @@ class LlamaCppEngine:
         self.llm.eval(list(prompt_ids))
         token = self._greedy()
         prefill_s = time.perf_counter() - t0
-        tokens: list[int] = []
+        tokens: list[int] = [token]
         step_s: list[float] = []
-        while token not in self.eos_ids:  # stop at end-of-sequence, as jpinfer's engine does
-            tokens.append(token)
-            if len(tokens) >= max_new:
-                break
+        while len(tokens) < max_new:
             t = time.perf_counter()
             self.llm.eval([token])
             token = self._greedy()
             step_s.append(time.perf_counter() - t)
+            tokens.append(token)
         return RunStats(n, tokens, prefill_s, step_s)
 
-    def host_overhead(self, prompt_ids: list[int], max_new_tokens: int) -> None:
-        return None
+    def warm(self, n_prompt: int, max_new_tokens: int) -> None:
+        self.run([0] * n_prompt, 2)
 
 
 def quantized_gguf(source: os.PathLike | str, file_type: str) -> pathlib.Path:

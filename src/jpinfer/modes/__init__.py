@@ -11,8 +11,8 @@ from typing import Any
 
 from jpinfer.modes.arguments import check_mode_arguments
 
-__all__ = ["build_engine", "check_mode_arguments", "choose_placement", "default_devices", "layer_capacities",
-           "parse_budget"]
+__all__ = ["build_engine", "check_gpu_budget", "check_mode_arguments", "choose_placement", "default_devices",
+           "layer_capacities", "parse_budget"]
 
 
 def __getattr__(name: str) -> Any:

@@ -10,13 +10,8 @@ from jpinfer.errors import JpinferError
 INT8_MODES = ("dense", "threshold")  # the modes whose matrices have an int8 form (models.int8)
 
 
-def check_mode_arguments(mode: str, predictors: Any, profile: Any, gpu_budget: Any, placement: Any,
-                         thresholds: Any = None, weights: str = "float") -> None:
-    """Raise JpinferError when ``mode`` is unknown or lacks what it needs, or when ``weights``
-    ("float" or "int8") has no form in that mode.
-
-    ``threshold`` needs ``thresholds`` (``profiler.SparsityThresholds``) or a profile carrying them;
-    ``hybrid`` given thresholds instead of predictors is the threshold mode split over two devices."""
+def check_mode(mode: str, weights: str = "float") -> None:
+    """Raise JpinferError when ``mode`` is unknown, or when ``weights`` ("float" or "int8") has no form in it."""
     if mode not in ENGINE_MODES:
         raise JpinferError(f"unknown mode {mode!r}; choose one of {', '.join(ENGINE_MODES)}")
     if weights not in WEIGHT_FORMATS:
@@ -24,6 +19,16 @@ def check_mode_arguments(mode: str, predictors: Any, profile: Any, gpu_budget: A
     if weights == "int8" and mode not in INT8_MODES:
         raise JpinferError(f"int8 weights run in the modes {' and '.join(INT8_MODES)}; mode {mode!r} reads float "
                            "neuron bundles: use mode 'threshold' (training-free sparsity) or float weights")
+
+
+def check_mode_arguments(mode: str, predictors: Any, profile: Any, gpu_budget: Any, placement: Any,
+                         thresholds: Any = None, weights: str = "float") -> None:
+    """Raise JpinferError when ``mode`` is unknown or lacks what it needs, or when ``weights``
+    ("float" or "int8") has no form in that mode (``check_mode``).
+
+    ``threshold`` needs ``thresholds`` (``profiler.SparsityThresholds``) or a profile carrying them;
+    ``hybrid`` given thresholds instead of predictors is the threshold mode split over two devices."""
+    check_mode(mode, weights)
     if mode == "dense":
         return
     if mode == "threshold" or (mode == "hybrid" and thresholds is not None):

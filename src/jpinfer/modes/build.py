@@ -36,7 +36,8 @@ from jpinfer.modes.threshold import ThresholdSparseFFN
 from jpinfer.predictor.store import Predictors
 from jpinfer.profiler import ActivationProfile, SparsityThresholds
 from jpinfer.runtime.engine import Engine, FfnStrategy
-from jpinfer.solver import HardwareProfile, Placement, preset, solve_placement
+from jpinfer.solver import HardwareProfile, ModelSizes, Placement, model_sizes, preset, solve_placement
+from jpinfer.solver.memory import split_dense
 from jpinfer.sparse import ThresholdFFN, neurons, threshold
 
 BLOCK = 32  # capacities are rounded up to whole blocks of the sparse kernels (Pallas blocks, CPU loop chunks)
@@ -125,24 +126,37 @@ def parse_budget(budget: str | int | float, model_bytes: int) -> int:
     return parse_budget(int(float(number) * _UNITS[unit]), model_bytes)  # 0 bytes is an error there
 
 
+def _placement_sizes(model: LoadedModel, predictor_bytes: Sequence[int], context: int) -> ModelSizes:
+    """What the solver places for ``model``: weights and KV cache at the model's dtype, predictors as stored."""
+    dtype_bytes = jnp.dtype(model.weights.dtype).itemsize
+    return model_sizes(model.cfg, weight_bytes=dtype_bytes, kv_bytes=dtype_bytes,
+                       context=min(context, model.cfg.max_position), predictor_bytes=tuple(predictor_bytes))
+
+
+def check_gpu_budget(model: LoadedModel, gpu_budget: str | int | float, *, context: int = 2048) -> int:
+    """``gpu_budget`` in bytes (``parse_budget``); an ``InfeasibleBudgetError`` stating the minimum when it
+    cannot hold even what must live on the accelerator before any neuron (predictors not counted), so
+    that a run which ends by placing neurons fails before its long stages, not after them."""
+    budget = parse_budget(gpu_budget, nbytes(model.weights))
+    split_dense(_placement_sizes(model, [0] * model.cfg.n_layers, context), budget, "strict")
+    return budget
+
+
 def choose_placement(model: LoadedModel, profile: ActivationProfile, predictors: Predictors | None,
                      gpu_budget: str | int | float, *, context: int = 2048,
-                     hardware: HardwareProfile | None = None) -> Placement:
+                     hardware: HardwareProfile | None = None, objective: str | None = None) -> Placement:
     """The solver's placement for ``gpu_budget`` (see ``parse_budget``): maximise the accelerator's
-    share of activations (objective ``mass``) or, given a measured ``hardware``, the predicted
-    per-token time (``latency``). Embeddings, head, attention, predictors and a ``context``-token
-    KV cache stay on the accelerator; a budget below them is an ``InfeasibleBudgetError`` that
-    states the minimum."""
-    cfg, dtype_bytes = model.cfg, jnp.dtype(model.weights.dtype).itemsize
+    share of activations (objective ``mass``) or the predicted per-token time (``latency``; the
+    default when a measured ``hardware`` is given, else ``mass`` on the rtx4090 preset's
+    bandwidths). Embeddings, head, attention, predictors and a ``context``-token KV cache stay on
+    the accelerator; a budget below them is an ``InfeasibleBudgetError`` that states the minimum."""
     budget = parse_budget(gpu_budget, nbytes(model.weights))
     base = hardware or preset("rtx4090")
     hw = dataclasses.replace(base.replace(accel_memory=budget, reserved=0), name=f"{base.name}, budget {budget} B")
-    predictor_bytes = [p.n_params * 4 for p in predictors.layers] if predictors is not None else [0] * cfg.n_layers
-    return solve_placement(
-        profile.frequency(), cfg, hw, objective="latency" if hardware else "mass", dense_policy="strict",
-        weight_bytes=dtype_bytes, kv_bytes=dtype_bytes, context=min(context, cfg.max_position),
-        predictor_bytes=predictor_bytes,
-    )
+    predictor_bytes = [p.n_params * 4 for p in predictors.layers] if predictors is not None else [0] * model.cfg.n_layers
+    objective = objective or ("latency" if hardware else "mass")
+    return solve_placement(profile.frequency(), _placement_sizes(model, predictor_bytes, context), hw,
+                           objective=objective, dense_policy="strict")
 
 
 def default_devices() -> tuple[Any, Any]:

@@ -4,8 +4,9 @@ A jitted computation belongs to one device, so a step is a chain of small jitted
 the host dispatches, per layer:
 
     accelerator: h += the previous layer's two partial FFN outputs; attention; the FFN
-        input x; the predictor's logits split into the hot and the cold part, each cut to
-        at most its capacity (``select_neurons``); the hot FFN
+        input x (one call, the same for every layer); then the predictor's logits split into
+        the hot and the cold part, each cut to at most its capacity (``select_neurons``), and
+        the hot FFN (a second call, the layer's own shapes)
     x and the cold list -> CPU device (``jax.device_put``)
     cold FFN (CPU device): runs while the accelerator finishes its hot FFN
     cold output -> accelerator, added by the next layer's call (or the final one)
@@ -68,21 +69,28 @@ def _part_ffn(ffn: NeuronFFN | ThresholdFFN, x: jax.Array, chosen: tuple[jax.Arr
     return sparse_ffn(ffn, tokens[0], *chosen).reshape(x.shape)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "attend", "capacity"), donate_argnames=("cache_k", "cache_v"))
-def _accelerator_layer(part: AcceleratorLayer, h, y_hot, y_cold, positions, rope_cs, cache_k, cache_v, *,
-                       cfg: ModelConfig, attend: int, capacity: tuple[int, int] | None):
-    """Accelerator, per layer: merge the previous layer's two FFN outputs, attention, then (decode:
-    ``capacity`` given) the predictor's hot and cold lists, and the hot FFN. Returns the residual
-    stream, the FFN input x, the hot output, the cold list and the layer's keys and values."""
+@functools.partial(jax.jit, static_argnames=("cfg", "attend"), donate_argnames=("cache_k", "cache_v"))
+def _attention(layer: Layer, h, y_hot, y_cold, positions, rope_cs, cache_k, cache_v, *, cfg: ModelConfig, attend: int):
+    """Accelerator, per layer: merge the previous layer's two FFN outputs, then attention. Returns the
+    residual stream, the FFN input x and the layer's keys and values. Every layer has the same shapes
+    here, so this compiles once per attention length for all layers."""
     h = h + y_hot + y_cold
-    h, x, cache_k, cache_v = transformer.attention_residual(part.layer, h, positions, rope_cs, cache_k, cache_v, cfg,
-                                                            attend)
+    return transformer.attention_residual(layer, h, positions, rope_cs, cache_k, cache_v, cfg, attend)
+
+
+@functools.partial(jax.jit, static_argnames=("capacity",))
+def _hot_part(part: AcceleratorLayer, x, *, capacity: tuple[int, int] | None):
+    """Accelerator, per layer: (decode: ``capacity`` given) the predictor's hot and cold lists, and the
+    hot FFN. Its shapes are the layer's own (part sizes, predictor width), so it compiles once per
+    layer for prefill and once for decode, whatever the attention length: fused with the attention,
+    it compiled once per layer and attention length (a bench's warm-up of the default model's 30
+    layers over 5 attention lengths took minutes), for one dispatch fewer per layer."""
     hot_list = cold_list = None
     if capacity is not None and part.predictor is not None:
         logits = predict_logits(part.predictor, x.reshape(-1))
         hot_list = _part_list(logits, part.hot_ids, part.predictor.cutoff, capacity[0])
         cold_list = _part_list(logits, part.cold_ids, part.predictor.cutoff, capacity[1])
-    return h, x, _part_ffn(part.hot, x, hot_list), cold_list, cache_k, cache_v
+    return _part_ffn(part.hot, x, hot_list), cold_list
 
 
 _cold_ffn = jax.jit(_part_ffn)
@@ -126,11 +134,9 @@ class HybridStepper:
         keys, values = [], []
         for i, (part, cold) in enumerate(zip(self.layers, self.cold)):
             capacity = self.capacity[i] if decode else None
-            # the hot FFN runs inside the accelerator's call: the cold part waits for x either way,
-            # and one call fewer per layer is one dispatch fewer
-            h, x, y_hot, cold_list, k, v = _accelerator_layer(part, h, y_hot, y_cold, positions, rope_cs, cache.k[i],
-                                                              cache.v[i], cfg=self.cfg, attend=attend,
-                                                              capacity=capacity)
+            h, x, k, v = _attention(part.layer, h, y_hot, y_cold, positions, rope_cs, cache.k[i], cache.v[i],
+                                    cfg=self.cfg, attend=attend)
+            y_hot, cold_list = _hot_part(part, x, capacity=capacity)
             keys.append(k)
             values.append(v)
             if cold.n_neurons and (capacity is None or capacity[1]):

@@ -25,10 +25,12 @@ from jpinfer.profiler.activity import activation_and_score
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class MaskState:
-    """One layer's traced state: its predictor and the activity threshold on |a| (for counting)."""
+    """One layer's traced state: its predictor, the activity threshold on |a| (for counting) and,
+    for the hybrid's selection, the accelerator part (boolean (d_ff,); None: one part)."""
 
     predictor: PredictorWeights
     threshold: jax.Array
+    hot: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,11 +40,14 @@ class PredictedMaskFFN:
     With ``capacity`` (one K per layer) at most K neurons are kept per token, the largest
     logits over the cut-off, as the sparse engine does (``select_neurons``); the aux then
     also counts ``clipped`` (predicted but over the capacity) and ``clipped_active`` (of
-    those, the truly active ones: what the capacity cost in recall).
+    those, the truly active ones: what the capacity cost in recall). With one (hot K, cold K)
+    pair per layer and the states' ``hot`` parts, each part keeps at most its K, as the hybrid
+    engine selects. A K of None (or of d_ff or more) clips nothing: every neuron over the cut-off
+    is kept without a selection (a top-k per token is most of this FFN's time otherwise).
     """
 
     cfg: ModelConfig
-    capacity: tuple[int, ...] | None = None
+    capacity: tuple[int | None, ...] | tuple[tuple[int | None, int | None], ...] | None = None
 
     def __call__(self, i: int, layer: Layer, x: jax.Array, state: MaskState) -> tuple[jax.Array, dict[str, jax.Array]]:
         a, s = activation_and_score(layer, x, self.cfg, "product")
@@ -51,17 +56,31 @@ class PredictedMaskFFN:
         active = s > state.threshold
         if self.capacity is None:
             predicted = wanted
-        else:
-            predicted = selection_mask(select_neurons(logits, state.predictor.cutoff, self.capacity[i]), self.cfg.d_ff)
+        elif state.hot is None:
+            predicted = self._keep(logits, wanted, state.predictor.cutoff, self.capacity[i])
+        else:  # each part selects among its own neurons (the other part's logits out of reach)
+            predicted = jnp.zeros_like(wanted)
+            for part, k in zip((state.hot, ~state.hot), self.capacity[i]):
+                if k != 0:
+                    predicted = predicted | self._keep(jnp.where(part, logits, -jnp.inf), wanted & part,
+                                                       state.predictor.cutoff, k)
         counts = {"predicted": predicted.sum(-1), "active": active.sum(-1), "hits": (predicted & active).sum(-1)}
         if self.capacity is not None:
             dropped = wanted & ~predicted
             counts |= {"clipped": dropped.sum(-1), "clipped_active": (dropped & active).sum(-1)}
         return transformer.ffn_down(layer, jnp.where(predicted, a, 0)), counts
 
+    def _keep(self, logits: jax.Array, wanted: jax.Array, cutoff: jax.Array, k: int | None) -> jax.Array:
+        """At most ``k`` of the ``wanted`` neurons, the largest logits (all of them when k is None or >= d_ff)."""
+        if k is None or k >= self.cfg.d_ff:
+            return wanted
+        return selection_mask(select_neurons(logits, cutoff, k), self.cfg.d_ff)
 
-def mask_states(predictors: list[PredictorWeights], thresholds) -> list[MaskState]:
-    """The ``ffn_state`` list for ``PredictedMaskFFN``: per layer, predictor and threshold."""
+
+def mask_states(predictors: list[PredictorWeights], thresholds, hot_masks=None) -> list[MaskState]:
+    """The ``ffn_state`` list for ``PredictedMaskFFN``: per layer, predictor and threshold (and the
+    hybrid's accelerator mask, boolean (d_ff,), when ``hot_masks`` are given)."""
     if len(predictors) != len(thresholds):
         raise ValueError(f"{len(predictors)} predictors for {len(thresholds)} layer thresholds")
-    return [MaskState(p, jnp.float32(t)) for p, t in zip(predictors, thresholds)]
+    hot_masks = [None] * len(predictors) if hot_masks is None else [jnp.asarray(m, bool) for m in hot_masks]
+    return [MaskState(p, jnp.float32(t), hot) for p, t, hot in zip(predictors, thresholds, hot_masks)]

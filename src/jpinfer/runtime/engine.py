@@ -42,7 +42,9 @@ DENSE = FfnStrategy()
 
 @dataclasses.dataclass(frozen=True)
 class GenerationConfig:
-    """How to generate. ``temperature`` 0 is greedy; the same ``seed`` gives the same output."""
+    """How to generate. ``temperature`` 0 is greedy; the same ``seed`` gives the same output.
+    ``ignore_eos`` generates ``max_new_tokens`` tokens whatever the model emits (fixed-length
+    benchmarks; stop strings still stop)."""
 
     max_new_tokens: int = 64
     temperature: float = 0.0
@@ -51,6 +53,7 @@ class GenerationConfig:
     seed: int = 0
     stop: tuple[str, ...] = ()
     chat: bool = False
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -357,7 +360,8 @@ class Engine:
         ``step_s`` holds the time between consecutive tokens.
         """
         prompt_ids = self.encode_prompt(prompt, chat=config.chat)
-        sampler, eos_ids, n = config.sampler, self._eos_ids(), len(prompt_ids)
+        sampler, n = config.sampler, len(prompt_ids)
+        eos_ids = set() if config.ignore_eos else self._eos_ids()
         t0 = time.perf_counter()
         token, cache, key, max_new = self._start(prompt_ids, config.max_new_tokens, sampler, config.seed)
         ahead = self._step(token, cache, key, sampler, n) if max_new > 1 else None

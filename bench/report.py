@@ -1,0 +1,256 @@
+"""bench/results/REPORT.md from the files the reproduction scripts wrote (nothing else).
+
+Each section reads the JSON a script wrote beside its markdown, quotes what matters, shows its
+figure and names the command that regenerates it; a section whose file is missing says which
+command makes it. Numbers are copied from those files, never typed here.
+
+    python bench/report.py
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any, Callable
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+
+
+def load(name: str) -> dict[str, Any] | None:
+    path = RESULTS / f"{name}.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def table(header: list[str], rows: list[list[Any]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+            *("| " + " | ".join(str(c) for c in row) + " |" for row in rows)]
+
+
+def fmt(value: Any, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def missing(command: str) -> list[str]:
+    return [f"Not run yet: `{command}`.", ""]
+
+
+COMMANDS = {
+    "bench": "python -m jpinfer.bench --json bench/results/bench.json --out bench/results/bench.md",
+    "first_run": "python bench/first_run.py --out bench/results/first_run.md",
+    "accuracy_curves": "python bench/accuracy_curves.py --out bench/results/accuracy_curves.md",
+    "decode_speed": "python bench/decode_speed.py --out bench/results/decode_speed.md",
+    "modelled_speed": "python bench/modelled_speed.py --out bench/results/modelled_speed.md",
+    "placement_share": "python bench/placement_share.py --out bench/results/placement_share.md",
+    "kernel_efficiency": "python bench/kernel_efficiency.py --out bench/results/kernel_efficiency.md",
+    "power_law": "python bench/power_law.py --pack --out-dir bench/results",
+    "predictor_sizes": "python bench/predictor_sizes.py --out bench/results/predictor_sizes.md",
+}
+
+
+def source(name: str) -> str:
+    return f"Source: [`{name}.md`]({name}.md) (data: `{name}.json`), made by `{COMMANDS[name]}`."
+
+
+def setup() -> list[str]:
+    out = ["## Setup", ""]
+    bench, first = load("bench"), load("first_run")
+    if bench is None:
+        return out + missing(COMMANDS["bench"])
+    m = bench["machine"]
+    out += [f"- Machine: {m['cpus']} CPUs, jax {m['jax']} on {m['platform']}; the main bench ran {bench['date']} "
+            f"(load average before {m['load_before']}, after {m['load_after']}). No GPU was used for any number "
+            "here; GPU figures are modelled and say so.",
+            f"- Model: {bench['model']}, float32."]
+    pack = bench.get("pack")
+    if pack:
+        s = pack["settings"]
+        stages = ", ".join(f"{k} {v:.0f} s" for k, v in pack["stage_seconds"].items())
+        out += [f"- Pack (every reproduction reads it): {s['n_tokens']} tokens of {s['corpus']} profiled "
+                f"({s['calibration_tokens']} calibrate the thresholds), activity thresholds for {s['sparsity']:.0%} "
+                f"sparsity, {s['n_samples']} predictor samples per layer, predictors at recall {s['recall']} / strong "
+                f"{s['strong_recall']}, placement for a GPU budget of {s['gpu_budget']} of the weights "
+                f"({s['hardware']} preset, objective {s['objective']}). Stages: {stages}."]
+    if first:
+        for i, run in enumerate(first["runs"], 1):
+            parts = [f"{k} at {v / 60:.1f} min" for k, v in run.items() if k != "end"]
+            out.append(f"- `make bench` on a fresh clone, run {i}: ended after {run['end'] / 60:.1f} min "
+                       f"({'; '.join(parts)}). {source('first_run')}")
+    else:
+        out += ["- " + missing(COMMANDS["first_run"])[0]]
+    out += ["", "Commands (each writes its markdown, JSON and figure into `bench/results/`):", ""]
+    out += table(["result", "command"], [[f"[{n}]({n}.md)", f"`{c}`"] for n, c in COMMANDS.items()])
+    return out + [""]
+
+
+def accuracy() -> list[str]:
+    out = ["## Accuracy", ""]
+    curves = load("accuracy_curves")
+    if curves is None:
+        out += missing(COMMANDS["accuracy_curves"])
+    else:
+        out += [f"WikiText-2 test perplexity ({curves['windows']} windows of 512 tokens; dense "
+                f"{curves['dense_ppl']:.3f}) against the FFN weight bytes each mode reads per decoded token.", "",
+                "![accuracy](accuracy_curves.png)", ""]
+        rows = [[r["method"], fmt(r.get("activation"), ".0%"), fmt(r.get("input"), ".0%"),
+                 f"{r['recall']} / {r['strong_recall']}" if r["method"] == "predictor" else "-",
+                 f"{r['bytes']:.3f}", f"{r['ppl']:.3f}", f"{r['ppl_vs_dense']:.3f}"] for r in curves["rows"]]
+        out += table(["method", "activation s", "input s", "recall / strong", "bytes read", "perplexity", "x dense"],
+                     rows)
+        out += ["", source("accuracy_curves"), ""]
+    bench = load("bench")
+    if bench is not None:
+        out += ["Accuracy of each engine of the main bench (what it decodes with; greedy agreement with dense on "
+                "the bench's prompts):", ""]
+        out += table(["engine", "perplexity", "x dense", "greedy agreement", "neurons / token and layer",
+                       "clipped"], [[r["engine"], fmt(r["perplexity"], ".3f"), fmt(r["ppl_vs_dense"], ".3f"),
+                                     f"{r['greedy_agreement']:.2f}", fmt(r["neurons"], ".0f"),
+                                     fmt(r["clipped"], ".1f")] for r in bench["engines"]])
+        out += ["", source("bench"), ""]
+    return out
+
+
+def speed() -> list[str]:
+    out = ["## Speed", "", "### Every engine on the paper's protocol (measured, this CPU)", ""]
+    bench = load("bench")
+    if bench is None:
+        out += missing(COMMANDS["bench"])
+    else:
+        p = bench["protocol"]
+        out += [f"Prompts of {', '.join(map(str, p['lengths']))} and {p['long_prompt']} tokens, {p['max_new_tokens']} "
+                f"greedy output tokens, batch 1, {p['rounds']} interleaved rounds.", ""]
+        out += table(["engine", "decode tok/s", "x dense", "end-to-end tok/s", "x dense", "p50 / p99 ms"],
+                     [[r["engine"], f"{r['decode_tok_s']:.1f}", f"{r['decode_vs_dense']:.2f}", f"{r['e2e_tok_s']:.1f}",
+                       f"{r['e2e_vs_dense']:.2f}", f"{r['p50_ms']:.1f} / {r['p99_ms']:.1f}"] for r in bench["engines"]])
+        lengths = sorted({r["length"] for r in bench["per_length"]})
+        engines = list(dict.fromkeys(r["engine"] for r in bench["per_length"]))
+        by = {(r["engine"], r["length"]): r for r in bench["per_length"]}
+        out += ["", "Decode tok/s (x dense) and time to first token per prompt length:", ""]
+        out += table(["engine", *(f"{n} tokens" for n in lengths)],
+                     [[e, *(f"{by[e, n]['decode_tok_s']:.1f} ({by[e, n]['decode_vs_dense']:.2f}x), TTFT "
+                            f"{by[e, n]['ttft_ms']:.0f} ms" for n in lengths)] for e in engines])
+        out += ["", source("bench"), ""]
+    out += ["### Against sparsity and budget (measured, this CPU)", ""]
+    decode = load("decode_speed")
+    if decode is None:
+        out += missing(COMMANDS["decode_speed"])
+    else:
+        out += ["![decode speed](decode_speed.png)", ""]
+        out += table(["engine", "setting", "FFN bytes read", "decode tok/s", "x dense"],
+                     [[r["kind"], r["setting"], fmt(r["bytes"], ".3f"), f"{r['decode_tok_s']:.1f}",
+                       f"{r['vs_dense']:.2f}"] for r in decode["rows"]])
+        out += ["", source("decode_speed"), ""]
+    out += ["### On GPUs this machine lacks (MODELLED, not measured)", ""]
+    modelled = load("modelled_speed")
+    if modelled is None:
+        out += missing(COMMANDS["modelled_speed"])
+    else:
+        out += ["The placement solver's cost model (batch 1, memory-bound, datasheet bandwidths, no launch costs) "
+                "for jpinfer's placement (MILP, latency objective), the greedy placement and layer offload.", "",
+                "![modelled speed](modelled_speed.png)", ""]
+        rows = []
+        for case in modelled["cases"]:
+            for r in case["rows"]:
+                title = [case["title"].replace(" (modelled)", ""), r["skew"], r["preset"], "yes" if r["fits"] else "no"]
+                if r["runs"] is None:  # even the dense part does not fit this GPU
+                    rows.append(title + [f"needs {r['minimum_gib']:.1f} GiB on the GPU", "-", "-", "-"])
+                    continue
+                ms = lambda run: r["runs"][run]["per_token_time_ms"]
+                rows.append(title + [f"{1e3 / ms('latency'):.0f}", f"{1e3 / ms('greedy'):.0f}",
+                                     f"{1e3 / ms('layers'):.0f}", f"{ms('layers') / ms('latency'):.2f}x"])
+        out += table(["model", "skew", "preset", "fits", "jpinfer tok/s", "greedy tok/s", "layer offload tok/s",
+                      "jpinfer / offload"], rows)
+        compared = modelled.get("measured_vs_modelled") or []
+        if compared:
+            out += ["", "Measured against modelled:", ""]
+            out += table(["configuration", "source", "measured ms/token", "modelled ms/token", "model error"],
+                         [[c["configuration"], c["source"], f"{c['measured_ms']:.3f}", f"{c['modelled_ms']:.3f}",
+                           f"{c['error']:+.1%}"] for c in compared])
+        else:
+            out += ["", "Measured against modelled: no GPU run is recorded in bench/results, so the model's error is "
+                        "not measured yet (`python bench/gpu_decode.py --out bench/results/gpu_decode.md` on a GPU "
+                        "machine records one)."]
+        out += ["", source("modelled_speed"), ""]
+    return out
+
+
+def placement() -> list[str]:
+    out = ["## Placement", ""]
+    share = load("placement_share")
+    if share is None:
+        return out + missing(COMMANDS["placement_share"])
+    out += ["The accelerator's share of the FFN activation mass against its memory budget (the PowerInfer paper "
+            "reports about 20% for llama.cpp's layer offload and about 70% for its placement): the MILP with "
+            "both objectives, the greedy placement and layer offload.", "", "![placement share](placement_share.png)",
+            ""]
+    for case in share["cases"]:
+        rows = case["rows"]
+        paper = min(rows, key=lambda r: abs(r["runs"]["layers"]["accel_share"] - 0.2))
+        runs = paper["runs"]
+        out.append(f"- {case['title']}: at a budget of {paper['budget_gib']:.2f} GiB, where layer offload holds "
+                   f"{runs['layers']['accel_share']:.1%} of the mass, the MILP (mass) holds "
+                   f"{runs['mass']['accel_share']:.1%}, latency {runs['latency']['accel_share']:.1%}, greedy "
+                   f"{runs['greedy']['accel_share']:.1%} (modelled {runs['mass']['per_token_time_ms']:.2f} / "
+                   f"{runs['latency']['per_token_time_ms']:.2f} / {runs['layers']['per_token_time_ms']:.2f} ms per "
+                   "token: mass / latency / layers).")
+    return out + ["", source("placement_share"), ""]
+
+
+def kernels() -> list[str]:
+    out = ["## Kernels", ""]
+    eff = load("kernel_efficiency")
+    if eff is None:
+        return out + missing(COMMANDS["kernel_efficiency"])
+    out += ["Sparse FFN kernel efficiency (speedup over the dense FFN x (1 - sparsity); 1.0 = the sparse op moves "
+            "its bytes as fast as dense) against sparsity.", "", "![kernel efficiency](kernel_efficiency.png)", ""]
+    out += table(["layer shape", "sparsity", "dense ms", "sparse ms", "efficiency (median)", "range"],
+                 [[r["shape"], f"{r['s']:.2f}", f"{r['dense_ms']:.2f}", f"{r['sparse_ms']:.2f}",
+                   f"{r['efficiency']:.2f}", f"{r['efficiency_min']:.2f}-{r['efficiency_max']:.2f}"]
+                  for r in eff["cpu"]])
+    gpu = eff.get("gpu")
+    out += ["", f"GPU: {'from ' + gpu['source'] if gpu else 'not measured yet (no GPU run recorded)'}.", "",
+            source("kernel_efficiency"), ""]
+    return out
+
+
+def activity() -> list[str]:
+    out = ["## Activity and predictors", ""]
+    law = load("power_law")
+    if law is None:
+        out += missing(COMMANDS["power_law"])
+    else:
+        mean = law["mean"]
+        out += [f"Power law per layer ({law['n_tokens']} profiled tokens, thresholds for {law['sparsity']:.0%} "
+                f"sparsity): on average the hottest {mean['share_50']:.1%} / {mean['share_80']:.1%} / "
+                f"{mean['share_90']:.1%} of a layer's neurons carry 50 / 80 / 90% of its activations (equal firing "
+                "would give 50 / 80 / 90%; PowerInfer reports 80% in 26% of the neurons of OPT-30B, a ReLU model).",
+                "", "![power law](power_law.png)", "", source("power_law"), ""]
+    sizes = load("predictor_sizes")
+    if sizes is None:
+        out += missing(COMMANDS["predictor_sizes"])
+    else:
+        mean = lambda key, which: sum(r[key] for r in sizes[which]) / len(sizes[which])
+        total = lambda which: sum(r["params"] for r in sizes[which])
+        out += [f"Predictors, adaptive widths ({total('adaptive'):,} parameters) against one fixed width "
+                f"({sizes['fixed'][0]['width']}, {total('fixed'):,}): a token computes {mean('predicted', 'adaptive'):.3f} "
+                f"against {mean('predicted', 'fixed'):.3f} of each layer's neurons at held-out recall "
+                f"{mean('recall', 'adaptive'):.4f} against {mean('recall', 'fixed'):.4f} (truly active: "
+                f"{mean('active', 'adaptive'):.3f}).", "", "![predictor sizes](predictor_sizes.png)", "",
+                source("predictor_sizes"), ""]
+    return out
+
+
+SECTIONS: list[Callable[[], list[str]]] = [setup, accuracy, speed, placement, kernels, activity]
+
+
+def main() -> None:
+    lines = ["# jpinfer: report", "",
+             "Generated by `python bench/report.py` from the files the scripts in `bench/` wrote into "
+             "`bench/results/`: every number below is copied from one of them (named in each section).", ""]
+    for section in SECTIONS:
+        lines += section()
+    (RESULTS / "REPORT.md").write_text("\n".join(lines).rstrip() + "\n")
+    print(RESULTS / "REPORT.md")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""The bench's accuracy columns: perplexity on WikiText-2 test of what each engine decodes with.
+
+jpinfer engines are scored through ``modes.evaluation.decode_equivalent`` (the per-token FFN of
+their decode step, over whole windows), which also gives the neurons computed and clipped per
+token and layer; llama.cpp through its own logits (``llama_cpp.perplexity``); transformers' eager
+model runs the dense model's weights in float32 and is not scored again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from jpinfer.bench.engines import JaxEngine
+from jpinfer.bench.llama_cpp import LlamaCppEngine, perplexity as llama_cpp_perplexity
+from jpinfer.data import WIKITEXT2_TEST
+from jpinfer.models.loading import LoadedModel
+from jpinfer.modes.evaluation import decode_equivalent
+from jpinfer.profiler import evaluate, token_windows
+
+WINDOW = 512  # tokens per perplexity window (fewer when the model's context is shorter)
+
+
+@dataclasses.dataclass
+class Accuracy:
+    """One engine's scores: perplexity, and per token and layer the neurons it computed (None:
+    every one), the neurons its capacity clipped and, of those, the truly active ones."""
+
+    perplexity: float | None
+    neurons: float | None = None
+    clipped: float | None = None
+    clipped_active: float | None = None
+
+
+def wikitext_windows(tokenizer: Any, n_windows: int, window: int = WINDOW) -> np.ndarray:
+    """The first ``n_windows`` windows of ``window`` tokens of WikiText-2 test (the perplexity protocol)."""
+    return token_windows(str(WIKITEXT2_TEST), tokenizer, window=window, n_tokens=n_windows * window).tokens
+
+
+def score(engine: Any, dense: LoadedModel, windows: np.ndarray, activity_thresholds: np.ndarray | None,
+          threads: int) -> Accuracy:
+    """The engine's accuracy on ``windows`` (``dense``: the same model with its dense FFN;
+    ``activity_thresholds``: what "active" means for the clipped-active count, None: not counted)."""
+    if isinstance(engine, LlamaCppEngine):
+        return Accuracy(llama_cpp_perplexity(engine.model_path, windows, n_threads=threads))
+    if not isinstance(engine, JaxEngine):
+        return Accuracy(None)
+    model, strategy = decode_equivalent(engine.engine, dense, activity_thresholds)
+    ppl, aux = evaluate(model, windows, strategy.impl, strategy.state)
+    per_token = lambda key: _per_token_and_layer(aux, key, windows)
+    return Accuracy(ppl, per_token("predicted") if _has(aux, "predicted") else per_token("neurons"),
+                    per_token("clipped"), None if activity_thresholds is None else per_token("clipped_active"))
+
+
+def _has(aux: Any, key: str) -> bool:
+    return bool(aux) and isinstance(aux[0], dict) and key in aux[0]
+
+
+def _per_token_and_layer(aux: Any, key: str, windows: np.ndarray) -> float | None:
+    """Mean over tokens and layers of a per-token count in the strategy's aux (None if it has none)."""
+    if not _has(aux, key):
+        return None
+    return float(sum(layer[key] for layer in aux) / (len(aux) * windows.size))

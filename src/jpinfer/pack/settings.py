@@ -1,0 +1,156 @@
+"""What a pack is prepared with, and which stage reads what.
+
+A pack is made in five stages (``STAGES``, in order), each a function of some settings and of
+the stages before it:
+
+    calibration  histograms of |a| and |x| over calibration windows  (one dense pass)
+    profile      activity counts and predictor samples, at thresholds for ``sparsity``
+    thresholds   the threshold mode's per-layer thresholds (from the calibration histograms)
+    predictors   one predictor per layer, trained on the profile's samples
+    placement    the hot neurons for ``gpu_budget`` (from the profile and the predictors' sizes)
+
+A stage's key is a digest of its inputs (``stage_inputs``) and of the keys of the stages it reads,
+so a changed setting invalidates exactly the stages that depend on it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from jpinfer import artifacts
+from jpinfer.errors import JpinferError
+from jpinfer.modes.build import parse_budget
+from jpinfer.profiler.sparsity import check_targets
+
+# Bump a stage's version when what it computes changes; its key (and those after it) change with it.
+STAGE_VERSIONS = {"calibration": 1, "profile": 1, "thresholds": 1, "predictors": 1, "placement": 1}
+STAGES = tuple(STAGE_VERSIONS)
+DEPENDS = {"calibration": (), "profile": ("calibration",), "thresholds": ("calibration",),
+           "predictors": ("profile",), "placement": ("profile", "predictors")}
+OBJECTIVES = ("mass", "latency")
+
+
+@dataclasses.dataclass(frozen=True)
+class PackSettings:
+    """Settings of ``jpinfer.prepare``. The defaults build the default model's pack in about
+    five minutes on two CPU cores (``bench/results/REPORT.md``, setup).
+
+    corpus / fields / window / seed: the text (as ``jpinfer.profile``); ``calibration_tokens`` of it
+    calibrate the thresholds (twice as many are tokenized: greedy allocation holds out the second half),
+    ``n_tokens`` are profiled, keeping ``n_samples`` predictor samples per layer.
+    sparsity: SwiGLU models' activity thresholds (what "active" means for the profile and the
+    predictors), calibrated for this fraction of inactive neurons per layer.
+    threshold_sparsity / input_sparsity / allocation: the threshold mode's targets (None:
+    ``threshold_sparsity`` = ``sparsity`` on SwiGLU models, exact zeros on ReLU kinds; input off).
+    ranks / predictor_budget / recall / strong_recall / max_epochs: predictor training
+    (``jpinfer.train_predictors``; ranks None = adaptive widths under the budget, compared by proxy
+    trainings on ``search_samples`` samples for ``search_epochs`` epochs).
+    gpu_budget / hardware / objective / context: the placement (``jpinfer.load``'s ``gpu_budget``:
+    "6GB", "512MiB", bytes or a fraction of the weights; a hardware preset name or "measure";
+    objective "mass" or "latency"; tokens of KV cache kept on the accelerator). The placement also
+    depends on the dtype the model was loaded in (bytes per neuron), the others do not.
+    """
+
+    corpus: str = "wikitext2-valid"
+    fields: tuple[str, ...] = ()
+    window: int = 512
+    seed: int = 0
+    calibration_tokens: int = 8192
+    n_tokens: int = 32768
+    n_samples: int = 16384
+    sparsity: float = 0.5
+    threshold_sparsity: float | None = None
+    input_sparsity: float | None = None
+    allocation: str = "uniform"
+    ranks: int | None = None
+    search_samples: int = 8192
+    search_epochs: int = 2
+    predictor_budget: float = 0.1
+    recall: float = 0.99
+    strong_recall: float = 0.999
+    max_epochs: int = 8
+    gpu_budget: str = "0.75"
+    hardware: str = "rtx4090"
+    objective: str = "mass"
+    context: int = 2048
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "fields", tuple(self.fields))
+        object.__setattr__(self, "gpu_budget", str(self.gpu_budget))
+        for name in ("window", "calibration_tokens", "n_tokens", "n_samples", "search_samples", "search_epochs",
+                     "max_epochs", "context"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise JpinferError(f"pack setting {name} must be an integer >= 1, got {value!r}")
+        if self.n_tokens < self.window or self.calibration_tokens < self.window:
+            raise JpinferError(f"n_tokens ({self.n_tokens}) and calibration_tokens ({self.calibration_tokens}) must "
+                               f"hold at least one window of {self.window} tokens")
+        if not 0.0 <= self.sparsity < 1.0:
+            raise JpinferError(f"sparsity is the fraction of inactive neurons: give 0 <= s < 1, got {self.sparsity!r}")
+        try:
+            check_targets(self.threshold_sparsity if self.threshold_sparsity is not None else self.sparsity,
+                          self.input_sparsity, self.allocation)
+        except ValueError as e:
+            raise JpinferError(f"threshold mode settings: {e}") from None
+        if self.ranks is not None and (not isinstance(self.ranks, int) or self.ranks < 1):
+            raise JpinferError(f"ranks must be None (adaptive) or an integer >= 1, got {self.ranks!r}")
+        for name in ("predictor_budget", "recall", "strong_recall"):
+            if not 0 < getattr(self, name) <= 1:
+                raise JpinferError(f"{name} must lie in (0, 1], got {getattr(self, name)!r}")
+        parse_budget(self.gpu_budget, 1)  # its syntax, before any model loads (the bytes need the model)
+        if self.objective not in OBJECTIVES:
+            raise JpinferError(f"objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
+        from jpinfer.solver import PRESETS
+
+        if self.hardware != "measure" and self.hardware not in PRESETS:
+            raise JpinferError(f"hardware must be a preset ({', '.join(PRESETS)}) or 'measure', got {self.hardware!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self) | {"fields": list(self.fields)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "PackSettings":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise JpinferError(f"unknown pack settings {sorted(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**data)
+
+    def threshold_targets(self, ffn_kind: str) -> dict[str, Any]:
+        """The threshold mode's targets for a model of ``ffn_kind`` (ReLU kinds skip exact zeros)."""
+        activation = 0.0 if ffn_kind != "swiglu" else (
+            self.sparsity if self.threshold_sparsity is None else self.threshold_sparsity)
+        return {"activation": activation, "input": self.input_sparsity, "allocation": self.allocation}
+
+
+def stage_inputs(settings: PackSettings, ffn_kind: str, dtype: str) -> dict[str, dict[str, Any]]:
+    """Per stage, the settings it reads (resolved: what the stage computes with) for a model of
+    ``ffn_kind`` loaded in ``dtype``."""
+    text = {"corpus": settings.corpus, "fields": list(settings.fields), "window": settings.window,
+            "seed": settings.seed}
+    return {
+        "calibration": text | {"calibration_tokens": settings.calibration_tokens},
+        "profile": text | {"n_tokens": settings.n_tokens, "n_samples": settings.n_samples,
+                           "sparsity": settings.sparsity if ffn_kind == "swiglu" else None},
+        "thresholds": settings.threshold_targets(ffn_kind),
+        "predictors": {"recall": settings.recall, "strong_recall": settings.strong_recall,
+                       "max_epochs": settings.max_epochs} | (
+            {"ranks": settings.ranks} if settings.ranks is not None else
+            {"ranks": "adaptive", "budget": settings.predictor_budget, "search_samples": settings.search_samples,
+             "search_epochs": settings.search_epochs}),
+        "placement": {"gpu_budget": settings.gpu_budget, "hardware": settings.hardware,
+                      "objective": settings.objective, "context": settings.context, "dtype": dtype},
+    }
+
+
+def stage_keys(settings: PackSettings, ffn_kind: str, dtype: str, model_fingerprint: str) -> dict[str, str]:
+    """Per stage, the digest of the model, its inputs, its version and the keys of the stages it reads."""
+    inputs = stage_inputs(settings, ffn_kind, dtype)
+    keys: dict[str, str] = {}
+    for stage in STAGES:
+        record = [stage, STAGE_VERSIONS[stage], model_fingerprint, inputs[stage], [keys[d] for d in DEPENDS[stage]]]
+        keys[stage] = artifacts.digest(json.dumps(record, sort_keys=True).encode())
+    return keys
+

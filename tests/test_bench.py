@@ -1,0 +1,91 @@
+"""The main job end to end on a tiny GGUF model: `jpinfer prepare` writes a pack, `jpinfer bench` runs every
+mode from it (a smoke test of the protocol and its numbers' bookkeeping, not a timing)."""
+
+import json
+
+import numpy as np
+import pytest
+
+import jpinfer
+from jpinfer.bench.accuracy import wikitext_windows
+from jpinfer.bench.prompts import sample_prompts
+from jpinfer.cli import main
+from jpinfer.config import ENGINE_MODES
+from jpinfer.pack import Pack, STAGES
+from jpinfer.profiler import evaluate
+from gguf_fixtures import random_tensors, tiny_config, write_gguf
+
+ROUNDS, NEW, LENGTHS, LONG = 2, 5, (4, 16), 40
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    """A tiny llama GGUF and its pack made by the CLI, with a cache of their own."""
+    root = tmp_path_factory.mktemp("bench")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("JPINFER_CACHE", str(root / "cache"))
+        cfg = tiny_config()
+        model = write_gguf(root / "tiny.gguf", cfg, random_tensors(cfg))
+        pack = root / "pack"
+        argv = ["prepare", "--model", str(model), "--out", str(pack), "--n-tokens", "2048", "--calibration-tokens",
+                "256", "--window", "64", "--samples", "512", "--rank", "4", "--epochs", "2", "--gpu-budget", "0.95",
+                "--context", "64", "--no-progress"]
+        yield model, pack, argv
+
+
+def test_prepare_writes_a_pack_and_says_what_ran(env, capsys):
+    model, pack, argv = env
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"stages run: {', '.join(STAGES)}" in out and str(pack) in out
+    assert Pack.load(pack, jpinfer.load_model(model)).settings.n_tokens == 2048
+    assert main(argv) == 0
+    assert "stages run: none (all reused)" in capsys.readouterr().out
+
+
+def test_bench_runs_every_mode_from_the_pack(env, tmp_path, capsys):
+    model, pack, argv = env
+    if not (pack / "pack.json").exists():
+        assert main(argv) == 0
+    out_json, out_md = tmp_path / "bench.json", tmp_path / "bench.md"
+    assert main(["bench", "--model", str(model), "--pack", str(pack), "--lengths", *map(str, LENGTHS),
+                 "--long-prompt", str(LONG), "--max-new-tokens", str(NEW), "--rounds", str(ROUNDS), "--ppl-windows",
+                 "2", "--no-peers", "--json", str(out_json), "--out", str(out_md), "--no-progress"]) == 0
+    results = json.loads(out_json.read_text())
+    names = [row["engine"] for row in results["engines"]]
+    assert names == [f"jpinfer {mode} float32" for mode in ENGINE_MODES]
+    lengths = [*LENGTHS, LONG]
+    assert len(results["runs"]) == ROUNDS * len(lengths) * len(names)
+    tokenizer = jpinfer.load_model(model).tokenizer
+    prompts = sample_prompts(tokenizer, lengths, ROUNDS, seed=0)
+    for run in results["runs"]:
+        assert run["n_prompt"] == run["length"] and len(run["tokens"]) == NEW  # fixed-length outputs
+        assert len(run["step_s"]) == NEW - 1 and run["prefill_s"] > 0
+    for length in lengths:
+        assert all(len(p) == length for p in prompts[length])
+    dense, *others = results["engines"]
+    assert dense["decode_vs_dense"] == 1.0 and dense["greedy_agreement"] == 1.0 and dense["ppl_vs_dense"] == 1.0
+    # the dense perplexity is the dense model's on the first windows of WikiText-2 test
+    windows = wikitext_windows(tokenizer, 2, window=tiny_config().max_position)
+    assert dense["perplexity"] == pytest.approx(evaluate(jpinfer.load_model(model), windows)[0], rel=1e-6)
+    for row in others:
+        assert row["decode_tok_s"] > 0 and np.isfinite(row["perplexity"]) and 0 <= row["greedy_agreement"] <= 1
+    sparse = others[0]
+    assert 0 < sparse["neurons"] <= tiny_config().d_ff and sparse["clipped"] >= 0
+    assert {row["length"] for row in results["per_length"]} == set(lengths)
+    text = out_md.read_text()
+    assert "| engine | decode tok/s |" in text and "## Per prompt length" in text
+    assert text.strip() in capsys.readouterr().out
+
+
+def test_prompts_have_exact_lengths_and_follow_the_seed():
+    from profiler_fixtures import CharTokenizer
+
+    tokenizer = CharTokenizer()
+    a = sample_prompts(tokenizer, [8, 300], 3, seed=1)
+    assert [len(p) for p in a[8]] == [8, 8, 8] and [len(p) for p in a[300]] == [300] * 3
+    assert len({tuple(p) for p in a[8]}) == 3  # a new text each round
+    assert sample_prompts(tokenizer, [300], 3, seed=1)[300] == a[300]  # independent of the other lengths
+    assert sample_prompts(tokenizer, [8], 3, seed=2)[8] != a[8]
+    with pytest.raises(ValueError, match=">= 1 token"):
+        sample_prompts(tokenizer, [0], 1)

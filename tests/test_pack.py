@@ -1,0 +1,249 @@
+"""Packs: round trip, stage invalidation, refusal of damaged, foreign and unfinished packs, and
+``jpinfer.load(pack=...)`` building the same engines as the pack's artifacts given by hand."""
+
+import dataclasses
+import json
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+import jpinfer
+from jpinfer import JpinferError
+from jpinfer.cache import CacheWarning
+from jpinfer.modes import build_engine
+from jpinfer.pack import Pack, PackError, PackIncompleteError, PackMismatchError, PackSettings, STAGES, prepare
+from jpinfer.pack import stages as stages_module
+from jpinfer.pack.store import MANIFEST
+from jpinfer.solver import InfeasibleBudgetError
+from profiler_fixtures import tiny_engine
+
+TEXT = " ".join(["the quick brown fox jumps over the lazy dog", "a stitch in time saves nine",
+                 "all that glitters is not gold", "where there is smoke there is fire"] * 120)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """One cache for the module (predictor samples live there), restored after."""
+    path = tmp_path_factory.mktemp("cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("JPINFER_CACHE", str(path))
+        yield path
+
+
+@pytest.fixture(scope="module")
+def settings(tmp_path_factory):
+    corpus = tmp_path_factory.mktemp("corpus") / "text.txt"
+    corpus.write_text(TEXT)
+    return PackSettings(corpus=str(corpus), window=32, calibration_tokens=256, n_tokens=1024, n_samples=512,
+                        ranks=4, max_epochs=2, gpu_budget="0.9", context=64)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_engine("swiglu").model
+
+
+@pytest.fixture(scope="module")
+def made(cache, settings, model, tmp_path_factory):
+    """A finished pack, prepared once; tests copy it before changing it."""
+    path = tmp_path_factory.mktemp("packs") / "pack"
+    return prepare(model, path, settings, progress=False)
+
+
+@pytest.fixture
+def pack_dir(made, tmp_path):
+    path = tmp_path / "pack"
+    shutil.copytree(made.path, path)
+    return path
+
+
+def finished(path) -> dict:
+    return {stage: entry["finished"] for stage, entry in json.loads((path / MANIFEST).read_text())["stages"].items()}
+
+
+def test_round_trip(made, model):
+    assert made.ran == STAGES
+    loaded = Pack.load(made.path, model)
+    assert loaded.ran == () and loaded.settings == made.settings
+    np.testing.assert_array_equal(loaded.profile.counts, made.profile.counts)
+    np.testing.assert_array_equal(loaded.profile.thresholds, made.profile.thresholds)
+    assert loaded.profile.sparsity_thresholds().to_dict() == made.thresholds.to_dict()
+    for a, b in zip(loaded.predictors.layers, made.predictors.layers):
+        for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    for a, b in zip(loaded.placement.masks(), made.placement.masks()):
+        np.testing.assert_array_equal(a, b)
+    # the stages computed what their functions compute from the same inputs
+    assert made.predictors.meta["profile_fingerprint"] == jpinfer.predictor.profile_fingerprint(made.profile)
+    assert made.thresholds.target == {"activation": made.settings.sparsity}
+
+
+def test_prepare_again_reuses_every_stage(made, model, pack_dir):
+    before = (pack_dir / MANIFEST).read_bytes()
+    again = prepare(model, pack_dir, made.settings, progress=False)
+    assert again.ran == ()
+    assert (pack_dir / MANIFEST).read_bytes() == before  # nothing rewritten
+
+
+@pytest.mark.parametrize("change, stages", [
+    ({"recall": 0.9}, ("predictors", "placement")),
+    ({"gpu_budget": "0.95"}, ("placement",)),
+    ({"objective": "latency"}, ("placement",)),
+    ({"threshold_sparsity": 0.3}, ("thresholds",)),
+    ({"input_sparsity": 0.2}, ("thresholds",)),
+    ({"n_samples": 256}, ("profile", "predictors", "placement")),
+    ({"sparsity": 0.6}, ("profile", "thresholds", "predictors", "placement")),  # thresholds follow sparsity
+    ({"calibration_tokens": 512}, STAGES),
+])
+def test_a_changed_setting_redoes_exactly_what_depends_on_it(made, model, pack_dir, change, stages):
+    before = finished(pack_dir)
+    pack = prepare(model, pack_dir, dataclasses.replace(made.settings, **change), progress=False)
+    assert pack.ran == stages
+    after = finished(pack_dir)
+    assert {s for s in STAGES if after[s] != before[s]} <= set(stages)  # the others kept their entries
+    assert {s: after[s] for s in STAGES if s not in stages} == {s: before[s] for s in STAGES if s not in stages}
+    assert Pack.load(pack_dir, model).settings == dataclasses.replace(made.settings, **change)
+
+
+def test_another_dtype_redoes_only_the_placement(made, pack_dir):
+    bf16 = tiny_engine("swiglu").model
+    bf16 = dataclasses.replace(bf16, weights=jax.tree_util.tree_map(lambda a: a.astype("bfloat16"), bf16.weights))
+    pack = prepare(bf16, pack_dir, made.settings, progress=False)
+    assert pack.ran == ("placement",) and pack.dtype == "bfloat16"
+
+
+@pytest.mark.parametrize("target", ["profile.npz", "calibration.npz", "thresholds.json", "predictors",
+                                    "placement/placement.npz"])
+def test_a_damaged_file_is_refused_then_redone(made, model, pack_dir, target):
+    path = pack_dir / target
+    if path.is_dir():
+        path = max((f for f in path.rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(PackError, match="checksum mismatch|changed since"):
+        Pack.load(pack_dir, model)
+    with pytest.warns(CacheWarning, match="redoing"):
+        pack = prepare(model, pack_dir, made.settings, progress=False)
+    stage = target.split(".")[0].split("/")[0]
+    first = STAGES.index(stage)
+    dependents = {stage} | {s for s in STAGES[first:] if _reads(s, stage)}
+    assert set(pack.ran) == dependents
+    Pack.load(pack_dir, model)
+
+
+def _reads(stage: str, upstream: str) -> bool:
+    from jpinfer.pack.settings import DEPENDS
+
+    return upstream in DEPENDS[stage] or any(_reads(d, upstream) for d in DEPENDS[stage])
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda m: m.update(version=99), "version 99.*newer"),
+    (lambda m: m["settings"].update(recall=0.5), "checksum mismatch|changed since"),
+    (lambda m: m.update(format="something"), "not a jpinfer pack"),
+])
+def test_a_damaged_or_other_version_manifest_is_refused(model, pack_dir, edit, match):
+    manifest = json.loads((pack_dir / MANIFEST).read_text())
+    edit(manifest)
+    (pack_dir / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(PackError, match=match):
+        Pack.load(pack_dir, model)
+
+
+def test_a_missing_manifest_or_directory_is_refused(model, pack_dir, tmp_path):
+    with pytest.raises(PackError, match="no such pack directory"):
+        Pack.load(tmp_path / "nowhere")
+    (pack_dir / MANIFEST).unlink()
+    with pytest.raises(PackError, match="not a jpinfer pack"):
+        Pack.load(pack_dir)
+
+
+def test_a_foreign_pack_is_refused_and_not_overwritten(made, pack_dir):
+    other = tiny_engine("swiglu", seed=1).model
+    with pytest.raises(PackMismatchError, match="prepared for model"):
+        Pack.load(pack_dir, other)
+    before = (pack_dir / MANIFEST).read_bytes()
+    with pytest.raises(PackMismatchError, match="not overwritten"):
+        prepare(other, pack_dir, made.settings, progress=False)
+    assert (pack_dir / MANIFEST).read_bytes() == before
+
+
+def test_an_interrupted_prepare_leaves_an_unfinished_pack_that_resumes(made, model, pack_dir, monkeypatch):
+    changed = dataclasses.replace(made.settings, recall=0.8)
+
+    def interrupted(run):
+        raise KeyboardInterrupt
+
+    monkeypatch.setitem(stages_module.RUNNERS, "placement", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(model, pack_dir, changed, progress=False)
+    with pytest.raises(PackIncompleteError, match="unfinished.*predictors"):
+        Pack.load(pack_dir, model)
+    monkeypatch.undo()
+    pack = prepare(model, pack_dir, changed, progress=False)
+    assert pack.ran == ("placement",)  # the predictors finished before the interruption
+    assert Pack.load(pack_dir, model).settings.recall == 0.8
+
+
+def test_a_directory_with_other_files_is_not_written_into(made, model, tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(JpinferError, match="not a pack"):
+        prepare(model, tmp_path, made.settings, progress=False)
+    assert (tmp_path / "notes.txt").read_text() == "mine" and not (tmp_path / MANIFEST).exists()
+
+
+def test_missing_predictor_samples_redo_the_profile_when_the_predictors_rerun(made, model, pack_dir, cache):
+    shutil.rmtree(cache / "samples")
+    pack = prepare(model, pack_dir, dataclasses.replace(made.settings, recall=0.95), progress=False)
+    assert pack.ran == ("profile", "predictors", "placement")
+    np.testing.assert_array_equal(pack.profile.counts, made.profile.counts)  # the same pass again
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"sparsity": 1.0}, "fraction of inactive neurons"),
+    ({"hardware": "tpu9000"}, "hardware must be a preset"),
+    ({"objective": "speed"}, "objective must be one of"),
+    ({"recall": 0.0}, "recall must lie in"),
+    ({"n_tokens": 8}, "at least one window"),
+    ({"input_sparsity": 1.5}, "threshold mode settings"),
+    ({"ranks": 0}, "ranks must be None"),
+])
+def test_bad_settings_are_refused(settings, change, match):
+    with pytest.raises(JpinferError, match=match):
+        dataclasses.replace(settings, **change)
+
+
+def test_unknown_setting_and_infeasible_budget_fail_before_any_stage(made, model, tmp_path):
+    with pytest.raises(JpinferError, match="sparsty"):
+        prepare(model, tmp_path / "a", made.settings, sparsty=0.5, progress=False)
+    with pytest.raises(InfeasibleBudgetError, match="raise the budget"):
+        prepare(model, tmp_path / "b", made.settings, gpu_budget="1KB", progress=False)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("mode", ["sparse", "hybrid", "threshold"])
+def test_a_packs_mode_arguments_build_the_engine_of_its_artifacts(made, model, mode):
+    from jpinfer.pack import mode_arguments
+
+    direct = build_engine(model, mode, **mode_arguments(made, mode, "float32"))
+    expected = {"sparse": dict(predictors=made.predictors, profile=made.profile),
+                "hybrid": dict(predictors=made.predictors, profile=made.profile, placement=made.placement),
+                "threshold": dict(profile=made.profile)}[mode]
+    by_hand = build_engine(model, mode, **expected)
+    prompt = [1, 5, 9, 12, 3]
+    assert direct.generate(prompt, max_new_tokens=6).token_ids == by_hand.generate(prompt, max_new_tokens=6).token_ids
+
+
+def test_mode_arguments_given_values_win(made):
+    from jpinfer.pack import mode_arguments
+
+    args = mode_arguments(made, "hybrid", "float32", gpu_budget="0.5")
+    assert args["placement"] is None and args["gpu_budget"] == "0.5" and args["predictors"] is made.predictors
+    assert mode_arguments(made, "threshold", "float32")["predictors"] is None
+    assert mode_arguments(made, "hybrid", "float32", thresholds="profile")["predictors"] is None
+    assert mode_arguments(made, "hybrid", "bfloat16")["gpu_budget"] == made.settings.gpu_budget  # re-solved
+    assert mode_arguments(made, "dense", "float32") == dict(predictors=None, profile=None, placement=None,
+                                                            gpu_budget=None, thresholds=None)
