@@ -3,7 +3,8 @@
 Clones the repository's committed HEAD into a temporary directory, and runs ``make bench`` there
 twice with an empty cache directory of its own (``JPINFER_CACHE``), reading the output as it comes:
 when each run reached the pack (install done), when the pack was ready (its five stages, or all
-reused), when the timed benchmark runs began, and when the run ended. The clone, its virtual
+reused), when the benchmark began (the engines loaded; each compiles, untimed, before its first
+prompt of each length), and when the run ended. The clone, its virtual
 environment and the cache are removed afterwards.
 
     python bench/first_run.py --out bench/results/first_run.md
@@ -74,7 +75,7 @@ def main() -> None:
         f"{os.cpu_count()} CPUs, load average after {load[0]:.2f}). Each run: `make bench` in a fresh clone with an "
         "empty cache directory (the first run installs `.venv`, loads the default model, prepares its pack and "
         "benches; the second reuses all of it). Times from the start of `make bench`.", "",
-        "| run | install done, pack begins | pack ready (first engine loads) | timed runs begin | table printed "
+        "| run | install done, pack begins | pack ready (first engine loads) | benchmark begins | table printed "
         "(end) |", "|---|---|---|---|---|",
     ]
     for i, run in enumerate(runs, 1):

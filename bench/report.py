@@ -96,6 +96,15 @@ def accuracy() -> list[str]:
                  f"{r['bytes']:.3f}", f"{r['ppl']:.3f}", f"{r['ppl_vs_dense']:.3f}"] for r in curves["rows"]]
         out += table(["method", "activation s", "input s", "recall / strong", "bytes read", "perplexity", "x dense"],
                      rows)
+        for label, keep in (("any method", lambda r: True), ("a method that runs (the oracle is a perfect predictor)",
+                                                             lambda r: r["method"] != "oracle")):
+            within = [r for r in curves["rows"] if keep(r) and r["ppl_vs_dense"] <= 1.05]
+            if within:
+                best = min(within, key=lambda r: r["bytes"])
+                setting = (f"recall {best['recall']} / {best['strong_recall']}" if best["method"] == "predictor" else
+                           ", ".join(f"{k} {best[k]:.0%}" for k in ("activation", "input") if best.get(k) is not None))
+                out.append(f"- Fewest bytes within 1.05x dense perplexity, {label}: {best['method']} ({setting}), "
+                           f"{best['bytes']:.3f} of the dense FFN's bytes at {best['ppl_vs_dense']:.3f}x.")
         out += ["", source("accuracy_curves"), ""]
     bench = load("bench")
     if bench is not None:

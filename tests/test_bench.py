@@ -43,6 +43,25 @@ def test_prepare_writes_a_pack_and_says_what_ran(env, capsys):
     assert "stages run: none (all reused)" in capsys.readouterr().out
 
 
+def test_load_with_a_pack_takes_its_artifacts(env):
+    """jpinfer.load(source, pack=DIR): the hybrid's accelerator part is the pack's placement (not solved again),
+    the threshold mode applies the pack's thresholds, and another model's pack is refused."""
+    model, pack_dir, argv = env
+    if not (pack_dir / "pack.json").exists():
+        assert main(argv) == 0
+    pack = Pack.load(pack_dir)
+    hybrid = jpinfer.load(model, mode="hybrid", pack=pack_dir)
+    for part, mask in zip(hybrid.stepper.layers, pack.placement.masks()):
+        np.testing.assert_array_equal(np.asarray(part.hot_ids), np.flatnonzero(mask))
+    threshold = jpinfer.load(model, mode="threshold", pack=pack_dir)
+    for state, expected in zip(threshold.ffn.state, pack.thresholds.activation):
+        assert float(state.activation_threshold) == float(expected)
+    cfg = tiny_config()
+    other = write_gguf(pack_dir.parent / "other.gguf", cfg, random_tensors(cfg, seed=1))
+    with pytest.raises(jpinfer.ArtifactError, match="prepared for model"):
+        jpinfer.load(other, mode="sparse", pack=pack_dir)
+
+
 def test_bench_runs_every_mode_from_the_pack(env, tmp_path, capsys):
     model, pack, argv = env
     if not (pack / "pack.json").exists():

@@ -88,7 +88,7 @@ def load(
         from jpinfer.pack import Pack, mode_arguments
 
         pack = pack if isinstance(pack, Pack) else Pack.load(pack)  # verified before the model loads
-        given = mode_arguments(pack, mode, str(parse_dtype(dtype)), **given)
+        given = mode_arguments(pack, mode, parse_dtype(dtype), **given)
     if not default_pack:  # before the model loads: fail fast
         check_mode_arguments(mode, given["predictors"], given["profile"], given["gpu_budget"], given["placement"],
                              given["thresholds"], weights)
@@ -105,7 +105,7 @@ def load(
         from jpinfer.pack import default_pack as cached_pack, mode_arguments
 
         pack = cached_pack(model)
-        given = mode_arguments(pack, mode, str(parse_dtype(dtype)), **given)
+        given = mode_arguments(pack, mode, parse_dtype(dtype), **given)
         check_mode_arguments(mode, given["predictors"], given["profile"], given["gpu_budget"], given["placement"],
                              given["thresholds"], weights)
     elif pack is not None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax.numpy as jnp
+
 from jpinfer.models.loading import ModelArg
 from jpinfer.pack.stages import prepare
 from jpinfer.pack.settings import PackSettings
@@ -17,9 +19,10 @@ def default_pack(model: ModelArg = None, progress: bool = True) -> Pack:
     return prepare(model, None, PackSettings(), progress=progress)
 
 
-def mode_arguments(pack: Pack, mode: str, dtype: str, *, predictors: Any = None, profile: Any = None,
+def mode_arguments(pack: Pack, mode: str, dtype: Any, *, predictors: Any = None, profile: Any = None,
                    placement: Any = None, gpu_budget: Any = None, thresholds: Any = None) -> dict[str, Any]:
-    """``build_engine``'s keyword arguments for ``mode`` on a model loaded in ``dtype``: what is given
+    """``build_engine``'s keyword arguments for ``mode`` on a model loaded in ``dtype`` (a name or a
+    dtype): what is given
     wins, the rest the mode needs comes from ``pack`` (the caller checks the pack is the model's).
 
     The profile carries the threshold mode's thresholds; the predictors serve the predictor modes
@@ -36,7 +39,7 @@ def mode_arguments(pack: Pack, mode: str, dtype: str, *, predictors: Any = None,
     if mode != "threshold" and thresholds is None and predictors is None:
         args["predictors"] = pack.predictors
     if mode == "hybrid" and placement is None and gpu_budget is None:
-        if pack.dtype == dtype:
+        if pack.dtype == jnp.dtype(dtype).name:
             args["placement"] = pack.placement
         else:
             args["gpu_budget"] = pack.settings.gpu_budget
