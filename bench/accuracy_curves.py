@@ -35,7 +35,7 @@ import jpinfer
 from jpinfer.bench.accuracy import wikitext_windows
 from jpinfer.bench.results import publish
 from jpinfer.modes import build_engine
-from jpinfer.pack import Pack, default_pack
+from jpinfer.pack import Pack, pack_for
 from jpinfer.predictor import PredictedMaskFFN, mask_states
 from jpinfer.predictor.fit import retune
 from jpinfer.profiler import evaluate, perplexity, uniform
@@ -113,7 +113,7 @@ def main() -> None:
     args = ap.parse_args()
 
     model = jpinfer.load_model(None)
-    pack = Pack.load(args.pack, model) if args.pack else default_pack(model)
+    pack = pack_for(model, args.pack)
     windows = wikitext_windows(model.tokenizer, args.windows)
     dense = evaluate(model, windows, progress=True)[0]
     rows = []

@@ -36,7 +36,7 @@ from jpinfer.bench.engines import JaxEngine  # noqa: E402
 from jpinfer.bench.prompts import sample_prompts  # noqa: E402
 from jpinfer.bench.results import publish  # noqa: E402
 from jpinfer.modes import build_engine  # noqa: E402
-from jpinfer.pack import Pack, default_pack  # noqa: E402
+from jpinfer.pack import Pack, pack_for  # noqa: E402
 from jpinfer.predictor.fit import retune  # noqa: E402
 from jpinfer.profiler.sparsity import from_histograms  # noqa: E402
 
@@ -109,7 +109,7 @@ def main() -> None:
     args = ap.parse_args()
 
     model = jpinfer.load_model(None)
-    pack = Pack.load(args.pack, model) if args.pack else default_pack(model)
+    pack = pack_for(model, args.pack)
     rows = engines(model, pack, args)
     prompts = sample_prompts(model.tokenizer, [64], args.prompts, seed=0)[64]
     runners = [JaxEngine(f"{r['kind']} {r['setting']}", r.pop("engine")) for r in rows]

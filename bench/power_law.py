@@ -62,9 +62,9 @@ def main() -> None:
 
     saved = cache_dir("profiles") / f"smollm2-135m-wikitext2-valid-{args.n_tokens}-s{args.sparsity}.npz"
     if args.pack:
-        from jpinfer.pack import Pack, default_pack
+        from jpinfer.pack import pack_for
 
-        pack = default_pack() if args.pack == "default" else Pack.load(args.pack)
+        pack = pack_for(None, None if args.pack == "default" else args.pack)
         prof, saved = pack.profile, pack.path / "profile.npz"
         args.sparsity, args.window, args.n_samples = pack.settings.sparsity, pack.settings.window, pack.settings.n_samples
     elif args.reuse and saved.is_file():

@@ -26,7 +26,7 @@ import jpinfer
 from jpinfer.bench.results import publish
 from jpinfer.cache import cache_dir
 from jpinfer.errors import ArtifactError
-from jpinfer.pack import Pack, default_pack
+from jpinfer.pack import Pack, pack_for
 from jpinfer.predictor import Predictors, SearchConfig, TrainConfig, train_predictors
 from jpinfer.predictor.sizing import predictor_params
 
@@ -86,7 +86,7 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="markdown file (JSON and PNG beside it)")
     args = ap.parse_args()
     model = jpinfer.load_model(None)
-    pack = Pack.load(args.pack, model) if args.pack else default_pack(model)
+    pack = pack_for(model, args.pack)
     fixed_set = fixed_width(model, pack)
     adaptive, fixed = per_layer(pack.predictors), per_layer(fixed_set)
     total = lambda rows: sum(r["params"] for r in rows)

@@ -13,7 +13,7 @@ import jpinfer
 from jpinfer import JpinferError
 from jpinfer.cache import CacheWarning
 from jpinfer.modes import build_engine
-from jpinfer.pack import Pack, PackError, PackIncompleteError, PackMismatchError, PackSettings, STAGES, prepare
+from jpinfer.pack import Pack, PackError, PackIncompleteError, PackMismatchError, PackSettings, STAGES, pack_for, prepare
 from jpinfer.pack import stages as stages_module
 from jpinfer.pack.store import MANIFEST
 from jpinfer.solver import InfeasibleBudgetError
@@ -161,10 +161,13 @@ def test_a_missing_manifest_or_directory_is_refused(model, pack_dir, tmp_path):
         Pack.load(pack_dir)
 
 
-def test_a_foreign_pack_is_refused_and_not_overwritten(made, pack_dir):
+def test_a_foreign_pack_is_refused_and_not_overwritten(made, model, pack_dir):
     other = tiny_engine("swiglu", seed=1).model
     with pytest.raises(PackMismatchError, match="prepared for model"):
         Pack.load(pack_dir, other)
+    with pytest.raises(PackMismatchError, match="prepared for model"):
+        pack_for(other, pack_dir)
+    assert pack_for(model, pack_dir).settings == made.settings
     before = (pack_dir / MANIFEST).read_bytes()
     with pytest.raises(PackMismatchError, match="not overwritten"):
         prepare(other, pack_dir, made.settings, progress=False)

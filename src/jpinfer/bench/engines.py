@@ -11,7 +11,6 @@ import importlib.util
 import time
 from typing import Protocol
 
-
 from jpinfer.runtime.engine import Engine, GenerationConfig
 
 

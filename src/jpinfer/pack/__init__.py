@@ -9,10 +9,10 @@ verification), stages (the stages and prepare), engine (a pack as ``jpinfer.load
 (``jpinfer prepare``).
 """
 
-from jpinfer.pack.engine import default_pack, mode_arguments
+from jpinfer.pack.engine import default_pack, mode_arguments, pack_for
 from jpinfer.pack.stages import default_pack_dir, prepare
 from jpinfer.pack.settings import STAGES, PackSettings
 from jpinfer.pack.store import Pack, PackError, PackIncompleteError, PackMismatchError
 
-__all__ = ["prepare", "default_pack", "default_pack_dir", "mode_arguments", "Pack", "PackSettings", "PackError",
+__all__ = ["prepare", "default_pack", "default_pack_dir", "pack_for", "mode_arguments", "Pack", "PackSettings", "PackError",
            "PackIncompleteError", "PackMismatchError", "STAGES"]
