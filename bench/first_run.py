@@ -71,12 +71,12 @@ def main() -> None:
     fmt = lambda run, key: "-" if key not in run else f"{run[key] / 60:.1f} min ({run[key]:.0f} s)"
     lines = [
         "# The main command on a fresh clone: first and second run", "",
-        f"Command: `python bench/first_run.py {' '.join(sys.argv[1:])}` ({datetime.date.today()}, commit {head}, "
-        f"{os.cpu_count()} CPUs, load average after {load[0]:.2f}). Each run: `make bench` in a fresh clone with an "
-        "empty cache directory (the first run installs `.venv`, loads the default model, prepares its pack and "
-        "benches; the second reuses all of it). Times from the start of `make bench`.", "",
-        "| run | install done, pack begins | pack ready (first engine loads) | benchmark begins | table printed "
-        "(end) |", "|---|---|---|---|---|",
+        (f"Command: `python bench/first_run.py {' '.join(sys.argv[1:])}` ({datetime.date.today()}, commit {head}, "
+        f"{os.cpu_count()} CPUs, load average after {load[0]:.2f}). Both runs: `make bench` in one fresh "
+        "clone whose cache directory starts empty (the first run installs `.venv`, loads the default model, "
+        "prepares its pack and benches; the second reuses all of it). Times from the start of `make bench`."), "",
+        ("| run | install done, pack begins | pack ready (first engine loads) | benchmark begins | table printed "
+        "(end) |"), "|---|---|---|---|---|",
     ]
     for i, run in enumerate(runs, 1):
         lines.append(f"| {i} | {fmt(run, 'pack')} | {fmt(run, 'pack ready')} | {fmt(run, 'benchmarking')} | "
