@@ -349,7 +349,7 @@ def main() -> None:
         "floor, far below what a runtime reaches",
         "",
     ]
-    png = pathlib.Path(args.out).with_name("modelled_speed.png") if args.out else None
+    png = pathlib.Path(args.out).with_suffix(".png") if args.out else None
     if png:
         png.parent.mkdir(parents=True, exist_ok=True)
         lines += [f"![modelled speed]({png.name})", ""]

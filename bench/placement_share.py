@@ -398,7 +398,7 @@ def main() -> None:
         "can win; with everything fitting it may leave the coldest neurons on the CPU to run beside the GPU",
         "",
     ]
-    png = pathlib.Path(args.out).with_name("placement_share.png") if args.out else None
+    png = pathlib.Path(args.out).with_suffix(".png") if args.out else None
     if png:
         png.parent.mkdir(parents=True, exist_ok=True)
         lines += [f"![share against budget]({png.name})", ""]

@@ -13,21 +13,14 @@ import json
 import pathlib
 from typing import Any, Callable
 
+from jpinfer.bench.results import format_cell as fmt, markdown_table as table
+
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
 
 def load(name: str) -> dict[str, Any] | None:
     path = RESULTS / f"{name}.json"
     return json.loads(path.read_text()) if path.is_file() else None
-
-
-def table(header: list[str], rows: list[list[Any]]) -> list[str]:
-    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
-            *("| " + " | ".join(str(c) for c in row) + " |" for row in rows)]
-
-
-def fmt(value: Any, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
 
 
 def missing(command: str) -> list[str]:

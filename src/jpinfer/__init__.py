@@ -90,8 +90,7 @@ def load(
         pack = pack if isinstance(pack, Pack) else Pack.load(pack)  # verified before the model loads
         given = mode_arguments(pack, mode, parse_dtype(dtype), **given)
     if not default_pack:  # before the model loads: fail fast
-        check_mode_arguments(mode, given["predictors"], given["profile"], given["gpu_budget"], given["placement"],
-                             given["thresholds"], weights)
+        check_mode_arguments(mode, weights=weights, **given)
     if mode == "dense":
         return Engine(_load_model(source, dtype, ffn_kind, weights))
     from jpinfer.modes import build_engine, default_devices  # loads the predictor package (Flax)
@@ -106,8 +105,7 @@ def load(
 
         pack = cached_pack(model)
         given = mode_arguments(pack, mode, parse_dtype(dtype), **given)
-        check_mode_arguments(mode, given["predictors"], given["profile"], given["gpu_budget"], given["placement"],
-                             given["thresholds"], weights)
+        check_mode_arguments(mode, weights=weights, **given)
     elif pack is not None:
         pack.check_model(model)
     profile = given.pop("profile")

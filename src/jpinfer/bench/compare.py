@@ -26,13 +26,14 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from jpinfer.bench.results import format_cell, markdown_table
 from jpinfer.cli_args import add_mode_arguments, mode_options, prepare_devices
 from jpinfer.config import ENGINE_MODES, WEIGHT_FORMATS
+from jpinfer.modes.arguments import INT8_MODES
 
 PEERS = ("llama.cpp", "transformers")
 LENGTHS = (8, 64, 128)
 LONG_PROMPT = 1024
-INT8_MODES = ("dense", "threshold")
 
 
 def _rss_mb() -> float:
@@ -41,9 +42,7 @@ def _rss_mb() -> float:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e6
     except OSError:
-        import resource
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        return _peak_rss_mb()
 
 
 def _load_average() -> str:
@@ -247,14 +246,10 @@ def _prefix_agreement(a: list[int], b: list[int]) -> float:
     return same / max(n, 1)
 
 
-def _fmt(value, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def _markdown(rows: list[dict], cols: list[tuple[str, str, str]]) -> str:
-    lines = ["| " + " | ".join(title for title, _, _ in cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(_fmt(row[key], spec) for _, key, spec in cols) + " |" for row in rows]
-    return "\n".join(lines)
+    """Rows as a markdown table of columns (title, key, format spec)."""
+    return "\n".join(markdown_table([title for title, _, _ in cols],
+                                     [[format_cell(row[key], spec) for _, key, spec in cols] for row in rows]))
 
 
 def report(results: dict) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-from typing import Any
+from typing import Any, Iterable, Sequence
 
 
 def publish(text: str, out: str | os.PathLike | None, data: Any) -> None:
@@ -17,3 +17,14 @@ def publish(text: str, out: str | os.PathLike | None, data: Any) -> None:
         path = pathlib.Path(out)
         path.write_text(text)
         path.with_suffix(".json").write_text(json.dumps(data, indent=1, default=float))
+
+
+def markdown_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> list[str]:
+    """A markdown table's lines: the header, its rule, then one line per row (each cell as ``str``)."""
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+            *("| " + " | ".join(str(c) for c in row) + " |" for row in rows)]
+
+
+def format_cell(value: Any, spec: str) -> str:
+    """``value`` formatted by ``spec``; "-" for None (a number the run does not have)."""
+    return "-" if value is None else format(value, spec)

@@ -30,8 +30,8 @@ def pack_for(model: ModelArg = None, path: str | os.PathLike | None = None) -> P
 def mode_arguments(pack: Pack, mode: str, dtype: Any, *, predictors: Any = None, profile: Any = None,
                    placement: Any = None, gpu_budget: Any = None, thresholds: Any = None) -> dict[str, Any]:
     """``build_engine``'s keyword arguments for ``mode`` on a model loaded in ``dtype`` (a name or a
-    dtype): what is given
-    wins, the rest the mode needs comes from ``pack`` (the caller checks the pack is the model's).
+    dtype): what is given wins, the rest the mode needs comes from ``pack`` (the caller checks the
+    pack is the model's).
 
     The profile carries the threshold mode's thresholds; the predictors serve the predictor modes
     (not the threshold ones); the hybrid takes the placement unless a ``gpu_budget`` or placement is

@@ -153,8 +153,7 @@ class Pack:
 
     def check_model(self, model: ModelArg) -> None:
         """PackMismatchError unless this pack was prepared for ``model`` (its weight fingerprint)."""
-        loaded = resolve_model(model)
-        check_fingerprint(self.path, self.manifest, model_fingerprint(loaded.cfg, loaded.weights), loaded.cfg.name)
+        check_model(self.path, self.manifest, model)
 
     @classmethod
     def load(cls, path: str | os.PathLike, model: ModelArg | None = None) -> "Pack":
@@ -167,8 +166,7 @@ class Pack:
             raise PackIncompleteError(f"{path}: an unfinished pack (stages done: {', '.join(done) or 'none'}; "
                                       f"interrupted, or prepare is still running): {REMAKE} to finish it")
         if model is not None:
-            loaded = resolve_model(model)
-            check_fingerprint(path, manifest, model_fingerprint(loaded.cfg, loaded.weights), loaded.cfg.name)
+            check_model(path, manifest, model)
         check_keys(path, manifest)
         try:
             for stage in STAGES:
@@ -180,6 +178,12 @@ class Pack:
         except (artifacts.Damaged, ArtifactError, KeyError, TypeError, ValueError) as err:
             raise PackError(f"{err}: {REMAKE}") from None
         return cls(path, manifest, profile, thresholds, predictors, placement)
+
+
+def check_model(path: pathlib.Path, manifest: dict[str, Any], model: ModelArg) -> None:
+    """PackMismatchError unless the pack at ``path`` was prepared for ``model`` (its weight fingerprint)."""
+    loaded = resolve_model(model)
+    check_fingerprint(path, manifest, model_fingerprint(loaded.cfg, loaded.weights), loaded.cfg.name)
 
 
 def check_fingerprint(path: pathlib.Path, manifest: dict[str, Any], fingerprint: str, name: str) -> None:
