@@ -113,7 +113,8 @@ def reference_window_losses(engine: Engine, tokens: np.ndarray, layer: int, lam:
         s = np.einsum("bthd,bshd->bhts", q, np.repeat(k, rep, 2)) / np.sqrt(hd)  # query head h reads kv h // rep
         s = np.where(np.tril(np.ones((t, t), bool)), s, -np.inf)
         p = np.exp(s - s.max(-1, keepdims=True))
-        h = h + np.einsum("bhts,bshd->bthd", p / p.sum(-1, keepdims=True), np.repeat(v, rep, 2)).reshape(b, t, -1) @ lw.wo.T
+        h = h + np.einsum("bhts,bshd->bthd", p / p.sum(-1, keepdims=True),
+                          np.repeat(v, rep, 2)).reshape(b, t, -1) @ lw.wo.T
         x = rms(lw.ffn_norm, h)
         if on == "input":
             scores.append(np.abs(x))

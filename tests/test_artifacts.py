@@ -29,7 +29,6 @@ import jax
 import numpy as np
 import pytest
 
-import gguf_fixtures as fx
 from jpinfer import artifacts
 from jpinfer.cache import CacheWarning
 from jpinfer.errors import ArtifactError, CacheError
@@ -37,6 +36,8 @@ from jpinfer.models import gguf_loader, loading, params
 from jpinfer.predictor import PredictorError, PredictorMismatchError, Predictors, PredictorWeights, profile_fingerprint
 from jpinfer.profiler import ActivationProfile, ProfileError, ProfileMismatchError, SamplesError, profile
 from jpinfer.solver import Placement, PlacementError, PlacementVersionError
+
+import gguf_fixtures as fx
 from profiler_fixtures import tiny_engine
 
 GGUF_SEED = 3
@@ -525,7 +526,8 @@ def test_samples_in_a_cache_that_cannot_be_created_or_written(world, tmp_path, m
 ORBAX_LATE_CALLBACK = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
 
-@pytest.mark.parametrize("kind", [pytest.param(k, marks=ORBAX_LATE_CALLBACK) if k == "predictors" else k for k in OWNED],
+@pytest.mark.parametrize("kind",
+                         [pytest.param(k, marks=ORBAX_LATE_CALLBACK) if k == "predictors" else k for k in OWNED],
                          indirect=True)
 def test_a_failed_save_is_a_clear_error_and_keeps_the_older_artifact(kind):
     (kind.tmp / "a-file").write_text("")

@@ -8,7 +8,9 @@ import pytest
 from jpinfer import Engine, GenerationConfig, LoadedModel, ModelConfig
 from jpinfer.models import params, transformer
 from jpinfer.runtime.engine import MIN_ATTEND, attend_length
+
 from tolerances import DECODER_ATOL  # logits of a tiny 2-layer, d=32 decoder, as derived there; attending
+
 # over up to 200 positions adds ~sqrt(200) u relative rounding to an attention output, far below it
 
 

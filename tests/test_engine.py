@@ -9,6 +9,7 @@ import torch
 from jpinfer import Engine, GenerationConfig, LoadedModel
 from jpinfer.models import hf_loader, params
 from jpinfer.runtime.sampling import Sampler, sample
+
 from hf_reference import make_model
 
 

@@ -2,7 +2,8 @@
 
 
 from jpinfer import Engine, FfnStrategy, GenerationConfig, LoadedModel
-from jpinfer.runtime.oracle import oracle_strategy
+from jpinfer.ffn import oracle_strategy
+
 from profiler_fixtures import CharTokenizer, tiny_engine
 
 

@@ -11,11 +11,12 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import quantize
 
-import gguf_fixtures as fx
 from jpinfer.models import default_model
 from jpinfer.models.default_model import DefaultModelMissing, default_model_path
 from jpinfer.models.gguf_loader import GGUFError, load_gguf, unpermute_rope_rows
 from jpinfer.models.params import expected_shapes
+
+import gguf_fixtures as fx
 
 QTYPES = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1]
 
@@ -190,7 +191,8 @@ def test_missing_tensor(tmp_path, tiny_untied):
 def test_shape_disagrees_with_metadata(tmp_path, tiny_untied):
     cfg, tensors = tiny_untied
     path = fx.write_gguf(tmp_path / "s.gguf", cfg, tensors, metadata={"llama.feed_forward_length": 96})
-    with pytest.raises(GGUFError, match=r"s\.gguf: tensor 'blk\.0\.ffn_gate\.weight' has shape \(128, 64\).*\(96, 64\)"):
+    with pytest.raises(GGUFError,
+                       match=r"s\.gguf: tensor 'blk\.0\.ffn_gate\.weight' has shape \(128, 64\).*\(96, 64\)"):
         load_gguf(path)
 
 

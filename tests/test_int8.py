@@ -9,8 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_modes import PROMPT, forced_logits
+from test_threshold import given, windows
 
-import gguf_fixtures as fx
 import jpinfer
 from jpinfer import GenerationConfig, JpinferError
 from jpinfer.cache import CacheWarning
@@ -18,10 +19,10 @@ from jpinfer.models import int8, loading, params, transformer
 from jpinfer.models.int8 import Int8Matrix
 from jpinfer.modes import build_engine
 from jpinfer.profiler import ProfileMismatchError, profile, smoothing
-from jpinfer.sparse import ROWS_BACKENDS, sparse_rows_product, threshold, threshold_ffn
+from jpinfer.sparse import ROWS_BACKENDS, sparse_rows_product, threshold_ffn, threshold_layout
+
+import gguf_fixtures as fx
 from profiler_fixtures import ffn_inputs, thresholds_in_gaps, tiny_engine
-from test_modes import PROMPT, forced_logits
-from test_threshold import given, windows
 from tolerances import DECODER_ATOL, KERNEL_ATOL, KERNEL_RTOL, U32
 
 BACKENDS = [b for b in ROWS_BACKENDS if b != "auto"] + ["auto"]
@@ -355,8 +356,8 @@ def rounding_margin(v: np.ndarray) -> float:
 
 
 def zeroed_int8_reference(layer, kind, cfg, x, input_thr, act_thr):
-    """The int8 FFN with the skipped entries zeroed, written apart from sparse/threshold.py: masks on x, then on a,
-    then the decoder's own W8A8 products (int8.matmul, exact in its integers above)."""
+    """The int8 FFN with the skipped entries zeroed, written apart from sparse/threshold_layout.py: masks on x,
+    then on a, then the decoder's own W8A8 products (int8.matmul, exact in its integers above)."""
     x = jnp.where(jnp.abs(x) > (input_thr if input_thr is not None else -1), x, 0)
     a = transformer.ffn_activations(layer, x, cfg)
     a_kept = jnp.where(jnp.abs(a) > (act_thr if act_thr is not None else -1), a, 0)
@@ -377,7 +378,7 @@ def test_int8_threshold_ffn_equals_the_zeroed_int8_ffn(kind, kinds, tokens):
     expected, _, _ = zeroed_int8_reference(layer, kind, engine.cfg, jnp.asarray(x, jnp.float32), input_thr, act_thr)
     a_kept = np.where(np.abs(a) > (act_thr or -1), a, 0)
     assert min(rounding_margin(np.asarray(x_kept)), rounding_margin(a_kept)) > 8 * U32 * 127
-    ffn = threshold.from_layer(layer, kind, input_threshold=input_thr, activation_threshold=act_thr)
+    ffn = threshold_layout.from_layer(layer, kind, input_threshold=input_thr, activation_threshold=act_thr)
     assert isinstance(ffn.gate_up, Int8Matrix) and isinstance(ffn.down, Int8Matrix)
     for backend in BACKENDS:
         y, kept = threshold_ffn(ffn, jnp.asarray(x, jnp.float32), backend=backend)

@@ -5,11 +5,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jpinfer.sparse import neurons
 from jpinfer.config import FFN_KINDS, ModelConfig
 from jpinfer.models import params, transformer
-from jpinfer.sparse.pallas_kernels import KERNELS, MAX_TOKENS, listed_ffn, sparse_rows_ffn
+from jpinfer.sparse import neurons
 from jpinfer.sparse.op import all_rows_ffn, sparse_ffn
+from jpinfer.sparse.pallas_kernels import KERNELS, MAX_TOKENS, listed_ffn, sparse_rows_ffn
+
 from tolerances import KERNEL_ATOL, KERNEL_RTOL
 
 D, N = 192, 96  # d = 3 tiles of 64 in the Pallas kernel; N = 3 blocks / chunks of 32
@@ -152,7 +153,8 @@ def test_auto_backend_on_cpu_is_the_xla_loop():
     ffn = _layout(kind, w)
     x = np.random.default_rng(3).standard_normal(D)
     ids = np.arange(N, dtype=np.int32)[::-1].copy()
-    got = [np.asarray(sparse_ffn(ffn, jnp.asarray(x, jnp.float32), jnp.asarray(ids), 60, backend=b)) for b in ("auto", "xla")]
+    got = [np.asarray(sparse_ffn(ffn, jnp.asarray(x, jnp.float32), jnp.asarray(ids), 60, backend=b))
+           for b in ("auto", "xla")]
     np.testing.assert_array_equal(got[0], got[1])
     np.testing.assert_allclose(got[0], _reference(kind, w, x, ids, 60), rtol=KERNEL_RTOL, atol=KERNEL_ATOL)
 
@@ -204,7 +206,8 @@ def test_full_list_equals_decoder_dense_ffn(kind):
     x = jnp.asarray(np.random.default_rng(2).standard_normal((4, 64)), jnp.float32)
     ffn = neurons.from_layer(layer, kind)
     got = sparse_ffn(ffn, x, jnp.arange(80, dtype=jnp.int32), 80)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(transformer.ffn_dense(layer, x, cfg)), rtol=KERNEL_RTOL, atol=KERNEL_ATOL)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(transformer.ffn_dense(layer, x, cfg)),
+                               rtol=KERNEL_RTOL, atol=KERNEL_ATOL)
 
 
 def test_bfloat16_weights_accumulate_in_float32():
@@ -254,11 +257,13 @@ def test_bad_inputs_are_value_errors():
 # lowers for sm_90. jax records the abstract mesh in each equation at trace time and lowers under it: trace
 # inside the context. An empty mesh with no Explicit axes changes nothing else (jit keeps no context mesh).
 GPU_TARGET = jax.sharding.AbstractMesh(
-    (), (), abstract_device=jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=None, platform="gpu"))
+    (), (),
+    abstract_device=jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=None, platform="gpu"))
 
 
 @pytest.mark.parametrize("variant", sorted(KERNELS))
-@pytest.mark.parametrize("kind,d,n,bias,dtype", [("swiglu", 4096, 11008, False, jnp.bfloat16), ("drelu", 576, 1536, False, jnp.float32),
+@pytest.mark.parametrize("kind,d,n,bias,dtype", [("swiglu", 4096, 11008, False, jnp.bfloat16),
+                                                 ("drelu", 576, 1536, False, jnp.float32),
                                                  ("relu", 40, 64, True, jnp.float32)])
 def test_pallas_kernels_lower_for_triton(variant, kind, d, n, bias, dtype):
     """The Triton lowering (run here without a GPU) accepts every variant: power-of-two tiles, grid <= 3 dims,
@@ -270,10 +275,12 @@ def test_pallas_kernels_lower_for_triton(variant, kind, d, n, bias, dtype):
     ids = jax.ShapeDtypeStruct((1100,), jnp.int32)
     with jax.sharding.use_abstract_mesh(GPU_TARGET):
         shared = [jax.jit(lambda *a: kernel(*a, kind=kind)).trace(rows, b_up, jax.ShapeDtypeStruct((t, d), dtype), ids,
-                                                                  jnp.int32(7)) for t in (1, MAX_TOKENS, MAX_TOKENS + 1)]
-        per_token = jax.jit(jax.vmap(lambda r, b, x, i, c: kernel(r, b, x[None], i, c, kind=kind), (None, None, 0, 0, 0)))
-        batched = per_token.trace(rows, b_up, jax.ShapeDtypeStruct((2, d), dtype), jax.ShapeDtypeStruct((2, 160), jnp.int32),
-                                  jax.ShapeDtypeStruct((2,), jnp.int32))
+                                                                  jnp.int32(7))
+                  for t in (1, MAX_TOKENS, MAX_TOKENS + 1)]
+        per_token = jax.jit(jax.vmap(lambda r, b, x, i, c: kernel(r, b, x[None], i, c, kind=kind),
+                                     (None, None, 0, 0, 0)))
+        batched = per_token.trace(rows, b_up, jax.ShapeDtypeStruct((2, d), dtype),
+                                  jax.ShapeDtypeStruct((2, 160), jnp.int32), jax.ShapeDtypeStruct((2,), jnp.int32))
         for traced in (*shared, batched):
             assert "triton" in traced.lower(lowering_platforms=("cuda",)).as_text()
 

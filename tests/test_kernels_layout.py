@@ -7,11 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jpinfer.sparse import neurons
 from jpinfer.config import ModelConfig
-from jpinfer.sparse.cpu_backend import huge_page_array, huge_page_ffn
 from jpinfer.models import params
+from jpinfer.sparse import neurons
+from jpinfer.sparse.cpu_backend import huge_page_array, huge_page_ffn
 from jpinfer.sparse.op import sparse_ffn
+
 from tolerances import KERNEL_ATOL, KERNEL_RTOL
 
 
@@ -43,7 +44,8 @@ def test_relu_kind_bundles_up_and_down_with_biases():
 
 
 def test_from_layer_uses_the_layer_ffn_tensors():
-    cfg = ModelConfig(vocab_size=8, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8, d_ff=24, ffn_kind="drelu")
+    cfg = ModelConfig(vocab_size=8, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8, d_ff=24,
+                      ffn_kind="drelu")
     layer = params.build_weights(cfg, params.init_random(cfg)).layers[0]
     ffn = neurons.from_layer(layer, "drelu")
     np.testing.assert_array_equal(np.asarray(ffn.rows[3, 0]), np.asarray(layer.w_gate_up[3]))  # gate row 3
@@ -67,7 +69,8 @@ def test_subset_table_composes_and_hot_plus_cold_equals_whole():
 
     x = jnp.asarray(rng.standard_normal(16), jnp.float32)
     whole = sparse_ffn(ffn, x, jnp.arange(24, dtype=jnp.int32), 24)
-    split = sparse_ffn(hot, x, jnp.arange(4, dtype=jnp.int32), 4) + sparse_ffn(cold, x, jnp.arange(20, dtype=jnp.int32), 20)
+    split = (sparse_ffn(hot, x, jnp.arange(4, dtype=jnp.int32), 4)
+             + sparse_ffn(cold, x, jnp.arange(20, dtype=jnp.int32), 20))
     # the same 24 neuron terms summed in two groups (unscaled weights: |y| 6..69, the rtol part dominates)
     np.testing.assert_allclose(np.asarray(split), np.asarray(whole), rtol=KERNEL_RTOL, atol=KERNEL_ATOL)
 
@@ -104,4 +107,5 @@ def test_huge_page_copies_hold_the_same_values():
     ffn = neurons.from_arrays("swiglu", wg, wu, wd)
     xin = jnp.asarray(rng.standard_normal(16), jnp.float32)
     ids = jnp.asarray(rng.permutation(24)[:10].astype(np.int32))
-    np.testing.assert_array_equal(np.asarray(sparse_ffn(huge_page_ffn(ffn), xin, ids, 7)), np.asarray(sparse_ffn(ffn, xin, ids, 7)))
+    np.testing.assert_array_equal(np.asarray(sparse_ffn(huge_page_ffn(ffn), xin, ids, 7)),
+                                  np.asarray(sparse_ffn(ffn, xin, ids, 7)))

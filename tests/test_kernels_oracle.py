@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from jpinfer.config import ModelConfig
+from jpinfer.ffn import OracleListFFN, oracle_state
 from jpinfer.models import params, transformer
-from jpinfer.runtime.oracle import OracleFFN, oracle_state
+
 from tolerances import DECODER_ATOL, KERNEL_ATOL, KERNEL_RTOL
 
 
@@ -48,7 +49,7 @@ def _greedy(weights, cfg, prompt, steps, ffn_impl=None, ffn_state=None):
 @pytest.mark.parametrize("kind", ["swiglu", "drelu"])
 def test_full_list_decoder_equals_dense(kind):
     cfg, weights = _model(kind)
-    oracle = OracleFFN(cfg, capacity=cfg.d_ff)
+    oracle = OracleListFFN(cfg, capacity=cfg.d_ff)
     state = oracle_state(weights, cfg, float("-inf"))
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, size=(2, 10)))
     dense = transformer.score(weights, tokens, cfg)
@@ -69,7 +70,7 @@ def test_full_list_decoder_equals_dense(kind):
 def test_relu_kind_oracle_is_exact_without_threshold():
     """Inactive ReLU neurons contribute exactly zero: non-zero set only, full capacity = dense."""
     cfg, weights = _model("relu")
-    oracle = OracleFFN(cfg, capacity=cfg.d_ff)
+    oracle = OracleListFFN(cfg, capacity=cfg.d_ff)
     state = oracle_state(weights, cfg)  # threshold 0: active = non-zero
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, 64, size=(1, 12)))
     cache = transformer.KVCache.create(cfg, 1, 12)
@@ -83,7 +84,7 @@ def test_relu_kind_oracle_is_exact_without_threshold():
 @pytest.mark.parametrize("kind,threshold,capacity", [("swiglu", 0.02, 20), ("reglu", 0.0, 48), ("drelu", 0.0, 10)])
 def test_oracle_masks_equal_masked_dense_decoder(kind, threshold, capacity):
     cfg, weights = _model(kind)
-    oracle = OracleFFN(cfg, capacity=capacity)
+    oracle = OracleListFFN(cfg, capacity=capacity)
     state = oracle_state(weights, cfg, threshold)
     tokens = jnp.asarray(np.random.default_rng(2).integers(0, 64, size=(2, 9)))
     cache = transformer.KVCache.create(cfg, 2, 9)
@@ -100,7 +101,8 @@ def test_oracle_masks_equal_masked_dense_decoder(kind, threshold, capacity):
     clipped = sum(int((np.asarray(a.n_active) - np.asarray(a.count)).sum()) for a in aux)
     assert (clipped > 0) == (capacity < cfg.d_ff)  # small capacities really clip some tokens
 
-    h_ref, _, _ = transformer.forward(weights, tokens, transformer.KVCache.create(cfg, 2, 9), cfg, _MaskedDense(cfg), masks)
+    h_ref, _, _ = transformer.forward(weights, tokens, transformer.KVCache.create(cfg, 2, 9), cfg, _MaskedDense(cfg),
+                                      masks)
     np.testing.assert_allclose(np.asarray(h), np.asarray(h_ref), atol=DECODER_ATOL, rtol=0)
     if kind == "swiglu":  # the masks matter: dropping neurons moved the hidden states (by 0.48), 100x DECODER_ATOL
         h_dense, _, _ = transformer.forward(weights, tokens, transformer.KVCache.create(cfg, 2, 9), cfg)
@@ -119,7 +121,7 @@ def test_oracle_layer_selects_exact_active_set(backend):
     srt = np.sort(mag.ravel())
     threshold = (srt[len(srt) // 2] + srt[len(srt) // 2 + 1]) / 2  # half active, away from any value
     capacity = 20
-    oracle = OracleFFN(cfg, capacity=capacity, backend=backend)
+    oracle = OracleListFFN(cfg, capacity=capacity, backend=backend)
     state = oracle_state(weights, cfg, threshold)[0]
     y, aux = oracle(0, layer, jnp.asarray(x, jnp.float32), state)
 
@@ -140,6 +142,6 @@ def test_bad_oracle_settings_are_value_errors():
     with pytest.raises(ValueError, match="2 layers"):
         oracle_state(weights, cfg, [0.1])
     with pytest.raises(ValueError, match="capacities"):
-        OracleFFN(cfg, capacity=cfg.d_ff + 1)
+        OracleListFFN(cfg, capacity=cfg.d_ff + 1)
     with pytest.raises(ValueError, match="2 layers"):
-        OracleFFN(cfg, capacity=(4, 4, 4))
+        OracleListFFN(cfg, capacity=(4, 4, 4))

@@ -10,9 +10,10 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader, LlamaFileType
 from gguf.quants import dequantize
 
-import gguf_fixtures as fx
 from jpinfer.bench import llama_cpp as peer
 from jpinfer.models.gguf_loader import load_gguf
+
+import gguf_fixtures as fx
 
 FILE_TYPE = "general.file_type"
 

@@ -4,8 +4,9 @@ import jax
 import numpy as np
 import pytest
 
-import gguf_fixtures as fx
 from jpinfer.models import loading
+
+import gguf_fixtures as fx
 
 
 def test_gguf_cache_round_trip_and_invalidation(tmp_path, monkeypatch):

@@ -11,16 +11,17 @@ import pytest
 
 import jpinfer
 from jpinfer import GenerationConfig, JpinferError
+from jpinfer.ffn import PredictorMaskFFN, layer_capacities, mask_states, part_capacities
 from jpinfer.models import transformer
-from jpinfer.modes import build_engine, layer_capacities, parse_budget
-from jpinfer.modes.build import part_capacities
-from jpinfer.predictor import (PredictedMaskFFN, Predictors, PredictorWeights, mask_states, profile_fingerprint,
-                               select_neurons, selection_mask)
+from jpinfer.models.identity import model_fingerprint
+from jpinfer.modes import build_engine
+from jpinfer.modes.placement import parse_budget
+from jpinfer.predictor import Predictors, PredictorWeights, profile_fingerprint, select_neurons, selection_mask
 from jpinfer.profiler import profile
-from jpinfer.profiler.stats import model_fingerprint
 from jpinfer.runtime.engine import FfnStrategy, FusedStepper
 from jpinfer.runtime.sampling import Sampler
 from jpinfer.solver import InfeasibleBudgetError
+
 from profiler_fixtures import tiny_engine
 from tolerances import DECODER_ATOL
 
@@ -76,7 +77,7 @@ class DenseThenDecode:
 
 
 def masked_reference(dense, predictors, capacity=None) -> jpinfer.Engine:
-    impl = DenseThenDecode(dense.cfg, PredictedMaskFFN(dense.cfg, capacity))
+    impl = DenseThenDecode(dense.cfg, PredictorMaskFFN(dense.cfg, capacity))
     thresholds = np.zeros(dense.cfg.n_layers)
     return dense.with_ffn(FfnStrategy(impl, mask_states(predictors.layers, thresholds), "masked reference"))
 
@@ -174,7 +175,7 @@ def test_mask_ffn_counts_what_the_capacity_clipped():
     p = random_predictor(cfg, seed=5)
     x = jnp.asarray(np.random.default_rng(0).normal(size=(1, 6, cfg.d_model)), jnp.float32)
     threshold = 0.05
-    _, counts = PredictedMaskFFN(cfg, (10,) * cfg.n_layers)(0, dense.weights.layers[0], x,
+    _, counts = PredictorMaskFFN(cfg, (10,) * cfg.n_layers)(0, dense.weights.layers[0], x,
                                                             mask_states([p], [threshold])[0])
     xs = np.asarray(x, np.float64)[0]
     hidden = np.maximum(xs @ np.asarray(p.w_in, np.float64).T + np.asarray(p.b_in), 0)
@@ -232,12 +233,12 @@ def test_capacities_from_the_profile_and_split_by_activation_share():
     dense = tiny_engine("swiglu")
     windows = np.random.default_rng(1).integers(0, 40, (32, 32)).astype(np.int32)
     prof = profile(dense, windows, progress=False)
-    ks = layer_capacities(dense.model, 0.99, prof)
+    ks = layer_capacities(dense.cfg, 0.99, prof)
     assert ks == tuple(int(k) for k in prof.capacity(0.99, multiple=32))
-    assert layer_capacities(dense.model, 20, prof) == (20, 20)
+    assert layer_capacities(dense.cfg, 20, prof) == (20, 20)
     scored = all_active(dense, prof)
     scored.meta["held_out_scores"] = [{"predicted_q99": 33}, {"predicted_q99": 5}]
-    assert layer_capacities(dense.model, "predicted", prof, scored) == (48, 32)  # blocks of 32, at most d_ff
+    assert layer_capacities(dense.cfg, "predicted", prof, scored) == (48, 32)  # blocks of 32, at most d_ff
     hot = np.zeros(48, bool)
     hot[:16] = True
     freq = np.zeros((1, 48))
@@ -310,7 +311,7 @@ def test_bad_mode_arguments_are_clear_errors():
 
 
 def test_hybrid_without_a_second_device_says_how_to_get_one(monkeypatch):
-    from jpinfer.modes import default_devices
+    from jpinfer.modes.devices import default_devices
 
     one = jax.devices("cpu")[:1]
     monkeypatch.setattr(jax, "devices", lambda *backend: one)
@@ -319,7 +320,7 @@ def test_hybrid_without_a_second_device_says_how_to_get_one(monkeypatch):
 
 
 def test_a_16_bit_model_keeps_its_cold_neurons_in_float32_on_the_cpu():
-    """XLA:CPU runs bfloat16 products several times slower than float32 (modes/build.py): the host part is
+    """XLA:CPU runs bfloat16 products several times slower than float32 (modes/devices.py): the host part is
     float32, the accelerator's part keeps the model's dtype, and decoding still runs."""
     from jpinfer.models import params
     from jpinfer.models.loading import LoadedModel
@@ -364,3 +365,25 @@ def test_decode_equivalent_computes_what_each_decode_step_computes():
         np.testing.assert_allclose(forced_logits(engine, PROMPT, forced), expected, rtol=0, atol=DECODER_ATOL)
     dense_model, dense_strategy = decode_equivalent(dense, dense.model)
     assert dense_model is dense.model and dense_strategy.impl is None
+
+
+def test_the_mode_catalog_names_each_mode_once_and_picks_the_threshold_variant_of_the_hybrid():
+    """Modes are objects looked up by name: the CLI's choices are the catalog's names, the hybrid given thresholds is
+    its threshold variant, and int8 weights are refused, before anything loads, where a mode has no int8 form."""
+    from jpinfer.modes import INT8_MODES, MODE_NAMES, MODES, ModeInputs, get_mode
+
+    assert MODE_NAMES == ("dense", "sparse", "hybrid", "threshold")
+    assert all(MODES[name].name == name for name in MODE_NAMES)
+    assert INT8_MODES == ("dense", "threshold")
+    assert get_mode("hybrid").label == "hybrid"
+    assert get_mode("hybrid", thresholds="profile").label == "hybrid (threshold)"
+    assert get_mode("sparse", thresholds="profile") is get_mode("sparse")  # no variant: its check refuses thresholds
+    assert [get_mode(name).two_devices for name in MODE_NAMES] == [False, False, True, False]
+    assert get_mode("hybrid", thresholds="profile").two_devices and not get_mode("dense").uses_pack
+    for name, thresholds in (("sparse", None), ("hybrid", None), ("hybrid", "profile")):
+        with pytest.raises(JpinferError, match="int8 weights run in the modes dense and threshold"):
+            get_mode(name, thresholds=thresholds, weights="int8")
+    with pytest.raises(JpinferError, match="unknown weights format"):
+        get_mode("dense", weights="int4")
+    with pytest.raises(JpinferError, match="needs no predictors"):
+        get_mode("hybrid", thresholds="profile").check(ModeInputs(predictors="p", profile="q"))

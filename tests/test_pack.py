@@ -12,11 +12,21 @@ import pytest
 import jpinfer
 from jpinfer import JpinferError
 from jpinfer.cache import CacheWarning
-from jpinfer.modes import build_engine
-from jpinfer.pack import Pack, PackError, PackIncompleteError, PackMismatchError, PackSettings, STAGES, pack_for, prepare
+from jpinfer.modes import ModeInputs, build_engine, get_mode
+from jpinfer.pack import (
+    STAGES,
+    Pack,
+    PackError,
+    PackIncompleteError,
+    PackMismatchError,
+    PackSettings,
+    pack_for,
+    prepare,
+)
 from jpinfer.pack import stages as stages_module
 from jpinfer.pack.store import MANIFEST
 from jpinfer.solver import InfeasibleBudgetError
+
 from profiler_fixtures import tiny_engine
 
 TEXT = " ".join(["the quick brown fox jumps over the lazy dog", "a stitch in time saves nine",
@@ -229,9 +239,8 @@ def test_unknown_setting_and_infeasible_budget_fail_before_any_stage(made, model
 
 @pytest.mark.parametrize("mode", ["sparse", "hybrid", "threshold"])
 def test_a_packs_mode_arguments_build_the_engine_of_its_artifacts(made, model, mode):
-    from jpinfer.pack import mode_arguments
-
-    direct = build_engine(model, mode, **mode_arguments(made, mode, "float32"))
+    inputs = get_mode(mode).from_pack(made, "float32", ModeInputs())
+    direct = build_engine(model, mode, **{k: v for k, v in vars(inputs).items() if k != "capacity"})
     expected = {"sparse": dict(predictors=made.predictors, profile=made.profile),
                 "hybrid": dict(predictors=made.predictors, profile=made.profile, placement=made.placement),
                 "threshold": dict(profile=made.profile)}[mode]
@@ -240,13 +249,16 @@ def test_a_packs_mode_arguments_build_the_engine_of_its_artifacts(made, model, m
     assert direct.generate(prompt, max_new_tokens=6).token_ids == by_hand.generate(prompt, max_new_tokens=6).token_ids
 
 
-def test_mode_arguments_given_values_win(made):
-    from jpinfer.pack import mode_arguments
-
-    args = mode_arguments(made, "hybrid", "float32", gpu_budget="0.5")
-    assert args["placement"] is None and args["gpu_budget"] == "0.5" and args["predictors"] is made.predictors
-    assert mode_arguments(made, "threshold", "float32")["predictors"] is None
-    assert mode_arguments(made, "hybrid", "float32", thresholds="profile")["predictors"] is None
-    assert mode_arguments(made, "hybrid", "bfloat16")["gpu_budget"] == made.settings.gpu_budget  # re-solved
-    assert mode_arguments(made, "dense", "float32") == dict(predictors=None, profile=None, placement=None,
-                                                            gpu_budget=None, thresholds=None)
+def test_what_a_mode_takes_from_a_pack_given_values_win(made):
+    from_pack = lambda mode, dtype, **given: get_mode(mode, thresholds=given.get("thresholds")).from_pack(
+        made, dtype, ModeInputs(**given))
+    args = from_pack("hybrid", "float32", gpu_budget="0.5")
+    assert args.placement is None and args.gpu_budget == "0.5" and args.predictors is made.predictors
+    assert from_pack("hybrid", "float32").placement is made.placement
+    assert from_pack("sparse", "float32").placement is None
+    threshold = from_pack("threshold", "float32")
+    assert threshold.predictors is None and threshold.profile is made.profile
+    hybrid_threshold = from_pack("hybrid", "float32", thresholds="profile")
+    assert hybrid_threshold.predictors is None and hybrid_threshold.placement is made.placement
+    assert from_pack("hybrid", "bfloat16").gpu_budget == made.settings.gpu_budget  # re-solved
+    assert from_pack("dense", "float32") == ModeInputs()

@@ -11,13 +11,22 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jpinfer.ffn import PredictorMaskFFN, evaluate, mask_states
 from jpinfer.predictor import (
-    LayerData, PredictedMaskFFN, PredictorMismatchError, Predictors, PredictorWeights, TrainConfig,
-    cutoff_for_recall, mask_states, predict_logits, train_layer, train_predictors,
+    LayerData,
+    PredictorMismatchError,
+    Predictors,
+    PredictorWeights,
+    TrainConfig,
+    cutoff_for_recall,
+    predict_logits,
+    sizing,
+    train_layer,
+    train_predictors,
 )
-from jpinfer.predictor import sizing
 from jpinfer.predictor.fit import retune
-from jpinfer.profiler import evaluate, profile
+from jpinfer.profiler import profile
+
 from profiler_fixtures import ffn_inputs, tiny_engine
 from tolerances import KERNEL_ATOL, KERNEL_RTOL
 
@@ -52,7 +61,7 @@ def test_predictor_learns_a_known_active_set(relu_setup):
         assert scores["recall"] >= 0.97
         assert scores["precision"] > 0.95
     # fresh text: the predicted-mask model counts predicted / truly active / both per token
-    ppl, sums = evaluate(engine, windows(16, seed=7), PredictedMaskFFN(engine.cfg),
+    ppl, sums = evaluate(engine, windows(16, seed=7), PredictorMaskFFN(engine.cfg),
                          mask_states(predictors.layers, prof.thresholds))
     assert math.isfinite(ppl)
     for layer in sums:
@@ -65,7 +74,8 @@ def test_an_untrained_predictor_does_not_pass_the_learning_bar(relu_setup):
     _, prof, predictors = relu_setup
     rng = np.random.default_rng(0)
     random_layers = [
-        PredictorWeights(*(jnp.asarray(rng.normal(size=np.shape(a)), jnp.float32) for a in (p.w_in, p.b_in, p.w_out, p.b_out)),
+        PredictorWeights(*(jnp.asarray(rng.normal(size=np.shape(a)), jnp.float32)
+                           for a in (p.w_in, p.b_in, p.w_out, p.b_out)),
                          p.cutoff)
         for p in predictors.layers
     ]
@@ -105,7 +115,7 @@ def test_predicted_mask_ffn_equals_a_float64_reference():
     a = gate / (1 + np.exp(-gate)) * up
     expected = (a * keep) @ np.asarray(layer.w_down, np.float64).T
     state = mask_states([p], [0.0])[0]
-    y, counts = PredictedMaskFFN(cfg)(0, layer, jnp.asarray(x, jnp.float32), state)
+    y, counts = PredictorMaskFFN(cfg)(0, layer, jnp.asarray(x, jnp.float32), state)
     np.testing.assert_allclose(np.asarray(y), expected, rtol=KERNEL_RTOL, atol=KERNEL_ATOL)  # a tiny-model FFN
     assert np.array_equal(np.asarray(counts["predicted"]), keep.sum(-1))
     assert np.array_equal(np.asarray(counts["active"]), (np.abs(a) > 0).sum(-1))
@@ -119,7 +129,7 @@ def test_all_active_predictor_decodes_like_dense():
                                 jnp.float32(-1.0))
     from jpinfer import FfnStrategy
 
-    strategy = FfnStrategy(PredictedMaskFFN(cfg), mask_states([keep_all] * cfg.n_layers, [0.0] * cfg.n_layers), "all")
+    strategy = FfnStrategy(PredictorMaskFFN(cfg), mask_states([keep_all] * cfg.n_layers, [0.0] * cfg.n_layers), "all")
     prompt = [3, 4, 5, 6, 7]
     dense = engine.generate(prompt, max_new_tokens=12).token_ids
     masked = engine.with_ffn(strategy).generate(prompt, max_new_tokens=12).token_ids
@@ -269,7 +279,8 @@ def test_strong_masks_hold_the_largest_contributions():
     x = ffn_inputs(engine, windows(24, t=32, seed=5))[0]  # (768, d_model) float64
     w = np.asarray(layer.w_gate_up, np.float64)
     gate, up = x @ w[: cfg.d_ff].T, x @ w[cfg.d_ff :].T
-    contribution = np.abs(gate / (1 + np.exp(-gate)) * up) * np.linalg.norm(np.asarray(layer.w_down, np.float64), axis=0)
+    contribution = (np.abs(gate / (1 + np.exp(-gate)) * up)
+                    * np.linalg.norm(np.asarray(layer.w_down, np.float64), axis=0))
     active = np.abs(gate / (1 + np.exp(-gate)) * up) > np.median(np.abs(gate / (1 + np.exp(-gate)) * up))
     inputs, packed = x.astype(np.float16), np.packbits(active, axis=-1)
     limit = strong_limit(engine.model, 0, inputs[:256], packed[:256])
@@ -292,7 +303,8 @@ def test_cutoff_keeps_both_recall_targets():
     active = rng.random((n, d_ff)) < 0.4
     strong = active & (rng.random((n, d_ff)) < 0.2)
     data = LayerData(x, np.packbits(active, axis=-1), d_ff, np.packbits(strong, axis=-1))
-    p = PredictorWeights(*(jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((rank, d), (rank,), (d_ff, rank), (d_ff,))),
+    p = PredictorWeights(*(jnp.asarray(rng.normal(size=s), jnp.float32)
+                           for s in ((rank, d), (rank,), (d_ff, rank), (d_ff,))),
                          jnp.float32(0))
     _, only_recall = with_cutoff(p, data, 0.6)
     tuned, both = with_cutoff(p, data, 0.6, strong_recall=0.99)

@@ -7,12 +7,22 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jpinfer.ffn import evaluate, perplexity
 from jpinfer.models import params, transformer
 from jpinfer.profiler import (
-    ActivationProfile, PredictorSamples, ProfileError, ProfileMismatchError, Sensitivity, calibrate, evaluate, greedy,
-    perplexity, profile, score_histogram, uniform,
+    ActivationProfile,
+    PredictorSamples,
+    ProfileError,
+    ProfileMismatchError,
+    Sensitivity,
+    calibrate,
+    greedy,
+    profile,
+    score_histogram,
+    uniform,
 )
 from jpinfer.profiler import calibration as calibration_module
+
 from profiler_fixtures import ffn_inputs, reference_scores, reference_window_losses, thresholds_in_gaps, tiny_engine
 from tolerances import PPL_RTOL, SPARSITY_ATOL, U32
 
@@ -137,7 +147,8 @@ def test_sensitivity_is_the_derivative_of_the_window_loss():
             fd[:, layer, k] = (plus - minus) / (2 * eps)
         # The derivative is a float32 sum over (token, neuron) of the terms a_ti * (dL/dy_t . w_down[:, i]);
         # scale = sum |term| per window and layer, from the gradient of the float32 loss w.r.t. a per-term lambda.
-        terms = jax.grad(lambda lam: window_losses(lam, thr[:, k]).sum())(jnp.zeros((cfg.n_layers, *tokens.shape, cfg.d_ff)))
+        terms = jax.grad(lambda lam: window_losses(lam, thr[:, k]).sum())(
+            jnp.zeros((cfg.n_layers, *tokens.shape, cfg.d_ff)))
         scale[:, :, k] = np.abs(np.asarray(terms, np.float64)).sum((2, 3)).T
     # float32 rounding of `got`: each term carries at most the roundings along the forward pass, the backward pass
     # (as many) and the final sum over T * d_ff terms, each u relative: |got - exact| <= n * U32 * scale with
@@ -270,7 +281,8 @@ def test_save_load_round_trip_and_model_check(tmp_path):
         np.testing.assert_array_equal(getattr(back, name), getattr(prof, name))
     assert (back.n_tokens, back.meta, back.model_fingerprint) == (prof.n_tokens, prof.meta, prof.model_fingerprint)
     # the same weights at another precision are the same model
-    ActivationProfile.load(path, model=dataclasses.replace(engine.model, weights=params.cast(engine.weights, jnp.bfloat16)))
+    ActivationProfile.load(path,
+                           model=dataclasses.replace(engine.model, weights=params.cast(engine.weights, jnp.bfloat16)))
     with pytest.raises(ProfileMismatchError, match="profile this model"):
         ActivationProfile.load(path, model=tiny_engine("swiglu", seed=1))
     with pytest.raises(ProfileMismatchError):

@@ -8,6 +8,7 @@ import pytest
 
 from jpinfer.data import BUNDLED_CORPORA, CHATGPT_PROMPTS, WIKITEXT2_VALID
 from jpinfer.profiler import Corpus, CorpusError, profile, token_windows
+
 from profiler_fixtures import CharTokenizer, tiny_engine
 
 TOK = CharTokenizer()

@@ -4,8 +4,10 @@ import numpy as np
 import pytest
 
 import jpinfer
+from jpinfer.ffn import perplexity
+from jpinfer.profiler import ActivationProfile, PredictorSamples, profile, token_windows
+
 from tolerances import SPARSITY_ATOL
-from jpinfer.profiler import ActivationProfile, PredictorSamples, perplexity, profile, token_windows
 
 pytestmark = pytest.mark.slow
 

@@ -32,7 +32,8 @@ def small_sizes(n_layers: int, n_neurons: int) -> ModelSizes:
 
 
 def dense_bytes(sizes: ModelSizes) -> int:
-    return sizes.n_layers * sizes.layer_dense_bytes + sizes.embed_bytes + sizes.lm_head_bytes + sizes.other_bytes + sizes.kv_cache_bytes
+    return (sizes.n_layers * sizes.layer_dense_bytes + sizes.embed_bytes + sizes.lm_head_bytes + sizes.other_bytes
+            + sizes.kv_cache_bytes)
 
 
 def hardware(sizes: ModelSizes, neurons_that_fit: int, *, accel_bw=16e9, cpu_bw=1e9, latency=2e-6, sync=3e-6):
@@ -233,7 +234,9 @@ def test_grouping_covers_each_neuron_once(n_neurons, group):
         ids = np.concatenate([g.order[l][s : s + n] for s, n in zip(g.start[g.layer == l], g.size[g.layer == l])])
         np.testing.assert_array_equal(np.sort(ids), np.arange(n_neurons))  # no split, no duplicate
         assert np.all(np.diff(f[g.order[l]]) <= 0)  # hottest first
-        np.testing.assert_allclose(g.mass[g.layer == l], [f[g.order[l][s : s + n]].sum() for s, n in zip(g.start[g.layer == l], g.size[g.layer == l])])  # float64, default 1e-7
+        np.testing.assert_allclose(g.mass[g.layer == l],  # float64, default 1e-7
+                                   [f[g.order[l][s : s + n]].sum()
+                                    for s, n in zip(g.start[g.layer == l], g.size[g.layer == l])])
     assert np.all(g.size <= group) and np.all(g.size > 0)
     every = g.masks(np.ones(len(g), bool))
     assert all(m.all() for m in every)

@@ -10,6 +10,7 @@ import sys
 import numpy as np
 import pytest
 
+from jpinfer.cli import main as cli_main
 from jpinfer.solver import (
     PRESETS,
     HardwareProfile,
@@ -21,7 +22,6 @@ from jpinfer.solver import (
     solve_placement,
     synthetic_frequencies,
 )
-from jpinfer.cli import main as cli_main
 from jpinfer.solver.cli import SHAPES
 from jpinfer.solver.memory import model_sizes
 from jpinfer.solver.result import JSON_NAME
@@ -105,7 +105,8 @@ def test_cli_frequency_file_and_errors(capfd, tmp_path):
     freqs = np.stack(synthetic_frequencies(4, 256, skew=2.0, seed=9))
     np.save(tmp_path / "f.npy", freqs)
     budget = f"{small_budget_gib():.6f}"
-    assert cli_main(SMALL + ["--budget-gib", budget, "--freq", str(tmp_path / "f.npy"), "--json", "--runs", "mass"]) == 0
+    assert cli_main(SMALL + ["--budget-gib", budget, "--freq", str(tmp_path / "f.npy"), "--json",
+                             "--runs", "mass"]) == 0
     row = json.loads(capfd.readouterr().out)
     hw = preset("rtx4090").replace(accel_memory=float(budget) * 2**30)
     direct = solve_placement(list(freqs), SMALL_CFG, hw, context=64)
@@ -140,7 +141,8 @@ def test_measure_hardware_on_this_machine():
     assert 1e8 < p.cpu_bandwidth < 1e13 and p.cpu_threads >= 1  # plausible: 100 MB/s to 10 TB/s
     if jax.devices()[0].platform == "cpu":  # nothing else to measure: the rest is the preset's
         assert set(p.measured) == {"cpu_bandwidth", "cpu_threads"}
-        assert (p.accel_memory, p.link_bandwidth, p.sync_cost) == (base.accel_memory, base.link_bandwidth, base.sync_cost)
+        assert (p.accel_memory, p.link_bandwidth, p.sync_cost) == (base.accel_memory, base.link_bandwidth,
+                                                                   base.sync_cost)
     else:
         assert {"accel_bandwidth", "link_bandwidth", "link_latency", "sync_cost"} <= set(p.measured)
 

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_modes import PROMPT, all_active, forced_logits
 
 import jpinfer
 from jpinfer import GenerationConfig, JpinferError
@@ -16,9 +17,9 @@ from jpinfer.modes import build_engine
 from jpinfer.profiler import ActivationProfile, ProfileError, SparsityThresholds, calibrate_sparsity, profile
 from jpinfer.profiler import calibration as calibration_module
 from jpinfer.runtime.engine import FfnStrategy
-from jpinfer.sparse import ROWS_BACKENDS, sparse_rows_product, threshold, threshold_ffn
+from jpinfer.sparse import ROWS_BACKENDS, sparse_rows_product, threshold_ffn, threshold_layout
+
 from profiler_fixtures import ffn_inputs, reference_window_losses, thresholds_in_gaps, tiny_engine
-from test_modes import PROMPT, all_active, forced_logits
 from tolerances import DECODER_ATOL, KERNEL_ATOL, KERNEL_RTOL, SPARSITY_ATOL, U32
 
 BACKENDS = [b for b in ROWS_BACKENDS if b != "auto"] + ["auto"]
@@ -48,7 +49,8 @@ def test_rows_product_equals_float64(backend, case):
     matrix = rng.standard_normal((n, m)).astype(np.float32)
     x = rng.standard_normal((t, n)).astype(np.float32)
     ids = rng.permutation(n)[:40].astype(np.int32)
-    count = {"some": 40, "padded": 23, "empty list": 0, "count 0": 0, "full": n, "one": 1, "tokens": 17, "bf16": 31}[case]
+    count = {"some": 40, "padded": 23, "empty list": 0, "count 0": 0, "full": n, "one": 1, "tokens": 17,
+             "bf16": 31}[case]
     if case == "full":
         ids = rng.permutation(n).astype(np.int32)
     if case == "empty list":
@@ -112,7 +114,7 @@ def test_threshold_ffn_equals_numpy_zeroing_the_same_entries(kind, kinds, tokens
         np.where(np.abs(x) > (input_thr or -1), x, 0), jnp.float32), engine.cfg), np.float64)
     nonzero = np.abs(ref_a)[ref_a != 0]  # ReLU kinds: about half are exact zeros, which any threshold skips
     act_thr = float(thresholds_in_gaps([nonzero], 0.5)[0]) if kinds != "input" else None
-    ffn = threshold.from_layer(layer, kind, input_threshold=input_thr, activation_threshold=act_thr)
+    ffn = threshold_layout.from_layer(layer, kind, input_threshold=input_thr, activation_threshold=act_thr)
     expected = numpy_threshold_ffn(layer, kind, x, input_thr, act_thr)
     for backend in BACKENDS:
         y, kept = threshold_ffn(ffn, jnp.asarray(x, jnp.float32), backend=backend)
@@ -130,7 +132,7 @@ def test_nothing_kept_leaves_only_the_bias(kinds):
     engine = tiny_engine("relu")  # OPT-like: has b_up and b_down
     layer = engine.weights.layers[0]
     huge = 1e30
-    ffn = threshold.from_layer(layer, "relu", input_threshold=huge if kinds != "activation" else None,
+    ffn = threshold_layout.from_layer(layer, "relu", input_threshold=huge if kinds != "activation" else None,
                                activation_threshold=huge if kinds != "input" else None)
     x = jnp.asarray(np.random.default_rng(0).standard_normal((1, 32)), jnp.float32)
     y, kept = threshold_ffn(ffn, x)
@@ -145,13 +147,13 @@ def test_nothing_kept_leaves_only_the_bias(kinds):
 def test_layout_replaces_the_matrices_it_reads_sparsely():
     engine = tiny_engine("swiglu")
     layer = engine.weights.layers[0]
-    both = threshold.from_layer(layer, "swiglu", input_threshold=0.1, activation_threshold=0.1)
+    both = threshold_layout.from_layer(layer, "swiglu", input_threshold=0.1, activation_threshold=0.1)
     assert both.gate_up.shape == (32, 96) and both.down.shape == (48, 32)  # input-major, neuron-major
-    off = threshold.from_layer(layer, "swiglu", input_threshold=None, activation_threshold=None)
+    off = threshold_layout.from_layer(layer, "swiglu", input_threshold=None, activation_threshold=None)
     assert off.gate_up.shape == (96, 32) and off.down.shape == (32, 48)  # the decoder's (out, in)
     for bad in (-1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="finite number >= 0"):
-            threshold.from_layer(layer, "swiglu", input_threshold=bad, activation_threshold=None)
+            threshold_layout.from_layer(layer, "swiglu", input_threshold=bad, activation_threshold=None)
 
 
 # ----- the engine
@@ -178,7 +180,7 @@ def test_zero_thresholds_decode_like_dense(kind, kinds):
 
 @dataclasses.dataclass(frozen=True)
 class ZeroedReference:
-    """The dense FFN with the same entries zeroed, written apart from sparse/threshold.py: masks on x, then on
+    """The dense FFN with the same entries zeroed, written apart from sparse/threshold_layout.py: masks on x, then on
     a, then the decoder's own (out, in) products. Aux: the smallest relative distance of any magnitude to its
     threshold (a setup check: float32 paths that differ by rounding must keep the same entries)."""
 
@@ -222,7 +224,7 @@ def test_prefill_masks_each_token_like_decoding():
     """Several tokens at once (dense products with the entries zeroed) equal one token at a time."""
     dense = tiny_engine("swiglu")
     x = ffn_inputs(dense, windows(1, 16, seed=5))[0]
-    ffn = threshold.from_layer(dense.weights.layers[0], "swiglu", input_threshold=0.3, activation_threshold=0.02)
+    ffn = threshold_layout.from_layer(dense.weights.layers[0], "swiglu", input_threshold=0.3, activation_threshold=0.02)
     together, kept = threshold_ffn(ffn, jnp.asarray(x, jnp.float32))
     one_by_one = [threshold_ffn(ffn, jnp.asarray(x[t : t + 1], jnp.float32)) for t in range(len(x))]
     np.testing.assert_allclose(np.asarray(together), np.concatenate([np.asarray(y) for y, _ in one_by_one]),
@@ -312,7 +314,8 @@ def test_thresholds_round_trip_through_the_profile_and_load_the_mode(tmp_path):
     back = ActivationProfile.load(path, dense).sparsity_thresholds()
     np.testing.assert_array_equal(back.activation, th.activation)  # float32 through JSON: exact
     np.testing.assert_array_equal(back.input, th.input)
-    assert back.target == th.target and back.method == "uniform" and back.describe() == "activation 40% + input 20% (uniform)"
+    assert (back.target == th.target and back.method == "uniform"
+            and back.describe() == "activation 40% + input 20% (uniform)")
     from_profile = build_engine(dense.model, "threshold", profile=ActivationProfile.load(path, dense))
     direct = build_engine(dense.model, "threshold", thresholds=th)
     config = GenerationConfig(max_new_tokens=16)

@@ -8,10 +8,11 @@ import pytest
 import regex
 from transformers import AutoTokenizer  # reads GGUF tokenizers only with PyTorch (test extra)
 
-import gguf_fixtures as fx
 from jpinfer.models.default_model import default_model_path
 from jpinfer.models.gguf_loader import load_gguf, load_gguf_tokenizer
 from jpinfer.models.tokenizer import Tokenizer, load_hf_tokenizer
+
+import gguf_fixtures as fx
 
 CONVERSATION = [
     {"role": "system", "content": "You are terse."},
@@ -35,7 +36,8 @@ TEXTS = [
 # SmolLM tokenizer.json) splits off every \p{N} character first, so a whitespace run before a digit
 # stays one piece and a space never merges with a non-ASCII digit's first byte; transformers' GGUF
 # reader uses plain GPT-2 splitting for `smollm`. See digit_first_reference.
-DIGIT_SPLIT_CASES = ["a  1", "x =   42;", "line\n\n1. item", "tabs\t\t7", "  9 lives", "n =\n    10", "x ² + y ³", ", ٣٤٥"]
+DIGIT_SPLIT_CASES = ["a  1", "x =   42;", "line\n\n1. item", "tabs\t\t7", "  9 lives", "n =\n    10", "x ² + y ³",
+                     ", ٣٤٥"]
 
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from jpinfer.models import hf_loader, params, transformer
+
 from hf_reference import make_model
 from tolerances import DECODER_ATOL
 

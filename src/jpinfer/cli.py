@@ -98,16 +98,17 @@ def add_arguments(p: argparse.ArgumentParser, command: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import jpinfer
+    from jpinfer.api import load
+    from jpinfer.runtime.engine import GenerationConfig
 
     if args.command == "info":
-        return _info(jpinfer.load(args.model, dtype=args.dtype, weights=args.weights), args)
-    config = jpinfer.GenerationConfig(  # checked before the model loads: bad settings fail fast
+        return _info(load(args.model, dtype=args.dtype, weights=args.weights), args)
+    config = GenerationConfig(  # checked before the model loads: bad settings fail fast
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
         top_p=args.top_p, seed=args.seed, stop=tuple(args.stop), chat=args.command == "chat" or args.chat,
     )
     prepare_devices([args.mode])
-    engine = jpinfer.load(args.model, dtype=args.dtype, weights=args.weights, mode=args.mode, **mode_options(args))
+    engine = load(args.model, dtype=args.dtype, weights=args.weights, mode=args.mode, **mode_options(args))
     if args.command == "chat":
         return _chat(engine, config, args.system)
     result = None

@@ -1,18 +1,20 @@
-"""Command-line arguments shared by several subcommands (kept here, below every stage, so
-that a stage's subcommand does not import the top-level CLI)."""
+"""Command-line arguments shared by several subcommands (kept apart from ``cli.py`` so that a stage's
+subcommand does not import the top-level CLI; the CLIs' level, above every stage)."""
 
 from __future__ import annotations
 
 import argparse
 
-from jpinfer.config import ENGINE_MODES, WEIGHT_FORMATS
+from jpinfer.config import WEIGHT_FORMATS
+from jpinfer.modes.catalog import MODE_NAMES, get_mode
 
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 
 
 def add_model_arguments(p: argparse.ArgumentParser, weights: bool = True) -> None:
     """--model, --dtype and (with ``weights``) --weights, for every command that loads a model."""
-    p.add_argument("--model", default=None, help="HF checkpoint directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None,
+                   help="HF checkpoint directory or .gguf file (default: SmolLM2-135M-Instruct)")
     p.add_argument(
         "--dtype", default="float32", choices=DTYPE_CHOICES,
         help="weight dtype (default float32; on the CPU bfloat16 decodes 5-8x slower, see README)",
@@ -20,7 +22,8 @@ def add_model_arguments(p: argparse.ArgumentParser, weights: bool = True) -> Non
     if weights:
         p.add_argument(
             "--weights", default="float", choices=WEIGHT_FORMATS,
-            help="float (default: every tensor in --dtype) or int8 (W8A8, quantized at load; modes dense and threshold)",
+            help="float (default: every tensor in --dtype) or int8 (W8A8, quantized at load; modes dense and "
+                 "threshold)",
         )
 
 
@@ -31,12 +34,13 @@ def capacity_value(text: str) -> str | float | int:
     try:
         return float(text) if "." in text else int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected 'predicted', a quantile like 0.99 or an integer K, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected 'predicted', a quantile like 0.99 or an integer K, got {text!r}") from None
 
 
 def add_mode_arguments(p: argparse.ArgumentParser, modes: bool = False) -> None:
     """The engine mode (``--mode``, or ``--modes`` for a bench) and what the sparse modes read."""
-    choices = ENGINE_MODES
+    choices = MODE_NAMES
     if modes:
         p.add_argument("--modes", nargs="+", choices=choices, default=None,
                        help="engine modes to compare, dense first (default: all of them when a pack is at hand: the "
@@ -44,7 +48,8 @@ def add_mode_arguments(p: argparse.ArgumentParser, modes: bool = False) -> None:
     else:
         p.add_argument("--mode", choices=choices, default="dense",
                        help="dense (default); sparse: predicted neurons only; hybrid: hot neurons on the accelerator; "
-                            "threshold: training-free, small activations and inputs skipped (thresholds from --profile)")
+                            "threshold: training-free, small activations and inputs skipped (thresholds from "
+                            "--profile)")
     p.add_argument("--pack", default=None,
                    help="pack directory (jpinfer prepare): the profile, predictors, placement and thresholds the mode "
                         "needs, where not given (default model: its pack in the cache, built on first use)")
@@ -63,7 +68,7 @@ def add_mode_arguments(p: argparse.ArgumentParser, modes: bool = False) -> None:
 def prepare_devices(modes: list[str]) -> None:
     """Without a GPU, two CPU devices play accelerator and host in the hybrid mode: JAX must be told
     before it starts its backends, so commands call this before anything touches a device."""
-    if "hybrid" in modes:
+    if any(get_mode(mode).two_devices for mode in modes):
         import jax
 
         jax.config.update("jax_num_cpu_devices", 2)

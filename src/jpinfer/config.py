@@ -13,7 +13,6 @@ NormKind = Literal["rmsnorm", "layernorm"]
 PositionKind = Literal["rope", "learned"]
 
 FFN_KINDS: tuple[str, ...] = ("swiglu", "reglu", "drelu", "relu")
-ENGINE_MODES: tuple[str, ...] = ("dense", "sparse", "hybrid", "threshold")  # jpinfer.load(mode=...); see jpinfer.modes
 WEIGHT_FORMATS: tuple[str, ...] = ("float", "int8")  # jpinfer.load(weights=...); see jpinfer.models.int8
 
 

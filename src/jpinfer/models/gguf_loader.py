@@ -134,7 +134,8 @@ def config_from_metadata(metadata: dict[str, Any], has_output: bool, path: os.Pa
             path, f"llama.vocab_size {metadata['llama.vocab_size']} disagrees with the {len(tokens)} tokens listed"
         )
     eos_ids = tuple(
-        dict.fromkeys(int(metadata[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in metadata)
+        dict.fromkeys(int(metadata[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
+                      if k in metadata)
     )
     bos = metadata.get("tokenizer.ggml.bos_token_id")
     norm_eps = _float32_decimal(need("llama.attention.layer_norm_rms_epsilon"))
@@ -169,7 +170,8 @@ def _float32_decimal(value: float) -> float:
     return float(str(np.float32(value)))
 
 
-def read_tensors(reader: GGUFReader, cfg: ModelConfig, path: os.PathLike | str, dtype=jnp.float32) -> dict[str, np.ndarray]:
+def read_tensors(reader: GGUFReader, cfg: ModelConfig, path: os.PathLike | str,
+                 dtype=jnp.float32) -> dict[str, np.ndarray]:
     """Dequantized tensors keyed like ``expected_shapes(cfg)``, checked against it."""
     by_name = _tensor_map(reader)
     plan = _tensor_plan(cfg)

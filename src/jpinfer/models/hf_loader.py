@@ -19,7 +19,6 @@ from jpinfer.config import ModelConfig
 from jpinfer.errors import CheckpointError
 from jpinfer.models.params import expected_shapes
 
-
 LLAMA_LIKE = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
 ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu", "relu": "reglu"}
 SUPPORTED = sorted([*LLAMA_LIKE, "OPTForCausalLM"])

@@ -10,9 +10,8 @@ import pathlib
 import warnings
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-import numpy as np
-
 import jax.numpy as jnp
+import numpy as np
 
 from jpinfer import artifacts
 from jpinfer.cache import CacheWarning, cache_dir
@@ -82,7 +81,8 @@ def resolve_model(model: ModelArg) -> LoadedModel:
     )
 
 
-def load_model(source: str | os.PathLike | None = None, dtype: Any = "float32", ffn_kind: str | None = None) -> LoadedModel:
+def load_model(source: str | os.PathLike | None = None, dtype: Any = "float32",
+               ffn_kind: str | None = None) -> LoadedModel:
     """Load a checkpoint into a LoadedModel (float weights; ``profiler.smoothing.int8_model`` makes
     the int8 form).
 

@@ -98,7 +98,9 @@ def tokenizer_from_gguf_metadata(metadata: Mapping[str, Any], source: str = "GGU
     raw.add_special_tokens(
         [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == _CONTROL]
     )
-    raw.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == _USER_DEFINED])
+    raw.add_tokens(
+        [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == _USER_DEFINED]
+    )
 
     def token_of(key: str) -> str | None:
         idx = metadata.get(f"tokenizer.ggml.{key}")

@@ -1,23 +1,42 @@
-"""Engine modes: ``dense``, ``sparse`` (predictor-driven, one device) and ``hybrid`` (hot neurons
-on the accelerator, cold ones on the CPU device). ``build_engine`` makes one from a loaded
-model, its predictors, profile and placement; ``jpinfer.load(mode=...)`` is the front door.
-Modules: arguments (what each mode needs, checked first), sparse (the one-device sparse FFN),
-hybrid (the two-device step), build (capacities, budgets, placement, assembling the engines).
-The names of ``build`` load on first use: it imports the predictor package (Flax), which
-checking arguments does not need.
+"""Engine modes: ``dense``, ``sparse`` (predictor-driven, one device), ``hybrid`` (hot neurons on the
+accelerator, cold ones on the CPU device; with thresholds, the threshold mode split so) and
+``threshold`` (training-free). ``jpinfer.load(mode=...)`` is the front door.
+
+Modules: catalog (the modes as objects: what each needs, takes from a pack, checks and builds;
+``get_mode``), engines (the sparse modes' engines from a model and what they need), hybrid (the
+two-device step), placement (GPU budgets and the solver's placement), devices (accelerator and
+host), evaluation (an engine's decode step as an FFN strategy over whole windows).
 """
 
-from typing import Any
+from __future__ import annotations
 
-from jpinfer.modes.arguments import check_mode_arguments
+from typing import Any, Sequence
 
-__all__ = ["build_engine", "check_gpu_budget", "check_mode_arguments", "choose_placement", "default_devices",
-           "layer_capacities", "parse_budget"]
+from jpinfer.models.loading import LoadedModel
+from jpinfer.modes.catalog import INT8_MODES, MODE_NAMES, MODES, Mode, ModeInputs, get_mode
+from jpinfer.runtime.engine import Engine
+
+__all__ = ["INT8_MODES", "MODE_NAMES", "MODES", "Mode", "ModeInputs", "build_engine", "get_mode"]
 
 
-def __getattr__(name: str) -> Any:
-    if name in __all__:
-        from jpinfer.modes import build
+def build_engine(
+    model: LoadedModel,
+    mode: str = "dense",
+    *,
+    predictors: Any = None,
+    profile: Any = None,
+    capacity: str | float | int | Sequence[int] = "predicted",
+    gpu_budget: str | int | float | None = None,
+    placement: Any = None,
+    devices: tuple[Any, Any] | None = None,
+    hardware: Any = None,
+    thresholds: Any = None,
+) -> Engine:
+    """The engine for ``mode`` on a loaded ``model``; arguments as in ``jpinfer.load`` (objects or
+    paths), ``devices`` (accelerator, host) and ``hardware`` (for the hybrid's placement)."""
+    from jpinfer.models import int8
 
-        return getattr(build, name)
-    raise AttributeError(f"module 'jpinfer.modes' has no attribute {name!r}")
+    chosen = get_mode(mode, thresholds=thresholds, weights="int8" if int8.is_int8(model.weights) else "float")
+    inputs = ModeInputs(predictors, profile, placement, gpu_budget, thresholds, capacity)
+    chosen.check(inputs)
+    return chosen.build(model, inputs, devices=devices, hardware=hardware)

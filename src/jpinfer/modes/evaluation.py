@@ -6,7 +6,7 @@ decoded token. ``decode_equivalent`` returns the (model, strategy) whose forward
 windows computes, for each token, the FFN the engine's decode step would compute for it:
 
 - sparse: the dense FFN keeping only the neurons the predictor selects within the engine's
-  capacities (``predictor.PredictedMaskFFN``, exactly the sparse op's sum over that list), which
+  capacities (``ffn.PredictorMaskFFN``, exactly the sparse op's sum over that list), which
   also counts the neurons the capacities clipped;
 - hybrid with predictors: the same, each part (accelerator, CPU) selecting within its own capacity;
 - threshold (one device or split): the threshold FFN, whose several-token path zeroes the same
@@ -19,13 +19,11 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from jpinfer.ffn import PredictorListFFN, PredictorMaskFFN, ThresholdRowsFFN, mask_states
 from jpinfer.models.loading import LoadedModel
 from jpinfer.modes.hybrid import HybridStepper
-from jpinfer.modes.sparse import PredictedSparseFFN
-from jpinfer.modes.threshold import ThresholdSparseFFN
-from jpinfer.predictor.masked import PredictedMaskFFN, mask_states
 from jpinfer.runtime.engine import Engine, FfnStrategy
-from jpinfer.sparse import threshold
+from jpinfer.sparse import threshold_layout
 
 
 def decode_equivalent(engine: Engine, dense: LoadedModel, activity_thresholds: np.ndarray | None = None
@@ -43,21 +41,21 @@ def decode_equivalent(engine: Engine, dense: LoadedModel, activity_thresholds: n
         if stepper.layers[0].predictor is None:  # threshold sparsity split by the placement
             states = [_threshold_state(layer, part.hot, cfg.ffn_kind)
                       for layer, part in zip(dense.weights.layers, stepper.layers)]
-            return dense, FfnStrategy(ThresholdSparseFFN(), states, "threshold (hybrid)")
+            return dense, FfnStrategy(ThresholdRowsFFN(), states, "threshold (hybrid)")
         hot = [np.isin(np.arange(cfg.d_ff), np.asarray(part.hot_ids)) for part in stepper.layers]
         states = mask_states([part.predictor for part in stepper.layers], activity, hot)
         # a part's K of its whole size clips nothing: None skips the selection (exact, and fast)
         capacity = tuple(tuple(None if k >= n else k for k, n in zip(ks, (part.hot_ids.size, part.cold_ids.size)))
                          for ks, part in zip(stepper.capacity, stepper.layers))
-        return dense, FfnStrategy(PredictedMaskFFN(cfg, capacity), states, "hybrid (masked)")
-    if isinstance(engine.ffn.impl, PredictedSparseFFN):
+        return dense, FfnStrategy(PredictorMaskFFN(cfg, capacity), states, "hybrid (masked)")
+    if isinstance(engine.ffn.impl, PredictorListFFN):
         states = mask_states([state.predictor for state in engine.ffn.state], activity)
-        return dense, FfnStrategy(PredictedMaskFFN(cfg, engine.ffn.impl.capacity), states, "sparse (masked)")
+        return dense, FfnStrategy(PredictorMaskFFN(cfg, engine.ffn.impl.capacity), states, "sparse (masked)")
     return engine.model, engine.ffn
 
 
-def _threshold_state(layer, part: threshold.ThresholdFFN, kind: str) -> threshold.ThresholdFFN:
+def _threshold_state(layer, part: threshold_layout.ThresholdLayout, kind: str) -> threshold_layout.ThresholdLayout:
     """The whole layer's threshold FFN with the thresholds a hybrid part applies."""
     pick = lambda on, value: float(jnp.asarray(value)) if on else None
-    return threshold.from_layer(layer, kind, input_threshold=pick(part.input_sparse, part.input_threshold),
+    return threshold_layout.from_layer(layer, kind, input_threshold=pick(part.input_sparse, part.input_threshold),
                                 activation_threshold=pick(part.activation_sparse, part.activation_threshold))

@@ -12,7 +12,7 @@ the host dispatches, per layer:
     cold output -> accelerator, added by the next layer's call (or the final one)
 
 With threshold sparsity instead of predictors (``mode="hybrid"`` given thresholds) each part is
-a ``ThresholdFFN`` of its neurons and keeps what the thresholds keep; there are no lists.
+a ``ThresholdLayout`` of its neurons and keeps what the thresholds keep; there are no lists.
 
 The down projection is a sum over neurons, so hot + cold is exactly the FFN over the
 union of both lists; ``b_down`` lives in the hot part only. Prefill computes every neuron
@@ -34,7 +34,7 @@ from jpinfer.models import transformer
 from jpinfer.models.params import Layer, Weights
 from jpinfer.predictor.mlp import PredictorWeights, predict_logits, select_neurons
 from jpinfer.runtime.sampling import sample_next_jit
-from jpinfer.sparse import NeuronFFN, ThresholdFFN, all_rows_ffn, sparse_ffn, threshold_ffn
+from jpinfer.sparse import NeuronFFN, ThresholdLayout, all_rows_ffn, sparse_ffn, threshold_ffn
 
 
 @jax.tree_util.register_dataclass
@@ -45,7 +45,7 @@ class AcceleratorLayer:
 
     layer: Layer
     predictor: PredictorWeights | None  # None: threshold sparsity (each part applies its thresholds)
-    hot: NeuronFFN | ThresholdFFN
+    hot: NeuronFFN | ThresholdLayout
     hot_ids: jax.Array  # (n_hot,) int32: neuron id of each hot row
     cold_ids: jax.Array  # (n_cold,) int32: neuron id of each cold row, in the CPU part's order
 
@@ -58,11 +58,11 @@ def _part_list(logits: jax.Array, ids: jax.Array, cutoff: jax.Array, capacity: i
     return chosen.ids, chosen.count
 
 
-def _part_ffn(ffn: NeuronFFN | ThresholdFFN, x: jax.Array, chosen: tuple[jax.Array, jax.Array] | None) -> jax.Array:
+def _part_ffn(ffn: NeuronFFN | ThresholdLayout, x: jax.Array, chosen: tuple[jax.Array, jax.Array] | None) -> jax.Array:
     """One part's FFN output (B, T, d): over its listed neurons (decode) or all of them (prefill);
     a threshold part keeps what its thresholds keep, per token."""
     tokens = x.reshape(-1, x.shape[-1])
-    if isinstance(ffn, ThresholdFFN):
+    if isinstance(ffn, ThresholdLayout):
         return threshold_ffn(ffn, tokens)[0].reshape(x.shape)
     if chosen is None:
         return all_rows_ffn(ffn, tokens).reshape(x.shape)
@@ -109,7 +109,7 @@ _inputs = jax.jit(transformer.step_inputs, static_argnames=("cfg",))
 @dataclasses.dataclass
 class HybridStepper:
     """``runtime.Stepper`` over two devices: ``top`` (embeddings, head, norms) and ``layers``
-    on ``accelerator``, ``cold`` (one ``NeuronFFN``, or ``ThresholdFFN``, per layer) on ``host``.
+    on ``accelerator``, ``cold`` (one ``NeuronFFN``, or ``ThresholdLayout``, per layer) on ``host``.
 
     ``capacity`` per layer: (hot K, cold K), each at most its part's size; 0 for an empty part.
     """
@@ -117,7 +117,7 @@ class HybridStepper:
     cfg: ModelConfig
     top: Weights
     layers: list[AcceleratorLayer]
-    cold: list[NeuronFFN | ThresholdFFN]
+    cold: list[NeuronFFN | ThresholdLayout]
     capacity: tuple[tuple[int, int], ...]
     accelerator: Any
     host: Any
@@ -147,7 +147,8 @@ class HybridStepper:
 
     def first(self, tokens, n_valid, cache, key, sampler, attend):
         h, y_hot, y_cold, cache = self._run(tokens, cache, attend, decode=False)
-        token, key = sample_next_jit(_final_logits(self.top, h, y_hot, y_cold, n_valid - 1, cfg=self.cfg), key, sampler=sampler)
+        logits = _final_logits(self.top, h, y_hot, y_cold, n_valid - 1, cfg=self.cfg)
+        token, key = sample_next_jit(logits, key, sampler=sampler)
         return token, dataclasses.replace(cache, length=cache.length - tokens.shape[1] + n_valid), key
 
     def step_logits(self, token, cache, attend):

@@ -20,7 +20,8 @@ def add_arguments(p: argparse.ArgumentParser, command: str = "prepare") -> None:
                       help="bundled name (wikitext2-valid, wikitext2-test, chatgpt-prompts), a local text/JSON/CSV "
                            f"file, or a datasets name (default {DEFAULTS.corpus})")
     text.add_argument("--fields", nargs="+", default=[], help="text columns of a JSON/CSV/datasets corpus")
-    text.add_argument("--n-tokens", type=int, default=DEFAULTS.n_tokens, help=f"tokens to profile ({DEFAULTS.n_tokens})")
+    text.add_argument("--n-tokens", type=int, default=DEFAULTS.n_tokens,
+                      help=f"tokens to profile ({DEFAULTS.n_tokens})")
     text.add_argument("--calibration-tokens", type=int, default=DEFAULTS.calibration_tokens,
                       help=f"tokens the thresholds are calibrated on ({DEFAULTS.calibration_tokens})")
     text.add_argument("--samples", type=int, default=DEFAULTS.n_samples,
@@ -58,13 +59,14 @@ def add_arguments(p: argparse.ArgumentParser, command: str = "prepare") -> None:
     placement.add_argument("--hardware", default=DEFAULTS.hardware,
                            help="a preset (rtx4090, rtx2080ti, a100-80gb, h200) or 'measure' (this machine)")
     placement.add_argument("--objective", choices=OBJECTIVES, default=DEFAULTS.objective,
-                           help="mass: most activations on the accelerator (PowerInfer's); latency: least modelled time")
+                           help="mass: most activations on the accelerator (PowerInfer's); "
+                                "latency: least modelled time")
     placement.add_argument("--context", type=int, default=DEFAULTS.context, help="KV cache tokens on the accelerator")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
 
 
 def run(args: argparse.Namespace) -> int:
-    import jpinfer
+    from jpinfer.models.loading import load_model
     from jpinfer.pack import prepare
 
     settings = PackSettings(  # checked before the model loads
@@ -76,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
         strong_recall=args.strong_recall, max_epochs=args.epochs, gpu_budget=args.gpu_budget,
         hardware=args.hardware, objective=args.objective, context=args.context,
     )
-    model = jpinfer.load_model(args.model, dtype=args.dtype)
+    model = load_model(args.model, dtype=args.dtype)
     pack = prepare(model, args.out, settings, progress=args.progress)
     placement, scores = pack.placement, pack.predictors.meta["held_out_scores"]
     computed = sum(s["predicted"] for s in scores) / len(scores)
@@ -86,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
           f"neurons on held-out samples (recall {pack.settings.recall})")
     print(f"threshold mode: {pack.thresholds.describe()}")
     print(f"placement: {sum(a.size for a in placement.accel_ids):,} of {model.cfg.n_layers * model.cfg.d_ff:,} neurons "
-          f"on the accelerator, {placement.accel_share:.1%} of the activations, {placement.memory_used / 2**20:.0f} MiB "
-          f"of {placement.budget_bytes / 2**20:.0f} MiB")
+          f"on the accelerator, {placement.accel_share:.1%} of the activations, "
+          f"{placement.memory_used / 2**20:.0f} MiB of {placement.budget_bytes / 2**20:.0f} MiB")
     print(f"use it: jpinfer generate PROMPT --mode sparse|hybrid|threshold --pack {pack.path}")
     return 0

@@ -21,7 +21,7 @@ from typing import Any
 
 from jpinfer import artifacts
 from jpinfer.errors import JpinferError
-from jpinfer.modes.build import parse_budget
+from jpinfer.modes.placement import parse_budget
 from jpinfer.profiler.sparsity import check_targets
 
 # Bump a stage's version when what it computes changes; its key (and those after it) change with it.

@@ -25,15 +25,15 @@ from jpinfer import artifacts
 from jpinfer.cache import CacheWarning, cache_dir
 from jpinfer.errors import JpinferError
 from jpinfer.models import int8
+from jpinfer.models.identity import model_fingerprint
 from jpinfer.models.loading import LoadedModel, ModelArg, resolve_model
-from jpinfer.modes.build import check_gpu_budget, choose_placement
+from jpinfer.modes.placement import check_gpu_budget, choose_placement
 from jpinfer.pack import store
 from jpinfer.pack.settings import DEPENDS, STAGES, PackSettings, stage_inputs, stage_keys
 from jpinfer.pack.store import FILES, Pack, PackError, PackMismatchError
 from jpinfer.predictor import SearchConfig, TrainConfig, train_predictors
 from jpinfer.predictor.store import Predictors
-from jpinfer.profiler import ActivationProfile, Corpus, SamplesError, model_fingerprint, profile, sensitivity
-from jpinfer.profiler import token_windows, uniform
+from jpinfer.profiler import ActivationProfile, Corpus, SamplesError, profile, sensitivity, token_windows, uniform
 from jpinfer.profiler.sparsity import from_histograms, histograms
 from jpinfer.solver import Placement, measure_hardware, preset
 
@@ -217,7 +217,8 @@ def _existing_manifest(path: pathlib.Path, fingerprint: str, name: str) -> dict[
         raise JpinferError(f"{path}: a file is in the way of the pack directory")
     if not (path / store.MANIFEST).exists():
         if any(path.iterdir()):
-            raise JpinferError(f"{path}: a directory with other files in it, not a pack: give an empty or new directory")
+            raise JpinferError(f"{path}: a directory with other files in it, not a pack: "
+                               "give an empty or new directory")
         return None
     try:
         manifest = store.read_manifest(path)

@@ -26,10 +26,11 @@ import numpy as np
 
 from jpinfer import artifacts
 from jpinfer.errors import ArtifactError
+from jpinfer.models.identity import model_fingerprint
 from jpinfer.models.loading import ModelArg, resolve_model
 from jpinfer.pack.settings import STAGES, PackSettings, stage_keys
 from jpinfer.predictor.store import Predictors
-from jpinfer.profiler import ActivationProfile, SparsityThresholds, model_fingerprint
+from jpinfer.profiler import ActivationProfile, SparsityThresholds
 from jpinfer.profiler.calibration import INPUT, ScoreHistogram
 from jpinfer.solver import Placement
 

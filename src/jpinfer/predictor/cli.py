@@ -27,28 +27,30 @@ def add_arguments(p: argparse.ArgumentParser, command: str = "train-predictors")
 def run(args: argparse.Namespace) -> int:
     import numpy as np
 
-    import jpinfer
+    from jpinfer.api import load
     from jpinfer.cache import cache_dir
-    from jpinfer.predictor import TrainConfig, profile_fingerprint
+    from jpinfer.predictor import TrainConfig, profile_fingerprint, train_predictors
     from jpinfer.predictor.fit import model_params
-    from jpinfer.profiler import ActivationProfile
+    from jpinfer.profiler import ActivationProfile, profile
 
     config = TrainConfig(recall=args.recall, max_epochs=args.epochs)
-    engine = jpinfer.load(args.model, dtype=args.dtype, weights=args.weights)
+    engine = load(args.model, dtype=args.dtype, weights=args.weights)
     if args.profile is not None:
         prof = ActivationProfile.load(args.profile, engine)
     else:
-        prof = jpinfer.profile(engine, n_samples=args.samples, progress=args.progress)
-    predictors = jpinfer.train_predictors(engine, prof, ranks=args.rank, budget=args.budget, config=config,
+        prof = profile(engine, n_samples=args.samples, progress=args.progress)
+    predictors = train_predictors(engine, prof, ranks=args.rank, budget=args.budget, config=config,
                                           progress=args.progress)
-    out = args.out or cache_dir("predictors") / f"{predictors.meta['model_fingerprint'][:16]}-{profile_fingerprint(prof)[:16]}"
+    out = args.out or cache_dir("predictors") / (f"{predictors.meta['model_fingerprint'][:16]}-"
+                                                 f"{profile_fingerprint(prof)[:16]}")
     path = predictors.save(out)
     scores = predictors.meta["held_out_scores"]
     predicted = np.array([s["predicted"] for s in scores])
     print(f"trained {len(predictors.layers)} predictors for {engine.cfg.name} in {predictors.meta['seconds']:.0f} s: "
           f"{predictors.n_params:,} parameters ({predictors.n_params / model_params(engine):.1%} of the model)")
-    print(f"widths {min(predictors.ranks)}..{max(predictors.ranks)}; at held-out recall {config.recall} a layer computes "
-          f"{predicted.mean():.1%} of its neurons on average (layers {predicted.min():.1%}..{predicted.max():.1%}), "
+    print(f"widths {min(predictors.ranks)}..{max(predictors.ranks)}; at held-out recall {config.recall} "
+          f"a layer computes {predicted.mean():.1%} of its neurons on average "
+          f"(layers {predicted.min():.1%}..{predicted.max():.1%}), "
           f"{np.mean([s['active'] for s in scores]):.1%} are truly active")
     print(f"saved {path}")
     return 0

@@ -27,7 +27,8 @@ from jpinfer.models.params import Layer
 from jpinfer.predictor import sizing
 from jpinfer.predictor.store import Predictors, profile_fingerprint
 from jpinfer.predictor.train import LayerData, TrainConfig, train_layer, with_cutoff
-from jpinfer.profiler import ActivationProfile, PredictorSamples, profile as run_profile
+from jpinfer.profiler import ActivationProfile, PredictorSamples
+from jpinfer.profiler import profile as run_profile
 
 DEFAULT_SAMPLES = 65536
 BUDGET = 0.10  # of the model's parameters
@@ -204,7 +205,8 @@ def _search(profile, layer_data, n, config, search, budget_params, progress) -> 
         bar.update(1)
         bar.set_postfix(layer=layer, rank=rank, predicted=f"{predicted:.3f}")
         return sizing.Trial(rank, n_params, predicted,
-                            sizing.layer_cost(n_params, predicted, d_ff, sizing.neuron_params(profile.ffn_kind, d_model)))
+                            sizing.layer_cost(n_params, predicted, d_ff,
+                                              sizing.neuron_params(profile.ffn_kind, d_model)))
 
     try:
         start = sizing.start_ranks(profile, search.start_rank)

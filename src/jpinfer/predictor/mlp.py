@@ -1,11 +1,11 @@
 """The per-layer activation predictor: Linear(d_model -> rank) -> ReLU -> Linear(rank -> d_ff).
 
 Trained as a Flax nnx module (``train.LayerPredictor``); used at run time as plain arrays
-(``PredictorWeights``, this module: no Flax import, so the decode step does not pay for it) stored (out_features, in_features) and applied with
-``transformer.linear`` like every other projection of the model, so the decode step needs
-no Flax and the predictor's matrices get the layout measured fastest for matrix-vector
-products (docs/architecture.md, "Weight layout"). A neuron is predicted active when its
-logit exceeds the layer's ``cutoff``.
+(``PredictorWeights``, this module: no Flax import, so the decode step does not pay for it)
+stored (out_features, in_features) and applied with ``transformer.linear`` like every other
+projection of the model, so the decode step needs no Flax and the predictor's matrices get the
+layout measured fastest for matrix-vector products (docs/architecture.md, "Weight layout"). A
+neuron is predicted active when its logit exceeds the layer's ``cutoff``.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+
 from jpinfer.models.transformer import linear
 
 

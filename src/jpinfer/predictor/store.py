@@ -29,9 +29,10 @@ import numpy as np
 
 from jpinfer import artifacts
 from jpinfer.errors import ArtifactError
+from jpinfer.models.identity import model_fingerprint
 from jpinfer.models.loading import ModelArg, resolve_model
 from jpinfer.predictor.mlp import PredictorWeights
-from jpinfer.profiler import ActivationProfile, model_fingerprint
+from jpinfer.profiler import ActivationProfile
 
 FORMAT = "jpinfer-predictors"
 VERSION = 1
@@ -57,7 +58,8 @@ def profile_fingerprint(profile: ActivationProfile) -> str:
 
 
 def _digest(array: np.ndarray) -> str:
-    return hashlib.blake2b(np.ascontiguousarray(array).tobytes() + str(array.dtype).encode(), digest_size=16).hexdigest()
+    return hashlib.blake2b(np.ascontiguousarray(array).tobytes() + str(array.dtype).encode(),
+                           digest_size=16).hexdigest()
 
 
 @dataclasses.dataclass
@@ -83,7 +85,8 @@ class Predictors:
         if fingerprint != self.meta["model_fingerprint"]:
             raise PredictorMismatchError(
                 f"these predictors were trained for model {self.meta.get('model_name')!r} (fingerprint "
-                f"{self.meta['model_fingerprint'][:12]}), not for {loaded.cfg.name!r} (fingerprint {fingerprint[:12]}): "
+                f"{self.meta['model_fingerprint'][:12]}), not for {loaded.cfg.name!r} "
+                f"(fingerprint {fingerprint[:12]}): "
                 "train predictors for this model (jpinfer train-predictors)"
             )
 
@@ -113,7 +116,8 @@ class Predictors:
                 _check_digests(tmp, header, _read_arrays(tmp, header))
                 header["files"] = artifacts.directory_records(tmp)  # orbax's files: damage found before orbax reads
                 (tmp / META).write_text(artifacts.json_with_checksum(header))
-        except Exception as e:  # OSError, or what orbax and tensorstore raise for a failed write (a full disk: ValueError)
+        except Exception as e:  # OSError, or what orbax and tensorstore raise for a failed write
+            # (a full disk: ValueError)
             raise PredictorError(f"{path}: cannot write the predictors ({type(e).__name__}: {e})") from None
         return path
 
@@ -172,7 +176,8 @@ def _read_arrays(path: pathlib.Path, header: dict[str, Any]) -> dict[str, dict[s
     try:
         tree = ocp.PyTreeCheckpointer().restore(path / ARRAYS)
     except Exception as e:  # orbax and tensorstore raise many types for a damaged checkpoint
-        raise PredictorError(f"{path}/{ARRAYS}: damaged predictor checkpoint ({type(e).__name__}): train again") from None
+        raise PredictorError(f"{path}/{ARRAYS}: damaged predictor checkpoint ({type(e).__name__}): "
+                             "train again") from None
     expected = {str(i): set(header["digests"][str(i)]) for i in range(header["n_layers"])}
     if not isinstance(tree, dict) or {k: set(v) for k, v in tree.items()} != expected:
         raise PredictorError(f"{path}/{ARRAYS}: layers or arrays missing from the checkpoint: train again")

@@ -111,7 +111,8 @@ class LayerData:
         cut = len(self) - n_held
         head, tail = slice(None, cut), slice(cut, None)
         return tuple(
-            LayerData(self.inputs[part], self.masks[part], self.d_ff, None if self.strong is None else self.strong[part])
+            LayerData(self.inputs[part], self.masks[part], self.d_ff,
+                      None if self.strong is None else self.strong[part])
             for part in (head, tail)
         )
 

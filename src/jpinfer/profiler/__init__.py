@@ -4,23 +4,30 @@
 Modules: corpus (text -> token windows), activity (what "active" means), passes (batched
 jitted passes), calibration (thresholds for a target sparsity), collect (the profiling
 pass), stats (ActivationProfile and its file format), samples (predictor training
-samples), perplexity (oracle-sparse perplexity), sparsity (the threshold mode's thresholds).
+samples), sparsity (the threshold mode's thresholds).
 """
 
 from jpinfer.profiler.calibration import (
-    Calibration, ScoreHistogram, Sensitivity, calibrate, greedy, histograms, score_histogram, sensitivity, uniform,
+    Calibration,
+    ScoreHistogram,
+    Sensitivity,
+    calibrate,
+    greedy,
+    histograms,
+    score_histogram,
+    sensitivity,
+    uniform,
 )
 from jpinfer.profiler.collect import profile
 from jpinfer.profiler.corpus import Corpus, CorpusError, TokenWindows, token_windows
-from jpinfer.profiler.perplexity import OracleSparseFFN, evaluate, perplexity
 from jpinfer.profiler.samples import PredictorSamples, SamplesError
 from jpinfer.profiler.sparsity import SparsityThresholds, calibrate_sparsity
-from jpinfer.profiler.stats import ActivationProfile, ProfileError, ProfileMismatchError, model_fingerprint
+from jpinfer.profiler.stats import ActivationProfile, ProfileError, ProfileMismatchError
 
 __all__ = [
-    "profile", "ActivationProfile", "ProfileError", "ProfileMismatchError", "model_fingerprint",
+    "profile", "ActivationProfile", "ProfileError", "ProfileMismatchError",
     "Corpus", "CorpusError", "TokenWindows", "token_windows",
     "Calibration", "ScoreHistogram", "Sensitivity", "calibrate", "score_histogram", "uniform", "sensitivity", "greedy",
-    "perplexity", "evaluate", "OracleSparseFFN", "PredictorSamples", "SamplesError",
+    "PredictorSamples", "SamplesError",
     "SparsityThresholds", "calibrate_sparsity", "histograms",
 ]

@@ -38,13 +38,14 @@ def add_arguments(p: argparse.ArgumentParser, command: str = "profile") -> None:
 def run(args: argparse.Namespace) -> int:
     import numpy as np
 
-    import jpinfer
+    from jpinfer.api import load
+    from jpinfer.profiler import profile
     from jpinfer.profiler.sparsity import check_targets
 
     if args.activation_sparsity is not None or args.input_sparsity is not None:  # fail before the model loads
         check_targets(args.activation_sparsity, args.input_sparsity, args.allocation)
-    engine = jpinfer.load(args.model, dtype=args.dtype, weights=args.weights)
-    prof = jpinfer.profile(
+    engine = load(args.model, dtype=args.dtype, weights=args.weights)
+    prof = profile(
         engine, args.corpus, fields=args.fields, n_tokens=args.n_tokens, window=args.window, seed=args.seed,
         sparsity=args.sparsity, n_samples=args.samples, activation_sparsity=args.activation_sparsity,
         input_sparsity=args.input_sparsity, allocation=args.allocation, batch_size=args.batch_size,

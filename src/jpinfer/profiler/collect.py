@@ -17,13 +17,14 @@ from jpinfer import artifacts
 from jpinfer.cache import cache_dir
 from jpinfer.config import ModelConfig
 from jpinfer.models import transformer
+from jpinfer.models.identity import model_fingerprint
 from jpinfer.models.loading import LoadedModel, ModelArg, resolve_model
 from jpinfer.models.params import Layer
 from jpinfer.profiler import calibration, passes, samples
-from jpinfer.profiler.sparsity import KINDS, calibrate_sparsity, check_targets
 from jpinfer.profiler.activity import Score, activation_and_score, check_score
 from jpinfer.profiler.corpus import Corpus, TokenWindows, token_windows
-from jpinfer.profiler.stats import ActivationProfile, model_fingerprint
+from jpinfer.profiler.sparsity import KINDS, calibrate_sparsity, check_targets
+from jpinfer.profiler.stats import ActivationProfile
 
 DEFAULT_CORPUS = "wikitext2-valid"
 

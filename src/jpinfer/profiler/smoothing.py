@@ -24,11 +24,11 @@ from jpinfer.cache import CacheWarning, cache_dir
 from jpinfer.config import ModelConfig
 from jpinfer.errors import CacheError
 from jpinfer.models import int8, transformer
+from jpinfer.models.identity import model_fingerprint
 from jpinfer.models.int8 import ChannelPeaks
 from jpinfer.models.loading import LoadedModel
 from jpinfer.profiler import passes
 from jpinfer.profiler.corpus import TokenWindows, token_windows
-from jpinfer.profiler.stats import model_fingerprint
 
 SMOOTHING_CORPUS = "chatgpt-prompts"  # bundled; not the WikiText-2 text the accuracy is measured on
 SMOOTHING_WINDOWS = 8  # x WINDOW tokens; 32 windows were no better on WikiText-2 test (scratch run)
@@ -139,8 +139,8 @@ def calibration_windows(tokenizer) -> TokenWindows:
 def int8_model(model: LoadedModel, windows: TokenWindows | np.ndarray | None = None, *, alpha: float = ALPHA,
                progress: bool = False) -> LoadedModel:
     """``model`` with int8 weights (``int8.quantize_weights``) after SmoothQuant's migration, the peaks taken
-    on ``windows`` (default: ``calibration_windows``; cached, ``cached_channel_peaks``). A model without a tokenizer and no windows given is quantized without
-    migration, with a warning."""
+    on ``windows`` (default: ``calibration_windows``; cached, ``cached_channel_peaks``). A model without
+    a tokenizer and no windows given is quantized without migration, with a warning."""
     weights = model.weights
     if windows is None and model.tokenizer is None:
         warnings.warn("the model has no tokenizer to read the int8 calibration text: quantized without "

@@ -9,25 +9,20 @@ is a ``ProfileMismatchError``.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import io
 import json
 import os
 import pathlib
-import weakref
 import zipfile
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jpinfer import artifacts
-from jpinfer.config import ModelConfig
 from jpinfer.errors import ArtifactError
 from jpinfer.models import int8
+from jpinfer.models.identity import model_fingerprint
 from jpinfer.models.loading import ModelArg, resolve_model
-from jpinfer.models.params import Weights
 from jpinfer.profiler.samples import SAMPLES_REMAKE, PredictorSamples, SamplesError
 from jpinfer.profiler.sparsity import SparsityThresholds
 
@@ -45,36 +40,6 @@ class ProfileError(ArtifactError):
 
 class ProfileMismatchError(ProfileError):
     """A profile made for a different model than the one given."""
-
-
-_FINGERPRINTS: dict[int, tuple[weakref.ref, ModelConfig, str]] = {}  # id(weights) -> (weights, cfg, digest)
-
-
-def model_fingerprint(cfg: ModelConfig, weights: Weights) -> str:
-    """Hex digest of the architecture and the weights rounded to bfloat16.
-
-    Rounding makes the fingerprint the same whether the model was loaded in float32 or
-    bfloat16, so a profile made at one precision serves the other. Remembered per weights
-    object (their arrays are immutable): loading a pack's engine checks the pack, the profile
-    and the predictors against one model, 1.2 s each for the default model.
-    """
-    key = id(weights)
-    known = _FINGERPRINTS.get(key)
-    if known is not None and known[0]() is weights and known[1] == cfg:
-        return known[2]
-    digest = _fingerprint(cfg, weights)
-    _FINGERPRINTS[key] = (weakref.ref(weights, lambda _: _FINGERPRINTS.pop(key, None)), cfg, digest)
-    return digest
-
-
-def _fingerprint(cfg: ModelConfig, weights: Weights) -> str:
-    h = hashlib.blake2b(digest_size=16)
-    arch = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "name"}
-    h.update(json.dumps(arch, sort_keys=True, default=list).encode())
-    for leaf in jax.tree_util.tree_leaves(weights):
-        h.update(str(leaf.shape).encode())
-        h.update(np.asarray(jnp.asarray(leaf).astype(jnp.bfloat16)).view(np.uint16).tobytes())
-    return h.hexdigest()
 
 
 @dataclasses.dataclass
@@ -179,8 +144,8 @@ class ActivationProfile:
                 header = json.loads(str(f["header"]))
                 arrays = {k: f[k] for k in ("counts", "active_hist", "thresholds")}
         except Exception as e:  # over damaged bytes zipfile raises BadZipFile, NotImplementedError, zlib.error, ...
-            raise ProfileError(f"{path}: not a jpinfer activation profile, or damaged ({problem or 'checksum matches'}; "
-                               f"{type(e).__name__}: {e}): {REMAKE}") from None
+            raise ProfileError(f"{path}: not a jpinfer activation profile, or damaged "
+                               f"({problem or 'checksum matches'}; {type(e).__name__}: {e}): {REMAKE}") from None
         if not isinstance(header, dict) or header.get("format") != FORMAT:
             raise ProfileError(f"{path}: not a jpinfer activation profile")
         if header.get("version") != VERSION:

@@ -1,1 +1,2 @@
-"""Generation runtime: engine loop, sampling, sparse FFN strategies."""
+"""Generation runtime: the engine loop (prompts, steps, stops, timing), sampling, and the FFN
+strategy seam (``FfnStrategy``; the strategies themselves live in ``jpinfer.ffn``)."""

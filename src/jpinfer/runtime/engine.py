@@ -104,8 +104,9 @@ def attend_length(n: int, capacity: int) -> int:
 
     Attention then reads at most 1.5x the used part of the cache (or 128 slots) instead of all
     of it, and a generation compiles the decode step once per rung it reaches (a few times),
-    not per position; starting at 128 keeps short generations to one compilation. Reading all 512 slots of a cache instead of the used prefix made a default-model
-    decode step 1.13-1.15x slower (docs/architecture.md).
+    not per position; starting at 128 keeps short generations to one compilation. Reading all 512
+    slots of a cache instead of the used prefix made a default-model decode step 1.13-1.15x slower
+    (docs/architecture.md).
     """
     length = MIN_ATTEND
     while length < n:

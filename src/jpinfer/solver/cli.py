@@ -115,7 +115,8 @@ def _report(results: dict, as_json: bool) -> None:
         for run, p in results.items():
             print(json.dumps({"run": run, **p.summary()}))
         return
-    header = f"{'run':8} {'share':>7} {'ms/token':>9} {'vs best':>8} {'neurons':>9} {'split':>5} {'GiB':>7} {'status':>10} {'gap':>8} {'solve s':>8}"
+    header = (f"{'run':8} {'share':>7} {'ms/token':>9} {'vs best':>8} {'neurons':>9} {'split':>5} {'GiB':>7} "
+              f"{'status':>10} {'gap':>8} {'solve s':>8}")
     print(header)
     for run, p in results.items():
         s = p.summary()

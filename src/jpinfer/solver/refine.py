@@ -24,7 +24,8 @@ def _gains(cost: CostModel, sorted_freqs: np.ndarray, start: int, objective: str
     cum = np.concatenate([[0.0], np.cumsum(sorted_freqs)])
     k = np.arange(start, sorted_freqs.size)  # neurons on the accelerator, split mode
     accel = cum[k]
-    times = np.maximum(cost.accel_per_neuron * accel, cost.cpu_per_neuron * (cum[-1] - accel) + cost.transfer + cost.sync)
+    times = np.maximum(cost.accel_per_neuron * accel,
+                       cost.cpu_per_neuron * (cum[-1] - accel) + cost.transfer + cost.sync)
     return times[:-1] - times[1:]
 
 

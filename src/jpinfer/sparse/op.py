@@ -15,7 +15,7 @@ gather; on the CPU the chunked XLA loop (``cpu_backend``). ``backend="pallas"`` 
 ``backend="gather"`` the XLA gather on any platform.
 
 ``sparse_rows_product(matrix, x, ids, count)`` is the product x @ matrix over listed rows
-only: the input-sparse linear map of the threshold mode (``threshold.py``).
+only: the input-sparse linear map of the threshold mode (``threshold_layout.py``).
 """
 
 from __future__ import annotations

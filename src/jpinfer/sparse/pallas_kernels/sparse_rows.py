@@ -54,7 +54,8 @@ def _kernel(count_ref, ids_ref, x_ref, rows_ref, *refs, kind: str, has_b_up: boo
         def project(k, acc):
             off = pl.multiple_of(k * bd, bd)
             xt = x_ref[t, pl.ds(off, bd)].astype(jnp.float32)[None, :]
-            new = [jnp.sum(rows_ref[idx, r, pl.ds(off, bd)].astype(jnp.float32) * xt, axis=1) for r in range(n_rows - 1)]
+            new = [jnp.sum(rows_ref[idx, r, pl.ds(off, bd)].astype(jnp.float32) * xt, axis=1)
+                   for r in range(n_rows - 1)]
             return tuple(a + b for a, b in zip(acc, new))
 
         zeros = tuple(jnp.zeros((bk,), jnp.float32) for _ in range(n_rows - 1))

@@ -35,7 +35,7 @@ from jpinfer.sparse.op import RowsBackend, sparse_rows_product
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class ThresholdFFN:
+class ThresholdLayout:
     """One layer's FFN laid out for threshold sparsity.
 
     gate_up: (R n, d) as the decoder stores it, or (d, R n) input-major when ``input_sparse``
@@ -65,7 +65,7 @@ class ThresholdFFN:
 
 
 def from_layer(layer: Layer, kind: FfnKind, *, input_threshold: float | None, activation_threshold: float | None,
-               neurons: np.ndarray | None = None, with_b_down: bool = True) -> ThresholdFFN:
+               neurons: np.ndarray | None = None, with_b_down: bool = True) -> ThresholdLayout:
     """A decoder layer's FFN for threshold sparsity; a threshold of None turns that kind off.
 
     Only the matrices a kind reads sparsely change layout (one transposed copy replaces the
@@ -81,7 +81,7 @@ def from_layer(layer: Layer, kind: FfnKind, *, input_threshold: float | None, ac
         n = down.shape[1]
         rows = jnp.concatenate([ids, ids + n]) if kind != "relu" else ids  # gate rows first, then up rows
         gate_up, down, b_up = _take(gate_up, rows, 0), _take(down, ids, 1), None if b_up is None else b_up[ids]
-    return ThresholdFFN(
+    return ThresholdLayout(
         gate_up=gate_up.T if input_sparse else gate_up,
         down=down.T if activation_sparse else down,
         b_up=b_up,
@@ -137,7 +137,7 @@ def _project(matrix: jax.Array | Int8Matrix, x: jax.Array, input_major: bool, th
 
 
 @functools.partial(jax.jit, static_argnames=("backend",))
-def threshold_ffn(ffn: ThresholdFFN, x: jax.Array, *, backend: RowsBackend = "auto"
+def threshold_ffn(ffn: ThresholdLayout, x: jax.Array, *, backend: RowsBackend = "auto"
                   ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The FFN output for x (..., d) with small inputs and activations skipped, in x's dtype, and
     per token the kept counts: {"inputs": FFN input dimensions read, "neurons": down rows read}

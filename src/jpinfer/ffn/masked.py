@@ -1,11 +1,15 @@
-"""Predictor quality end to end: the dense FFN with only the predicted neurons kept.
+"""Masked strategies: the dense FFN with some neurons' activations zeroed.
 
-``PredictedMaskFFN`` is an ``ffn_impl`` for ``transformer.forward`` (and the engine's
-``FfnStrategy``): every activation is computed densely, neurons the predictor did not pick
-are zeroed. That is exactly what a sparse kernel computing only the predicted neurons
-outputs (false positives contribute their true activation), so perplexity and greedy
-tokens measured here are the sparse engine's, at dense speed. Per token it reports how
-many neurons were predicted, truly active (score over the profile's threshold), and both.
+Every activation is computed densely, so these run at dense speed; what they output is exactly
+what a sparse kernel computing only the kept neurons outputs (the down projection is a sum over
+neurons). They measure a sparsity's accuracy apart from its speed.
+
+- ``ScoreMaskFFN``: keeps the neurons whose activity score exceeds the layer's threshold: the
+  accuracy a perfect predictor would keep at those thresholds (the profiler's oracle perplexity).
+- ``PredictorMaskFFN``: keeps the neurons the predictor picks (false positives contribute their
+  true activation), within the engine's capacities when given: the ``sparse`` and ``hybrid``
+  modes' decode-step FFN over whole windows. Per token it counts how many neurons were
+  predicted, truly active (score over the profile's threshold), both, and clipped.
 """
 
 from __future__ import annotations
@@ -19,7 +23,20 @@ from jpinfer.config import ModelConfig
 from jpinfer.models import transformer
 from jpinfer.models.params import Layer
 from jpinfer.predictor.mlp import PredictorWeights, predict_logits, select_neurons, selection_mask
-from jpinfer.profiler.activity import activation_and_score
+from jpinfer.profiler.activity import Score, activation_and_score
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoreMaskFFN:
+    """Static ``ffn_impl`` keeping only the neurons whose ``score`` exceeds the layer's threshold
+    (``ffn_state[layer]``, a float32 scalar)."""
+
+    cfg: ModelConfig
+    score: Score = "product"
+
+    def __call__(self, i: int, layer: Layer, x: jax.Array, threshold: jax.Array) -> tuple[jax.Array, None]:
+        a, s = activation_and_score(layer, x, self.cfg, self.score)
+        return transformer.ffn_down(layer, jnp.where(s > threshold, a, 0)), None
 
 
 @jax.tree_util.register_dataclass
@@ -34,7 +51,7 @@ class MaskState:
 
 
 @dataclasses.dataclass(frozen=True)
-class PredictedMaskFFN:
+class PredictorMaskFFN:
     """Static ``ffn_impl``; aux per token: ``predicted``, ``active`` and ``hits`` neuron counts.
 
     With ``capacity`` (one K per layer) at most K neurons are kept per token, the largest
@@ -78,7 +95,7 @@ class PredictedMaskFFN:
 
 
 def mask_states(predictors: list[PredictorWeights], thresholds, hot_masks=None) -> list[MaskState]:
-    """The ``ffn_state`` list for ``PredictedMaskFFN``: per layer, predictor and threshold (and the
+    """The ``ffn_state`` list for ``PredictorMaskFFN``: per layer, predictor and threshold (and the
     hybrid's accelerator mask, boolean (d_ff,), when ``hot_masks`` are given)."""
     if len(predictors) != len(thresholds):
         raise ValueError(f"{len(predictors)} predictors for {len(thresholds)} layer thresholds")

@@ -1,12 +1,13 @@
-"""Oracle-sparse perplexity: the dense model with each layer's inactive neurons zeroed.
+"""Perplexity of a model with any FFN strategy, and the oracle-sparse perplexity.
 
-This is the accuracy a perfect predictor would keep at given thresholds, so it separates
-the cost of the sparsity level from the cost of predicting it.
+``evaluate`` measures a model whose FFN is an ``ffn_impl`` (dense when None) over token windows.
+``perplexity`` with thresholds is the dense model with each layer's inactive neurons zeroed
+(``masked.ScoreMaskFFN``): the accuracy a perfect predictor would keep at those thresholds, which
+separates the cost of the sparsity level from the cost of predicting it.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from typing import Any
@@ -16,25 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from jpinfer.config import ModelConfig
+from jpinfer.ffn.masked import ScoreMaskFFN
 from jpinfer.models import transformer
 from jpinfer.models.loading import ModelArg, resolve_model
-from jpinfer.models.params import Layer
 from jpinfer.profiler import passes
-from jpinfer.profiler.activity import Score, activation_and_score, check_score
+from jpinfer.profiler.activity import Score, check_score
 from jpinfer.profiler.calibration import Calibration
-
-
-@dataclasses.dataclass(frozen=True)
-class OracleSparseFFN:
-    """``ffn_impl`` keeping only neurons whose score exceeds the layer threshold (``ffn_state[l]``)."""
-
-    cfg: ModelConfig
-    score: str = "product"
-
-    def __call__(self, i: int, layer: Layer, x: jax.Array, threshold: jax.Array) -> tuple[jax.Array, None]:
-        a, s = activation_and_score(layer, x, self.cfg, self.score)
-        return transformer.ffn_down(layer, jnp.where(s > threshold, a, 0)), None
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "ffn_impl"))
@@ -100,5 +88,5 @@ def perplexity(
         thr = np.asarray(thresholds, np.float32)
         if thr.shape != (cfg.n_layers,):
             raise ValueError(f"thresholds must have one value per layer ({cfg.n_layers}), got shape {thr.shape}")
-        impl, thr = OracleSparseFFN(cfg, score), jnp.asarray(thr)
+        impl, thr = ScoreMaskFFN(cfg, score), jnp.asarray(thr)
     return evaluate(loaded, windows, impl, thr, batch_size=batch_size, progress=progress)[0]

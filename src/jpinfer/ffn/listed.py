@@ -1,0 +1,154 @@
+"""Listed strategies: per token and layer a list of at most K neurons, computed by the sparse op.
+
+- ``OracleListFFN``: the exact active set (every activation computed densely, the active ones
+  listed by magnitude): proves the sparse path end to end without a predictor. With threshold
+  -inf and K = d_ff it equals the dense decoder; with real thresholds the dense FFN with the same
+  neurons zeroed. Its state holds a neuron-major copy beside the dense weights (the oracle needs
+  both), so it is a reference, not a fast path.
+- ``PredictorListFFN``: the ``sparse`` mode's FFN. The predictor's logits over its cut-off pick at
+  most K neurons (``select_neurons``) and the sparse op computes only those; the FFN is kept once,
+  neuron-major. Several tokens at once (prefill) compute every neuron (``all_rows_ffn``): the union
+  of what a prompt's tokens activate is nearly the whole layer (docs/architecture.md, "Engine
+  modes"), so a list per token would only add work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from jpinfer.config import ModelConfig
+from jpinfer.errors import JpinferError
+from jpinfer.ffn.capacity import per_layer
+from jpinfer.models import transformer
+from jpinfer.models.loading import LoadedModel
+from jpinfer.models.params import Layer, Weights
+from jpinfer.predictor.mlp import PredictorWeights, predict_logits, select_neurons
+from jpinfer.runtime.engine import FfnStrategy
+from jpinfer.sparse import neurons
+from jpinfer.sparse.op import BACKENDS, all_rows_ffn, sparse_ffn
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise JpinferError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class OracleState:
+    """Per-layer traced state of ``OracleListFFN``: the neuron-major FFN and the activity threshold on |a|."""
+
+    ffn: neurons.NeuronFFN
+    threshold: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class OracleAux:
+    """Per layer, per token (flattened batch x time): the list used and the truly active count."""
+
+    ids: jax.Array  # (M, K) int32, by decreasing |a|; entries >= count are padding
+    count: jax.Array  # (M,) int32 valid entries
+    n_active: jax.Array  # (M,) int32 neurons over the threshold (> count when K clipped)
+
+
+def oracle_state(
+    weights: Weights, cfg: ModelConfig, thresholds: float | Sequence[float] | None = None
+) -> list[OracleState]:
+    """The ``ffn_state`` list of ``OracleListFFN``: neuron-major weights and a threshold per layer.
+
+    ``thresholds`` defaults to 0 for ReLU kinds (active = non-zero). SwiGLU activations
+    are never exactly zero, so its thresholds must be given (calibrated values, or
+    -inf to keep every neuron).
+    """
+    n = cfg.n_layers
+    if thresholds is None:
+        if cfg.ffn_kind == "swiglu":
+            raise JpinferError("SwiGLU needs per-layer thresholds on |silu(g)*u| (or -inf to keep every neuron)")
+        thresholds = 0.0
+    per_layer_thresholds = ([float(thresholds)] * n if isinstance(thresholds, (int, float))
+                            else [float(t) for t in thresholds])
+    if len(per_layer_thresholds) != n:
+        raise JpinferError(f"got {len(per_layer_thresholds)} thresholds for a model with {n} layers")
+    if any(math.isnan(t) for t in per_layer_thresholds):
+        raise JpinferError("thresholds must not be NaN")
+    return [OracleState(neurons.from_layer(layer, cfg.ffn_kind), jnp.float32(t))
+            for layer, t in zip(weights.layers, per_layer_thresholds)]
+
+
+@dataclasses.dataclass(frozen=True)
+class OracleListFFN:
+    """Static ``ffn_impl``: the exact active set, at most ``capacity[layer]`` of it by magnitude,
+    through the sparse op. Aux per token: ``OracleAux``."""
+
+    cfg: ModelConfig
+    capacity: tuple[int, ...]
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "capacity", per_layer(self.capacity, self.cfg))
+        _check_backend(self.backend)
+
+    def __call__(self, index: int, layer: Layer, x: jax.Array, state: OracleState) -> tuple[jax.Array, OracleAux]:
+        tokens = x.reshape(-1, x.shape[-1])
+        magnitude = jnp.abs(transformer.ffn_activations(layer, tokens, self.cfg).astype(jnp.float32))
+        active = magnitude > state.threshold
+        # Inactive neurons score -1 (magnitudes are >= 0), so top-k takes active ones first.
+        _, ids = jax.lax.top_k(jnp.where(active, magnitude, -1.0), self.capacity[index])
+        n_active = active.sum(axis=-1, dtype=jnp.int32)
+        count = jnp.minimum(n_active, ids.shape[-1])
+        run = lambda xt, it, ct: sparse_ffn(state.ffn, xt, it, ct, backend=self.backend)
+        y = jax.vmap(run)(tokens, ids.astype(jnp.int32), count)
+        return y.reshape(x.shape), OracleAux(ids.astype(jnp.int32), count, n_active)
+
+
+def oracle_strategy(
+    model: LoadedModel,
+    thresholds: float | Sequence[float] | None = None,
+    capacity: int | Sequence[int] | None = None,
+    backend: str = "auto",
+) -> FfnStrategy:
+    """The oracle as an engine FFN strategy: ``engine.with_ffn(oracle_strategy(engine.model))``.
+
+    ``capacity`` defaults to d_ff (nothing is clipped).
+    """
+    impl = OracleListFFN(model.cfg, model.cfg.d_ff if capacity is None else capacity, backend)
+    return FfnStrategy(impl, oracle_state(model.weights, model.cfg, thresholds), name="oracle")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PredictorListState:
+    """One layer's traced state of ``PredictorListFFN``: its FFN neuron-major and its predictor."""
+
+    ffn: neurons.NeuronFFN
+    predictor: PredictorWeights
+
+
+@dataclasses.dataclass(frozen=True)
+class PredictorListFFN:
+    """Static ``ffn_impl``: predictor -> at most ``capacity[layer]`` neurons -> sparse op.
+
+    Output only (aux None): the engine discards it; ``masked.PredictorMaskFFN`` with the
+    same capacities computes the same values densely and counts what was clipped.
+    """
+
+    cfg: ModelConfig
+    capacity: tuple[int, ...]
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "capacity", per_layer(self.capacity, self.cfg))
+        _check_backend(self.backend)
+
+    def __call__(self, i: int, layer: Layer, x: jax.Array, state: PredictorListState) -> tuple[jax.Array, None]:
+        tokens = x.reshape(-1, x.shape[-1])
+        if tokens.shape[0] > 1:
+            return all_rows_ffn(state.ffn, tokens).reshape(x.shape), None
+        chosen = select_neurons(predict_logits(state.predictor, tokens[0]), state.predictor.cutoff, self.capacity[i])
+        return sparse_ffn(state.ffn, tokens[0], chosen.ids, chosen.count, backend=self.backend).reshape(x.shape), None

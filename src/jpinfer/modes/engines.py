@@ -1,0 +1,113 @@
+"""Engines of the sparse modes: a loaded model and what a mode needs, turned into arrays.
+
+- ``sparse_engine``: every neuron on one device, neuron-major; the predictor picks the neurons per
+  token (``ffn.PredictorListFFN``; PowerInfer's CPU-only mode here, its GPU-only mode on a GPU).
+- ``threshold_engine``: every neuron on one device; training-free activation and input sparsity
+  with calibrated per-layer thresholds (``ffn.ThresholdRowsFFN``), no predictor.
+- ``hybrid_engine``: the placement's hot neurons on the accelerator, the cold ones on the CPU
+  device (``hybrid.HybridStepper``), chosen by the predictor or by the thresholds.
+
+In each the decoder's FFN matrices are replaced by the mode's layout, not copied.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jpinfer.errors import JpinferError
+from jpinfer.ffn import PredictorListFFN, PredictorListState, ThresholdRowsFFN
+from jpinfer.models.loading import LoadedModel
+from jpinfer.models.params import Layer
+from jpinfer.modes.devices import default_devices, host_dtype_for
+from jpinfer.modes.hybrid import AcceleratorLayer, HybridStepper
+from jpinfer.predictor.store import Predictors
+from jpinfer.profiler import SparsityThresholds
+from jpinfer.runtime.engine import Engine, FfnStrategy
+from jpinfer.sparse import ThresholdLayout, neurons, threshold_layout
+
+
+def without_ffn(layer: Layer) -> Layer:
+    """The layer's attention part: its FFN matrices live neuron-major elsewhere."""
+    return dataclasses.replace(layer, w_gate_up=None, w_down=None, b_up=None, b_down=None)
+
+
+def sparse_engine(model: LoadedModel, predictors: Predictors, capacity: tuple[int, ...],
+                  backend: str = "auto") -> Engine:
+    """One device; the model's FFN matrices are replaced by the neuron-major copies."""
+    kind = model.cfg.ffn_kind
+    states = [PredictorListState(neurons.from_layer(layer, kind), p)
+              for layer, p in zip(model.weights.layers, predictors.layers)]
+    weights = dataclasses.replace(model.weights, layers=[without_ffn(layer) for layer in model.weights.layers])
+    sparse_model = LoadedModel(model.cfg, weights, model.tokenizer, model.source)
+    return Engine(sparse_model, FfnStrategy(PredictorListFFN(model.cfg, capacity, backend), states, "sparse"))
+
+
+def _check_layers(model: LoadedModel, thresholds: SparsityThresholds) -> None:
+    if thresholds.n_layers != model.cfg.n_layers:
+        raise JpinferError(f"got thresholds for {thresholds.n_layers} layers; the model has {model.cfg.n_layers}")
+
+
+def _layer_thresholds(thresholds: SparsityThresholds, layer: int) -> dict[str, float | None]:
+    """``threshold_layout.from_layer``'s threshold arguments for one layer (None: that kind off)."""
+    pick = lambda values: None if values is None else float(values[layer])
+    return dict(input_threshold=pick(thresholds.input), activation_threshold=pick(thresholds.activation))
+
+
+def threshold_states(model: LoadedModel, thresholds: SparsityThresholds) -> list[ThresholdLayout]:
+    """Per layer the FFN laid out for ``thresholds`` (None for a kind: that kind off)."""
+    _check_layers(model, thresholds)
+    return [threshold_layout.from_layer(layer, model.cfg.ffn_kind, **_layer_thresholds(thresholds, i))
+            for i, layer in enumerate(model.weights.layers)]
+
+
+def threshold_engine(model: LoadedModel, thresholds: SparsityThresholds, backend: str = "auto") -> Engine:
+    """One device; each layer's FFN matrices replaced by their threshold-sparsity layout."""
+    weights = dataclasses.replace(model.weights, layers=[without_ffn(layer) for layer in model.weights.layers])
+    strategy = FfnStrategy(ThresholdRowsFFN(backend), threshold_states(model, thresholds), "threshold")
+    return Engine(LoadedModel(model.cfg, weights, model.tokenizer, model.source), strategy)
+
+
+def _host_copy(part: neurons.NeuronFFN | ThresholdLayout, host_dtype: Any) -> neurons.NeuronFFN | ThresholdLayout:
+    """The cold part's weight arrays in ``host_dtype`` (ids and thresholds as they are)."""
+    cast = lambda a: None if a is None else a.astype(host_dtype)
+    if isinstance(part, ThresholdLayout):
+        return dataclasses.replace(part, gate_up=cast(part.gate_up), down=cast(part.down), b_up=cast(part.b_up))
+    return dataclasses.replace(part, rows=cast(part.rows), b_up=cast(part.b_up))
+
+
+def hybrid_engine(model: LoadedModel, predictors: Predictors | None, hot_masks: Sequence[np.ndarray],
+                  capacity: tuple[tuple[int, int], ...] | None, devices: tuple[Any, Any] | None = None,
+                  host_dtype: Any = None, thresholds: SparsityThresholds | None = None) -> Engine:
+    """Hot neurons (``hot_masks[layer]``, boolean (d_ff,)) on the accelerator, the rest on the host
+    in ``host_dtype`` (default ``host_dtype_for``). The predictor picks each part's neurons, or, with
+    ``thresholds`` instead (and no predictors or capacity), each part applies the threshold mode."""
+    accelerator, host = devices or default_devices()
+    host_dtype = host_dtype_for(model.weights.dtype, host) if host_dtype is None else host_dtype
+    cfg = model.cfg
+    if len(hot_masks) != cfg.n_layers or any(np.shape(m) != (cfg.d_ff,) for m in hot_masks):
+        raise JpinferError(f"need one boolean mask of {cfg.d_ff} neurons per layer ({cfg.n_layers})")
+    parts, colds, sizes = [], [], []
+    for i, (layer, hot) in enumerate(zip(model.weights.layers, hot_masks)):
+        hot_ids, cold_ids = np.flatnonzero(hot).astype(np.int32), np.flatnonzero(~np.asarray(hot)).astype(np.int32)
+        if thresholds is None:
+            full = neurons.from_layer(layer, cfg.ffn_kind)
+            hot_part, cold_part = full.subset(hot_ids)[0], full.subset(cold_ids, with_b_down=False)[0]
+            predictor = predictors.layers[i]
+        else:
+            split = lambda ids, with_b_down: threshold_layout.from_layer(
+                layer, cfg.ffn_kind, **_layer_thresholds(thresholds, i), neurons=ids, with_b_down=with_b_down)
+            hot_part, cold_part, predictor = split(hot_ids, True), split(cold_ids, False), None
+        cold_part = _host_copy(cold_part, host_dtype)
+        sizes.append((hot_ids.size, cold_ids.size))
+        part = AcceleratorLayer(without_ffn(layer), predictor, hot_part, jnp.asarray(hot_ids), jnp.asarray(cold_ids))
+        parts.append(jax.device_put(part, accelerator))
+        colds.append(jax.device_put(cold_part, host))
+    top = jax.device_put(dataclasses.replace(model.weights, layers=[]), accelerator)
+    stepper = HybridStepper(cfg, top, parts, colds, capacity or tuple(sizes), accelerator, host)
+    weights = dataclasses.replace(top, layers=[part.layer for part in parts])
+    return Engine(LoadedModel(cfg, weights, model.tokenizer, model.source), stepper=stepper)
