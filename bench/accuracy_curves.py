@@ -10,7 +10,7 @@ Protocol (everything from one pack: the default model's, or ``--pack``):
   Predictors skip all three rows of the neurons they do not select (plus their own weights, a few
   percent, not counted);
 - oracle: the exact active sets at uniform per-layer thresholds for sparsity s
-  (``profiler.perplexity``, ``OracleSparseFFN``); threshold mode: the same thresholds through the
+  (``ffn.perplexity``, ``ScoreMaskFFN``); threshold mode: the same thresholds through the
   threshold engine (so oracle and activation-threshold points have the same perplexity, at
   different bytes), input sparsity, and activation 50% with input sparsity; every threshold comes
   from the pack's calibration histograms (uniform quantiles, no extra pass);
@@ -23,8 +23,6 @@ Protocol (everything from one pack: the default model's, or ``--pack``):
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
 import pathlib
 import sys
 
@@ -33,12 +31,13 @@ import numpy as np
 
 import jpinfer
 from jpinfer.bench.accuracy import wikitext_windows
+from jpinfer.bench.protocol import load_average, machine, machine_line
 from jpinfer.bench.results import publish
+from jpinfer.ffn import PredictorMaskFFN, evaluate, mask_states, perplexity
 from jpinfer.modes import build_engine
 from jpinfer.pack import Pack, pack_for
-from jpinfer.predictor import PredictedMaskFFN, mask_states
 from jpinfer.predictor.fit import retune
-from jpinfer.profiler import evaluate, perplexity, uniform
+from jpinfer.profiler import uniform
 from jpinfer.profiler.sparsity import from_histograms
 
 
@@ -62,7 +61,7 @@ def oracle_point(model, pack: Pack, windows, sparsity: float) -> dict:
 
 def predictor_point(model, pack: Pack, windows, recall: float, strong: float) -> dict:
     predictors = retune(model, pack.predictors, pack.profile, recall, strong)
-    impl = PredictedMaskFFN(model.cfg)
+    impl = PredictorMaskFFN(model.cfg)
     ppl, sums = evaluate(model, windows, impl, mask_states(predictors.layers, pack.profile.thresholds), progress=True)
     computed = float(np.mean([layer["predicted"] for layer in sums])) / (windows.size * model.cfg.d_ff)
     return {"method": "predictor", "recall": recall, "strong_recall": strong, "ppl": ppl, "bytes": computed}
@@ -111,6 +110,7 @@ def main() -> None:
                     help="predictor operating points: recall/strong recall, comma separated")
     ap.add_argument("--out", default=None, help="markdown file (JSON and PNG beside it)")
     args = ap.parse_args()
+    load_before = load_average()
 
     model = jpinfer.load_model(None)
     pack = pack_for(model, args.pack)
@@ -130,9 +130,10 @@ def main() -> None:
         row["ppl_vs_dense"] = row["ppl"] / dense
 
     command = "python bench/accuracy_curves.py " + " ".join(sys.argv[1:])
+    m = machine(load_before)
     lines = [
         "# Accuracy against sparsity (SmolLM2-135M-Instruct, float32)", "",
-        f"Command: `{command}` ({datetime.date.today()}, jax {jax.__version__}, {os.cpu_count()} CPUs).", "",
+        f"Command: `{command}`. {machine_line(m)}", "",
         f"Pack: `{pack.path.name}` ({pack.settings.n_tokens} profiled tokens; activity thresholds for "
         f"{pack.settings.sparsity:.0%}; predictors trained at recall {pack.settings.recall}). WikiText-2 test "
         f"perplexity over {args.windows} windows of 512 tokens; dense {dense:.3f}. `bytes`: FFN weight bytes read per "
@@ -156,7 +157,7 @@ def main() -> None:
         best = min(within, key=lambda r: r["bytes"])
         lines.append(f"Fewest bytes within 1.05x dense perplexity: {_series(best)} at {best['bytes']:.3f} of the dense "
                      f"FFN's bytes ({best['ppl_vs_dense']:.3f}x).")
-    data = {"command": command, "date": str(datetime.date.today()), "jax": jax.__version__, "windows": args.windows,
+    data = {"command": command, "date": m["date"], "jax": jax.__version__, "machine": m, "windows": args.windows,
             "dense_ppl": dense, "pack": str(pack.path), "rows": rows}
     publish("\n".join(lines) + "\n", args.out, data)
     if args.out:

@@ -20,20 +20,12 @@ import pathlib
 import statistics
 import sys
 import tempfile
-import time
 
 import numpy as np
 import xxhash
 
-
-def seconds(fn, repeats: int) -> list[float]:
-    """Wall time of each of ``repeats`` calls."""
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return times
+from jpinfer.bench.protocol import interleaved_rounds, machine, machine_line
+from jpinfer.bench.results import publish
 
 
 def main() -> None:
@@ -50,8 +42,10 @@ def main() -> None:
         "a copy of the buffer (memory bandwidth)": lambda: data.copy(),
     }
     lines = ["| what | GB/s |", "|---|---|"]
-    for name, fn in digests.items():
-        lines.append(f"| {name} | {data.nbytes / min(seconds(fn, args.repeats)) / 1e9:.2f} |")
+    measured_digests = interleaved_rounds({name: (lambda r, fn=fn: fn()) for name, fn in digests.items()},
+                                          args.repeats)
+    for name in digests:
+        lines.append(f"| {name} | {data.nbytes / min(measured_digests.seconds(name)) / 1e9:.2f} |")
 
     with tempfile.TemporaryDirectory() as cache:
         os.environ["JPINFER_CACHE"] = cache
@@ -63,8 +57,10 @@ def main() -> None:
         (entry,) = (pathlib.Path(cache) / "gguf").iterdir()
         files = json.loads((entry / loading.CACHE_MANIFEST).read_text())["files"]
         size = sum(record["size"] for record in files.values())
-        check = seconds(lambda: artifacts.check_files(entry, files), args.repeats)
-        load = seconds(lambda: loading.load_model(path), args.repeats)
+        measured = interleaved_rounds({"check": lambda r: artifacts.check_files(entry, files),
+                                       "load": lambda r: loading.load_model(path)}, args.repeats,
+                                      warm={"check": lambda: None, "load": lambda: None})  # loaded once above
+        check, load = measured.seconds("check"), measured.seconds("load")
     lines += [
         "",
         "| default model, cache entry of " + f"{size / 2**20:.0f} MiB | median s | min s |",
@@ -72,11 +68,12 @@ def main() -> None:
         f"| check of the entry (sizes, xxh3-128 of every file) | {statistics.median(check):.3f} | {min(check):.3f} |",
         f"| whole cached load_model (check included) | {statistics.median(load):.3f} | {min(load):.3f} |",
     ]
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        args.out.write_text(f"# Artifact checks\n\n`python {' '.join(sys.argv)}` "
-                            f"({time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs)\n\n{text}\n")
+    m = machine()
+    publish(f"# Artifact checks\n\n`python {' '.join(sys.argv)}`\n\n{machine_line(m)}\n\n"
+            f"Every measurement: {args.repeats} interleaved rounds (jpinfer.bench.protocol), after one untimed "
+            "call.\n\n" + "\n".join(lines) + "\n", args.out,
+            {"machine": m, "digest_seconds": {name: measured_digests.seconds(name) for name in digests},
+             "check_seconds": check, "load_seconds": load, "bytes": int(data.nbytes), "cache_entry_bytes": size})
 
 
 if __name__ == "__main__":

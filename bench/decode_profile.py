@@ -16,7 +16,6 @@ import collections
 import glob
 import gzip
 import json
-import os
 import re
 import tempfile
 import time
@@ -26,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jpinfer
+from jpinfer.bench.protocol import machine, machine_line
 from jpinfer.models import transformer
 from jpinfer.runtime.engine import attend_length
 
@@ -75,11 +75,12 @@ def main() -> None:
         ms[kind] += event["dur"] / 1e3 / args.steps
         count[kind] += 1
     dots = ms.pop("dot", 0.0)
-    print(f"jax {jax.__version__}, default model float32, decode positions {prompt.shape[1] + 4}-{position}, "
-          f"load average {os.getloadavg()[0]:.2f}")
+    print(machine_line(machine()))
+    print(f"default model float32, decode positions {prompt.shape[1] + 4}-{position}")
     print(f"step (under the profiler): {wall * 1e3:.2f} ms")
     print(f"  matrix-vector products: {dots:6.2f} ms  ({count['dot'] // args.steps} per step)")
-    print(f"  other operations:       {sum(ms.values()):6.2f} ms  ({sum(count.values()) // args.steps - count['dot'] // args.steps} per step)")
+    others = sum(count.values()) // args.steps - count["dot"] // args.steps
+    print(f"  other operations:       {sum(ms.values()):6.2f} ms  ({others} per step)")
     for kind, t in sorted(ms.items(), key=lambda kv: -kv[1])[:12]:
         print(f"    {kind:<40} {t:6.3f} ms  x{count[kind] // args.steps}")
 

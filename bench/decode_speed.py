@@ -20,8 +20,6 @@ overheads, not a GPU's speed (``bench/modelled_speed.py`` models that).
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
 import pathlib
 import sys
 
@@ -32,8 +30,9 @@ jax.config.update("jax_num_cpu_devices", 2)
 import numpy as np  # noqa: E402
 
 import jpinfer  # noqa: E402
-from jpinfer.bench.engines import JaxEngine  # noqa: E402
+from jpinfer.bench.engines import JaxEngine, decode_tok_s, speed_rounds  # noqa: E402
 from jpinfer.bench.prompts import sample_prompts  # noqa: E402
+from jpinfer.bench.protocol import load_average, machine, machine_line  # noqa: E402
 from jpinfer.bench.results import publish  # noqa: E402
 from jpinfer.modes import build_engine  # noqa: E402
 from jpinfer.pack import Pack, pack_for  # noqa: E402
@@ -112,30 +111,22 @@ def main() -> None:
     pack = pack_for(model, args.pack)
     rows = engines(model, pack, args)
     prompts = sample_prompts(model.tokenizer, [64], args.prompts, seed=0)[64]
-    runners = [JaxEngine(f"{r['kind']} {r['setting']}", r.pop("engine")) for r in rows]
-    for runner in runners:
-        print(f"compiling {runner.name} ...", file=sys.stderr, flush=True)
-        runner.warm(64, NEW_TOKENS)
-    load_before = os.getloadavg()
-    rates = np.zeros((args.rounds, len(runners)))
-    for r in range(args.rounds):
-        for k in range(len(runners)):
-            e = (k + r) % len(runners)
-            steps = np.concatenate([runners[e].run(p, NEW_TOKENS).step_s for p in prompts])
-            rates[r, e] = len(steps) / steps.sum()
-        print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{x:.1f}" for x in rates[r]), file=sys.stderr, flush=True)
-    load_after = os.getloadavg()
-    for e, row in enumerate(rows):
-        row["decode_tok_s"] = float(np.median(rates[:, e]))
-        row["vs_dense"] = float(np.median(rates[:, e] / rates[:, 0]))
+    runners = {str(e): JaxEngine(f"{r['kind']} {r['setting']}", r.pop("engine")) for e, r in enumerate(rows)}
+    load_before = load_average()
+    measured, _ = speed_rounds(runners, prompts, NEW_TOKENS, args.rounds)
+    rates = np.array([measured.values(e, decode_tok_s) for e in runners]).T  # (rounds, engines)
+    for e, row in zip(runners, rows):
+        row["decode_tok_s"] = float(measured.median(e, decode_tok_s))
+        row["vs_dense"] = float(measured.median_ratio(e, "0", decode_tok_s))
+    m = machine(load_before)
 
     command = "python bench/decode_speed.py " + " ".join(sys.argv[1:])
     lines = [
         "# Decode speed against sparsity and budget, measured on this CPU (SmolLM2-135M-Instruct, float32)", "",
-        f"Command: `{command}` ({datetime.date.today()}, jax {jax.__version__}, {os.cpu_count()} CPUs; load average "
-        f"before {load_before[0]:.2f}, after {load_after[0]:.2f}).", "",
+        f"Command: `{command}`. {machine_line(m)}", "",
         f"Pack: `{pack.path.name}`. {args.prompts} prompts of 64 tokens x {NEW_TOKENS} greedy tokens per engine and "
-        f"round, {args.rounds} interleaved rounds; tok/s: median over rounds; x dense: median of same-round ratios. "
+        f"round, {args.rounds} interleaved rounds (the order rotating); tok/s: median over rounds; x dense: median "
+        "of same-round ratios. "
         "The hybrid runs on two simulated CPU devices sharing the same two cores: it measures the split's "
         "overheads, not a GPU (modelled GPU speeds: modelled_speed.md).", "",
         "![decode speed](decode_speed.png)", "",
@@ -144,8 +135,8 @@ def main() -> None:
     for r in rows:
         read = "-" if r["bytes"] is None else f"{r['bytes']:.3f}"
         lines.append(f"| {r['kind']} | {r['setting']} | {read} | {r['decode_tok_s']:.1f} | {r['vs_dense']:.2f} |")
-    data = {"command": command, "date": str(datetime.date.today()), "jax": jax.__version__,
-            "load_before": load_before, "load_after": load_after, "rows": rows, "rates": rates.tolist()}
+    data = {"command": command, "date": m["date"], "jax": jax.__version__, "machine": m,
+            "load_before": m["load_before"], "load_after": m["load_after"], "rows": rows, "rates": rates.tolist()}
     publish("\n".join(lines) + "\n", args.out, data)
     if args.out:
         figure(rows, pathlib.Path(args.out).with_suffix(".png"))

@@ -22,14 +22,13 @@ of each counts (the layer is far larger than the caches, so every call reads fro
 from __future__ import annotations
 
 import argparse
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jpinfer.activations import activate
-from jpinfer.bench.timing import fastest
+from jpinfer.bench.protocol import fastest, machine, machine_line
 from jpinfer.config import ModelConfig
 from jpinfer.models import params, transformer
 from jpinfer.sparse import neurons, sparse_ffn
@@ -80,9 +79,7 @@ def main() -> None:
     x = jnp.asarray(rng.standard_normal(d, dtype=np.float32))
     layer_bytes = 3 * d * f * 4
 
-    one, five = os.getloadavg()[:2]
-    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}, {os.cpu_count()} cores, "
-          f"load average {one:.2f} (1 min), {five:.2f} (5 min)")
+    print(machine_line(machine()))
     print(f"FFN layer d_model={d} d_ff={f}, float32 ({layer_bytes / 1e6:.0f} MB); "
           f"dense = transformer.ffn_dense (W @ x, fused gate|up)")
     print(f"{'s':>4} {'K':>6} | {'dense ms':>8} {'GB/s':>5} | {'one gather ms':>13} {'effic.':>6} | "
@@ -99,7 +96,8 @@ def main() -> None:
         t_dense, *times = fastest([
             lambda: dense(layer, x), lambda: gather(ffn, x, ids), lambda: scan(ffn, x, ids), lambda: op(ffn, x, ids),
         ], args.rounds)
-        cells = " | ".join(f"{t * 1e3:>{width}.2f} {t_dense / t * (1 - s):>6.2f}" for t, width in zip(times, (13, 10, 13)))
+        cells = " | ".join(f"{t * 1e3:>{width}.2f} {t_dense / t * (1 - s):>6.2f}"
+                           for t, width in zip(times, (13, 10, 13)))
         print(f"{s:>4.2f} {k:>6} | {t_dense * 1e3:>8.2f} {layer_bytes / t_dense / 1e9:>5.1f} | {cells}")
     print("effic. = speedup over dense x (1 - s); 1.0 = the sparse version reads its bytes as fast as dense")
 

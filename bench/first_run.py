@@ -13,7 +13,6 @@ environment and the cache are removed afterwards.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import pathlib
 import re
@@ -22,6 +21,7 @@ import sys
 import tempfile
 import time
 
+from jpinfer.bench.protocol import load_average, machine, machine_line
 from jpinfer.bench.results import publish
 
 MARKS = {  # first output line matching -> event
@@ -54,6 +54,7 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="markdown file (JSON beside it)")
     ap.add_argument("--keep", action="store_true", help="keep the clone, its logs and its cache")
     args = ap.parse_args()
+    load_before = load_average()
     repo = pathlib.Path(__file__).resolve().parent.parent
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True,
                           check=True).stdout.strip()
@@ -67,12 +68,12 @@ def main() -> None:
         print(f"run {i}: make bench in {clone} ...", file=sys.stderr, flush=True)
         runs.append(timed_run(["make", "bench"], clone, env, work / f"run{i}.log"))
         print(f"run {i}: {runs[-1]}", file=sys.stderr, flush=True)
-    load = os.getloadavg()
+    after = machine(load_before)
     fmt = lambda run, key: "-" if key not in run else f"{run[key] / 60:.1f} min ({run[key]:.0f} s)"
     lines = [
         "# The main command on a fresh clone: first and second run", "",
-        (f"Command: `python bench/first_run.py {' '.join(sys.argv[1:])}` ({datetime.date.today()}, commit {head}, "
-        f"{os.cpu_count()} CPUs, load average after {load[0]:.2f}). Both runs: `make bench` in one fresh "
+        (f"Command: `python bench/first_run.py {' '.join(sys.argv[1:])}` (commit {head}). {machine_line(after)} "
+        "Both runs: `make bench` in one fresh "
         "clone whose cache directory starts empty (the first run installs `.venv`, loads the default model, "
         "prepares its pack and benches; the second reuses all of it). Times from the start of `make bench`."), "",
         ("| run | install done, pack begins | pack ready (first engine loads) | benchmark begins | table printed "
@@ -81,8 +82,8 @@ def main() -> None:
     for i, run in enumerate(runs, 1):
         lines.append(f"| {i} | {fmt(run, 'pack')} | {fmt(run, 'pack ready')} | {fmt(run, 'benchmarking')} | "
                      f"{fmt(run, 'end')} |")
-    publish("\n".join(lines) + "\n", args.out, {"commit": head, "date": str(datetime.date.today()), "runs": runs,
-                                                  "load_after": load})
+    publish("\n".join(lines) + "\n", args.out, {"commit": head, "date": after["date"], "runs": runs,
+                                                  "load_after": after["load_after"], "machine": after})
     if not args.keep:
         subprocess.run(["rm", "-rf", str(work)], check=True)
 

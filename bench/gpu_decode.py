@@ -1,12 +1,13 @@
 """End-to-end decode with fixed neuron lists: what the GPU sparse FFN kernel gives a whole decoder.
 
-Protocol: Llama-2-7B shapes with random bfloat16 weights (``hybrid_gpu.random_weights``; ``--tiny``:
+Protocol: Llama-2-7B shapes with random bfloat16 weights (``jpinfer.bench.layer_offload``; ``--tiny``:
 4 small layers in float32); per layer a fixed random list of (1 - s) * d_ff neurons, the same for
 every token (no predictor: this isolates the FFN kernel from prediction); the decoder's dense FFN
 matrices dropped, the FFN kept neuron-major. Engines ``dense`` and ``sparse s=..`` (``sparse_ffn``
 with ``backend="auto"``: the Pallas kernel on a GPU, the chunked XLA loop on the CPU), greedy,
 ``--new-tokens`` after a 16-token random prompt, every engine once per round, ``--rounds``
-interleaved rounds, median decode tok/s and its ratio to dense. The target on one H200: >= 2x dense
+interleaved rounds (``jpinfer.bench.protocol``, the order rotating), median decode tok/s and the
+median of same-round ratios to dense. The target on one H200: >= 2x dense
 at s = 0.9.
 
 On the GPU machine (a few minutes; with the kernel table first):
@@ -23,19 +24,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import statistics
 import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hybrid_gpu import LLAMA2_7B, TINY, log, random_weights
+from jpinfer.bench.layer_offload import LLAMA2_7B, TINY, random_weights
+from jpinfer.bench.protocol import interleaved_rounds, load_average, log, machine, machine_line
 from jpinfer.bench.results import publish
 from jpinfer.models.loading import LoadedModel
 from jpinfer.models.params import Layer
-from jpinfer.modes.build import without_ffn
+from jpinfer.modes.engines import without_ffn
 from jpinfer.runtime.engine import MIN_PROMPT_BUCKET, Engine, FfnStrategy, GenerationConfig
 from jpinfer.sparse import NeuronFFN, all_rows_ffn, from_layer, sparse_ffn
 
@@ -83,6 +83,7 @@ def main() -> None:
         raise SystemExit(f"error: --sparsity values must lie in [0, 1), got {args.sparsity}")
     cfg = TINY if args.tiny else LLAMA2_7B
     dtype = jnp.float32 if args.tiny else jnp.bfloat16
+    load_before = load_average()
     device = jax.devices()[0]
     log(f"jax {jax.__version__} on {device.device_kind}; {cfg.name}")
     model = LoadedModel(cfg, jax.block_until_ready(random_weights(cfg, dtype, device, args.seed)), None, cfg.name)
@@ -90,25 +91,32 @@ def main() -> None:
                                                                      for s in args.sparsity)}
     config = GenerationConfig(max_new_tokens=args.new_tokens)
     prompt = np.random.default_rng(args.seed).integers(0, cfg.vocab_size, MIN_PROMPT_BUCKET).tolist()
-    for name, engine in engines.items():
-        engine.warmup(len(prompt), config)
-        log(f"{name}: compiled")
-    speeds: dict[str, list[float]] = {name: [] for name in engines}
-    for r in range(args.rounds):
-        for name, engine in engines.items():
-            speeds[name].append(engine.generate(prompt, config).decode_tokens_per_s)
-        log(f"round {r + 1}: " + ", ".join(f"{n} {v[-1]:.1f} tok/s" for n, v in speeds.items()))
-    median = {name: statistics.median(v) for name, v in speeds.items()}
+    def warm(name: str, engine: Engine):
+        def call() -> None:
+            engine.warmup(len(prompt), config)
+            log(f"{name}: compiled")
+        return call
+
+    rate = lambda result: result.decode_tokens_per_s
+    measured = interleaved_rounds(
+        {name: (lambda r, e=engine: e.generate(prompt, config)) for name, engine in engines.items()}, args.rounds,
+        warm={name: warm(name, engine) for name, engine in engines.items()},
+        after_round=lambda r, so_far: log(f"round {r + 1}: " + ", ".join(
+            f"{n} {rate(run.result):.1f} tok/s" for n, run in so_far.rounds[r].items())))
+    speeds = {name: measured.values(name, rate) for name in engines}
+    median = {name: measured.median(name, rate) for name in engines}
+    vs_dense = {name: measured.median_ratio(name, "dense", rate) for name in engines}
     lines = [f"# Fixed-list sparse decode: {cfg.name}", "",
-             f"- date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}; jax {jax.__version__}; "
-             f"{device.device_kind} ({device.platform}); {jnp.dtype(dtype).name}",
+             f"- {machine_line(machine(load_before))}",
+             f"- {device.device_kind} ({device.platform}); {jnp.dtype(dtype).name}",
              f"- command: `python {' '.join(sys.argv)}`",
              f"- greedy, {args.new_tokens} new tokens after a {len(prompt)}-token random prompt; median of "
-             f"{args.rounds} interleaved rounds", "",
+             f"{args.rounds} interleaved rounds (order rotating); vs dense: median of same-round ratios", "",
              "| engine | decode tok/s | vs dense |", "|---|---|---|"]
-    lines += [f"| {name} | {v:.1f} | {v / median['dense']:.2f}x |" for name, v in median.items()]
+    lines += [f"| {name} | {v:.1f} | {vs_dense[name]:.2f}x |" for name, v in median.items()]
     publish("\n".join(lines), args.out, dict(device=device.device_kind, jax=jax.__version__, model=cfg.name,
-                                             new_tokens=args.new_tokens, speeds=speeds, median=median))
+                                             new_tokens=args.new_tokens, speeds=speeds, median=median,
+                                             vs_dense=vs_dense, machine=machine(load_before)))
 
 
 if __name__ == "__main__":

@@ -21,9 +21,6 @@ Median milliseconds per step over ``--steps`` steps.
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
-import time
 
 import jax
 
@@ -32,15 +29,7 @@ jax.config.update("jax_num_cpu_devices", 2)  # before first use; ignored by a GP
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-
-def per_step_ms(step, steps: int) -> float:
-    jax.block_until_ready(step())
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(step())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+from jpinfer.bench.protocol import interleaved_rounds, machine, machine_line  # noqa: E402
 
 
 def main() -> None:
@@ -85,13 +74,13 @@ def main() -> None:
             h = merge(h, a, b)
         return h
 
-    one, five = os.getloadavg()[:2]
-    print(f"jax {jax.__version__}; accelerator {accel}, host {host}; {n} layers of ({d}, {d}); "
-          f"load average {one:.2f} (1 min), {five:.2f} (5 min) on {os.cpu_count()} cores")
-    t_whole = per_step_ms(lambda: whole(hot, x), args.steps)
-    t_loop = per_step_ms(loop, args.steps)
-    t_hop = per_step_ms(hop, args.steps)
-    for name, t in (("one jit", t_whole), ("per-layer calls", t_loop), ("+ device hop", t_hop)):
+    print(machine_line(machine()))
+    print(f"accelerator {accel}, host {host}; {n} layers of ({d}, {d})")
+    steps = {"one jit": lambda: whole(hot, x), "per-layer calls": loop, "+ device hop": hop}
+    measured = interleaved_rounds({name: (lambda r, f=f: jax.block_until_ready(f())) for name, f in steps.items()},
+                                  args.steps)
+    for name in steps:
+        t = measured.median(name) * 1e3
         print(f"  {name:<16} {t:7.3f} ms per step  {t / n * 1e3:7.1f} us per layer")
 
 

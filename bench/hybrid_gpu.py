@@ -23,11 +23,13 @@ Protocol, one run:
 - CPU side in float32 by default (``--host-dtype``): on a 2-core AVX-512-BF16 machine (jax
   0.10.2) XLA:CPU ran a bfloat16 matrix-vector product 11x and the sparse CPU kernel 40x slower
   than in float32, which would measure that, not the placement;
-- engines, all greedy: ``hybrid`` (``jpinfer.modes.build.hybrid_engine``), ``layer offload``
-  (``LayerOffloadStepper`` below), ``dense GPU`` and ``sparse GPU`` (the whole model and its
+- engines, all greedy: ``hybrid`` (``jpinfer.modes.engines.hybrid_engine``), ``layer offload``
+  (``jpinfer.bench.layer_offload``), ``dense GPU`` and ``sparse GPU`` (the whole model and its
   sparse FFN on the GPU; sparse is skipped when the GPU lacks room for its neuron-major copy);
 - speed: decode tok/s of ``--new-tokens`` 64 after a 16-token prompt, every engine once per round,
-  ``--rounds`` interleaved rounds, median; then ``Engine.step_times`` (device step, host dispatch
+  ``--rounds`` interleaved rounds (``jpinfer.bench.protocol.interleaved_rounds``, the order rotating),
+  median, and the median of same-round ratios to dense; greedy agreement (prefix) with dense, as
+  tokens equal before the first difference; then ``Engine.step_times`` (device step, host dispatch
   per step) and the hybrid's CPU side alone (every layer's cold FFN, dispatched back to back);
 - ``--all-active``: cut-off -inf and K = d_ff, so every engine computes the dense model; their
   greedy tokens must equal dense's (asserted for a float32 model, i.e. ``--tiny``).
@@ -48,7 +50,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import functools
 import gc
 import math
@@ -58,7 +59,6 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
 
 import jax
 
@@ -68,65 +68,37 @@ import jax.numpy as jnp
 import numpy as np
 from scipy.special import ndtri
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "src"))  # runs from a bare checkout
-
+from jpinfer.bench.layer_offload import LLAMA2_7B, TINY, offload_engine, random_weights, step_inputs
+from jpinfer.bench.protocol import Rounds, interleaved_rounds, load_average, log, machine, machine_line, matching_prefix
+from jpinfer.bench.results import publish
 from jpinfer.config import ModelConfig
+from jpinfer.ffn import part_capacities, whole_blocks
 from jpinfer.models import transformer
 from jpinfer.models.loading import LoadedModel
-from jpinfer.models.params import Layer, Norm, Weights, nbytes
+from jpinfer.models.params import Layer, Weights, nbytes
 from jpinfer.modes import hybrid
-from jpinfer.sparse import sparse_ffn
-from jpinfer.modes.build import default_devices, hybrid_engine, part_capacities, sparse_engine, whole_blocks
+from jpinfer.modes.devices import default_devices
+from jpinfer.modes.engines import hybrid_engine, sparse_engine
 from jpinfer.predictor.mlp import PredictorWeights
 from jpinfer.predictor.store import Predictors
 from jpinfer.runtime.engine import CACHE_ROUNDING, MIN_PROMPT_BUCKET, Engine, GenerationConfig
-from jpinfer.runtime.sampling import sample_next_jit
 from jpinfer.solver import synthetic_frequencies
 from jpinfer.solver.baselines import greedy
+from jpinfer.sparse import sparse_ffn
 
 T0 = time.perf_counter()
+
 PROMPT_TOKENS = MIN_PROMPT_BUCKET  # a whole prompt bucket: no padding
 # random sequences x tokens whose FFN inputs calibrate the predictors: hidden states within a sequence are alike,
 # so many short sequences; the last HELD_OUT of them only count the selected neurons
 CALIBRATION, HELD_OUT = (16, 64), 4
 ENGINES = ("dense GPU", "hybrid", "layer offload", "sparse GPU")  # in build order: sparse (one more FFN copy) last
 
-LLAMA2_7B = ModelConfig(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32, head_dim=128,
-                        d_ff=11008, ffn_kind="swiglu", max_position=4096, name="Llama-2-7B shapes, random weights")
-TINY = ModelConfig(vocab_size=1000, d_model=256, n_layers=4, n_heads=4, n_kv_heads=4, head_dim=64, d_ff=688,
-                   ffn_kind="swiglu", name="tiny, random weights")
-
-
-def log(message: str) -> None:
-    """Timestamped progress, flushed: a run cut short still shows where its time went."""
-    print(f"[{time.perf_counter() - T0:7.1f} s] {message}", flush=True)
-
-
 def gib(n: float) -> str:
     return f"{n / 2**30:.3f} GiB"
 
 
 # ----- model and activity
-
-
-@functools.partial(jax.jit, static_argnames=("shape", "dtype"))
-def _normal(key: jax.Array, scale: float, offset: float, *, shape: tuple[int, ...], dtype: Any) -> jax.Array:
-    return (offset + scale * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
-
-
-def random_weights(cfg: ModelConfig, dtype: Any, device: Any, seed: int = 0, scale: float = 0.02) -> Weights:
-    """Llama-layout weights drawn per tensor on ``device``: numpy would take minutes for 6.7B
-    parameters and hold them twice in host memory."""
-    keys = iter(jax.device_put(jax.random.split(jax.random.key(seed), 3 + 6 * cfg.n_layers), device))
-    matrix = lambda *shape: _normal(next(keys), scale, 0.0, shape=shape, dtype=dtype)
-    norm = lambda: Norm(_normal(next(keys), 0.1, 1.0, shape=(cfg.d_model,), dtype=dtype))
-    d, f = cfg.d_model, cfg.d_ff
-    layers = [Layer(attn_norm=norm(), w_qkv=matrix(cfg.q_dim + 2 * cfg.kv_dim, d), wo=matrix(d, cfg.q_dim),
-                    ffn_norm=norm(), w_gate_up=matrix(2 * f, d), w_down=matrix(d, f)) for _ in range(cfg.n_layers)]
-    return Weights(head=matrix(d, cfg.vocab_size), layers=layers, final_norm=norm(), embed=matrix(cfg.vocab_size, d))
-
-
-_inputs = jax.jit(transformer.step_inputs, static_argnames=("cfg",))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -141,7 +113,7 @@ def ffn_inputs(cfg: ModelConfig, weights: Weights, seed: int) -> list[np.ndarray
     """Per layer the FFN inputs (tokens, d_model) of random token sequences, as float32."""
     batch, length = CALIBRATION
     tokens = jnp.asarray(np.random.default_rng(seed).integers(0, cfg.vocab_size, (batch, length), np.int32))
-    h, positions, rope_cs = _inputs(weights, jax.device_put(tokens, weights.head.device), jnp.int32(0), cfg=cfg)
+    h, positions, rope_cs = step_inputs(weights, jax.device_put(tokens, weights.head.device), jnp.int32(0), cfg=cfg)
     out = []
     for layer in weights.layers:
         h, x = _layer_and_ffn_input(layer, h, positions, rope_cs, cfg=cfg)
@@ -229,95 +201,6 @@ def budget_of(cfg: ModelConfig, weights: Weights, predictors: list[PredictorWeig
     )
 
 
-# ----- layer offload
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "attend"), donate_argnames=("keys", "values"))
-def _segment(layers: list[Layer], h, positions, rope_cs, keys, values, *, cfg: ModelConfig, attend: int):
-    """Consecutive dense layers on one device, in their weights' dtype; h returns in its own."""
-    dtype, keys, values = h.dtype, list(keys), list(values)
-    h = h.astype(layers[0].wo.dtype)
-    for i, layer in enumerate(layers):
-        h, x, keys[i], values[i] = transformer.attention_residual(layer, h, positions, rope_cs, keys[i], values[i],
-                                                                  cfg, attend)
-        h = h + transformer.ffn_dense(layer, x, cfg).astype(h.dtype)
-    return h.astype(dtype), keys, values
-
-
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _final_logits(top: Weights, h, last, *, cfg: ModelConfig):
-    h = transformer.norm(top.final_norm, h, cfg)
-    return transformer.logits(top, jax.lax.dynamic_index_in_dim(h, last, axis=1, keepdims=False))
-
-
-@dataclasses.dataclass
-class Segment:
-    device: Any
-    layers: list[Layer]
-
-
-@dataclasses.dataclass
-class LayerOffloadStepper:
-    """``runtime.Stepper`` of llama.cpp's ``-ngl``: whole layers (weights and KV cache) per device,
-    run segment after segment; embeddings, head and sampling on ``accelerator``. The hidden
-    state crosses to the host and back once per token."""
-
-    cfg: ModelConfig
-    top: Weights
-    segments: list[Segment]
-    accelerator: Any
-    name: str = "layer offload"
-
-    def new_cache(self, capacity: int) -> transformer.KVCache:
-        shape = (1, self.cfg.n_kv_heads, capacity, self.cfg.head_dim)
-        zeros = lambda s, layer: jnp.zeros(shape, layer.wo.dtype, device=s.device)
-        k = [zeros(s, layer) for s in self.segments for layer in s.layers]
-        v = [zeros(s, layer) for s in self.segments for layer in s.layers]
-        return transformer.KVCache(k, v, jnp.zeros((), jnp.int32, device=self.accelerator))
-
-    def _run(self, tokens, cache, attend: int):
-        h, positions, rope_cs = _inputs(self.top, tokens, cache.length, cfg=self.cfg)
-        keys, values = [], []
-        for s in self.segments:
-            i, n = len(keys), len(s.layers)
-            h, k, v = _segment(s.layers, *jax.device_put((h, positions, rope_cs), s.device), cache.k[i:i + n],
-                               cache.v[i:i + n], cfg=self.cfg, attend=attend)
-            keys += k
-            values += v
-        return jax.device_put(h, self.accelerator), transformer.KVCache(keys, values, cache.length + tokens.shape[1])
-
-    def first(self, tokens, n_valid, cache, key, sampler, attend):
-        h, cache = self._run(tokens, cache, attend)
-        token, key = sample_next_jit(_final_logits(self.top, h, n_valid - 1, cfg=self.cfg), key, sampler=sampler)
-        return token, dataclasses.replace(cache, length=cache.length - tokens.shape[1] + n_valid), key
-
-    def step_logits(self, token, cache, attend):
-        h, cache = self._run(token[:, None], cache, attend)
-        return _final_logits(self.top, h, 0, cfg=self.cfg), cache
-
-    def next(self, token, cache, key, sampler, attend):
-        step_logits, cache = self.step_logits(token, cache, attend)
-        token, key = sample_next_jit(step_logits, key, sampler=sampler)
-        return token, cache, key
-
-
-def cast_floats(tree: Any, dtype: Any) -> Any:
-    """Floating arrays of ``tree`` in ``dtype`` (on their device); integer ids untouched."""
-    return jax.tree_util.tree_map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
-
-
-def offload_engine(model: LoadedModel, n_gpu: int, devices: tuple[Any, Any], host_dtype: Any) -> Engine:
-    accelerator, host = devices
-    layers = model.weights.layers
-    segments = [Segment(accelerator, layers[:n_gpu])] if n_gpu else []
-    if n_gpu < len(layers):
-        # cast where the weights are (the accelerator): XLA:CPU converts at about 1 GB/s
-        cold = [jax.device_put(cast_floats(layer, host_dtype), host) for layer in layers[n_gpu:]]
-        segments.append(Segment(host, cold))
-    top = dataclasses.replace(model.weights, layers=[])
-    return Engine(model, stepper=LayerOffloadStepper(model.cfg, top, segments, accelerator))
-
-
 def cold_side_seconds(stepper: hybrid.HybridStepper, held_out: list[np.ndarray], rounds: int = 5) -> float:
     """One token's cold FFNs of every layer on the host alone, dispatched back to back (median
     over rounds), through the sparse op the engine's cold FFN runs. Each layer's list is what its
@@ -334,12 +217,8 @@ def cold_side_seconds(stepper: hybrid.HybridStepper, held_out: list[np.ndarray],
         calls.append((cold, *jax.device_put((x[:1, None].astype(stepper.top.dtype), chosen), stepper.host)))
     if not calls:
         return 0.0
-    times = []
-    for _ in range(rounds + 1):  # the first round is not counted
-        start = time.perf_counter()
-        jax.block_until_ready([sparse_ffn(cold, x[0, 0], *chosen) for cold, x, chosen in calls])
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
+    one_token = lambda r: jax.block_until_ready([sparse_ffn(cold, x[0, 0], *chosen) for cold, x, chosen in calls])
+    return interleaved_rounds({"cold side": one_token}, rounds).median("cold side")  # after one untimed call
 
 
 # ----- measurement
@@ -350,31 +229,36 @@ class Row:
     engine: str
     gpu_bytes: int
     where: str
-    tps: list[float] = dataclasses.field(default_factory=list)
+    tps: dict[int, float] = dataclasses.field(default_factory=dict)  # round -> decode tok/s
     tokens: list[int] | None = None
     step: tuple[float, float] | None = None  # (device step s, dispatch s) from Engine.step_times
     note: str = ""
 
 
 def agreement(tokens: list[int] | None, reference: list[int] | None) -> str:
+    """Greedy agreement (prefix) as a count: tokens equal to the reference before the first difference / its length."""
     if tokens is None or reference is None:
         return "-"
-    same = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), min(len(tokens), len(reference)))
-    return f"{same}/{len(reference)}"
+    return f"{matching_prefix(tokens, reference)}/{len(reference)}"
+
+
+def vs_dense(row: Row, ref: Row | None) -> str:
+    """Median of the same-round ratios of the row's tok/s to dense's."""
+    rounds = [r for r in row.tps if ref is not None and r in ref.tps]
+    return f"{statistics.median(row.tps[r] / ref.tps[r] for r in rounds):.3f}" if rounds else "-"
 
 
 def table(rows: list[Row], header: list[str]) -> str:
     ref = next((r for r in rows if r.engine == "dense GPU" and r.tps), None)
-    dense_tps = statistics.median(ref.tps) if ref else None
     columns = ("engine", "GPU bytes", "on the GPU", "decode tok/s (median)", "rounds", "vs dense", "device step ms",
-               "dispatch ms/step", "tokens = dense (prefix)", "note")
+               "dispatch ms/step", "greedy agreement (prefix): tokens = dense", "note")
     align = ("---", "---:", "---", "---:", "---", "---:", "---:", "---:", "---:", "---")
     lines = [*header, "", "| " + " | ".join(columns) + " |", "| " + " | ".join(align) + " |"]
     for r in rows:
-        tps = statistics.median(r.tps) if r.tps else None
+        tps = statistics.median(r.tps.values()) if r.tps else None
         lines.append(" | ".join([
             f"| {r.engine}", gib(r.gpu_bytes), r.where, f"{tps:.1f}" if tps else "-",
-            ", ".join(f"{t:.1f}" for t in r.tps) or "-", f"{tps / dense_tps:.3f}" if tps and dense_tps else "-",
+            ", ".join(f"{t:.1f}" for t in r.tps.values()) or "-", vs_dense(r, ref),
             f"{r.step[0] * 1e3:.2f}" if r.step else "-", f"{r.step[1] * 1e3:.2f}" if r.step else "-",
             agreement(r.tokens, ref.tokens if ref else None), r.note or "",
         ]) + " |")
@@ -445,6 +329,7 @@ def main() -> None:
     rank = args.rank or (32 if args.tiny else 128)
     left = lambda: args.max_seconds - (time.perf_counter() - T0)
 
+    load_before = load_average()
     devices = default_devices()
     accelerator, host = devices
     log(f"jax {jax.__version__}; accelerator {accelerator} ({accelerator.device_kind}), host {host}")
@@ -480,8 +365,8 @@ def main() -> None:
     header = [
         f"# Hybrid decode: {cfg.name}",
         "",
-        f"- date: {datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')}",
-        (f"- jax {jax.__version__}; accelerator: {accelerator.device_kind} ({accelerator.platform}); "
+        f"- {machine_line(machine(load_before))}",
+        (f"- accelerator: {accelerator.device_kind} ({accelerator.platform}); "
          f"host: {host.device_kind} ({host.platform}, {os.cpu_count()} cores)"),
         f"- command: `{' '.join([pathlib.Path(sys.executable).name, *sys.argv])}`",
         f"- model: {n_params / 1e9:.3f} B parameters, {gib(b.model)} in {dtype.name}; CPU side in {host_dtype.name}",
@@ -496,7 +381,8 @@ def main() -> None:
         (f"- hybrid: {n_hot} neurons on the GPU ({hot_fraction:.2%} of the FFN neurons), activation share on the "
          f"GPU {share:.2%}; layer offload: {n_gpu} of {cfg.n_layers} layers on the GPU"),
         (f"- decode: greedy, {args.new_tokens} new tokens after a {PROMPT_TOKENS}-token random prompt, median of "
-         f"interleaved rounds; device step and dispatch per step from Engine.step_times over {args.steps} steps"),
+         "interleaved rounds (order rotating), vs dense: median of same-round ratios; device step and dispatch per "
+         f"step from Engine.step_times over {args.steps} steps"),
     ]
     if b.hybrid_fixed > b.budget:
         header.append("- note: the hybrid's non-FFN part exceeds the budget: it uses that minimum, no neuron on the "
@@ -534,27 +420,33 @@ def main() -> None:
         gc.collect()
 
     prompt = np.random.default_rng(args.seed + 1).integers(0, cfg.vocab_size, PROMPT_TOKENS).tolist()
-    round_s = 0.0
-    for r in range(args.rounds):
+
+    def time_left(r: int, so_far: Rounds) -> bool:
+        round_s = sum(run.seconds for run in so_far.rounds[-1].values()) if so_far.rounds else 0.0
         if r and round_s > left() - 30:
             log(f"rounds stopped after {r}: --max-seconds")
-            break
-        start = time.perf_counter()
-        for name, engine in list(engines.items()):
-            try:
-                result = engine.generate(prompt, warm)
-            except Exception as err:  # noqa: BLE001 -- see failed
-                failed(rows[name], err)
-                del engines[name]
-                continue
-            rows[name].tps.append(result.decode_tokens_per_s)
-            rows[name].tokens = rows[name].tokens or result.token_ids
-        round_s = time.perf_counter() - start
-        log(f"round {r + 1} ({round_s:.1f} s): " + ", ".join(f"{n} {rows[n].tps[-1]:.1f} tok/s" for n in engines))
+            return False
+        return True
+
+    def record(r: int, so_far: Rounds) -> None:
+        done = so_far.rounds[r]
+        for name, run in done.items():
+            rows[name].tps[r] = run.result.decode_tokens_per_s
+            rows[name].tokens = rows[name].tokens or run.result.token_ids
+        log(f"round {r + 1} ({sum(run.seconds for run in done.values()):.1f} s): "
+            + ", ".join(f"{n} {rows[n].tps[r]:.1f} tok/s" for n in done))
         write(table(list(rows.values()), header), args.out)
 
+    def drop(name: str, err: BaseException) -> None:
+        failed(rows[name], err)
+        del engines[name]
+
+    interleaved_rounds({name: (lambda r, e=engine: e.generate(prompt, warm)) for name, engine in engines.items()},
+                       args.rounds, warm={name: (lambda: None) for name in engines},  # compiled when built
+                       before_round=time_left, after_round=record, on_error=drop)
+
     for name, engine in engines.items():
-        if left() < 5 + (args.steps + 2) / statistics.median(rows[name].tps or [1.0]):
+        if left() < 5 + (args.steps + 2) / statistics.median(rows[name].tps.values() or [1.0]):
             log(f"{name}: step times skipped: --max-seconds")
             continue
         rows[name].step = engine.step_times(prompt, args.steps)
@@ -570,9 +462,9 @@ def main() -> None:
                    f"tokens differ from dense: {', '.join(differ)}" if differ else "every engine gave the dense tokens")
         header.append(f"- all active: {verdict}")
         log(verdict)
-    text = table(list(rows.values()), header)
-    write(text, args.out)
-    print(text, flush=True)
+    publish(table(list(rows.values()), header), args.out,
+            {"machine": machine(load_before), "model": cfg.name, "budget": fraction, "new_tokens": args.new_tokens,
+             "rows": [dataclasses.asdict(r) for r in rows.values()]})
     if args.all_active and dtype == jnp.float32:  # exact arithmetic up to summation order: the tokens must agree
         assert "dense GPU" in engines and not differ, verdict
     log(f"done{f', table in {args.out}' if args.out else ''}")

@@ -8,7 +8,7 @@ Protocol (CPU):
   ``jpinfer profile --weights int8`` does); llama.cpp on a float32 GGUF of the same weights and on that file
   quantized by llama.cpp to Q8_0 and Q4_1 (``--threads`` threads);
 - accuracy: WikiText-2 test perplexity (``--test-windows`` x 512 tokens; llama.cpp's from its own logits on
-  the same token windows), greedy agreement with jpinfer float32 on the speed prompts; where the int8 error
+  the same token windows), greedy agreement (positions) with jpinfer float32 on the speed prompts; where the int8 error
   comes from: each projection kind quantized alone, with and without the migration (``--attribution-windows``);
 - speed: decode tok/s and end to end tok/s (new tokens / (prefill + decode)) over ``--prompts`` ChatGPT prompts
   (chat template, at most 128 tokens) x ``--new-tokens`` greedy tokens, every engine once per round,
@@ -21,26 +21,30 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import os
-import platform
 import statistics
 
-import jax
-from threshold import parse_point
-
 import jpinfer
-from jpinfer.bench.results import publish
-from jpinfer.bench.engines import JaxEngine, weights_read_per_token
+from jpinfer.bench.accuracy import parse_point
+from jpinfer.bench.engines import JaxEngine, decode_tok_s, e2e_tok_s, speed_rounds, weights_read_per_token
 from jpinfer.bench.llama_cpp import LlamaCppEngine, float32_gguf, perplexity, quantized_gguf
+from jpinfer.bench.protocol import (
+    AGREEMENT_LABELS,
+    AGREEMENT_MEANINGS,
+    load_average,
+    machine,
+    machine_line,
+    pooled_positions_agreement,
+    positions_agreement,
+)
+from jpinfer.bench.results import publish
 from jpinfer.data import chatgpt_prompts
+from jpinfer.ffn import ThresholdRowsFFN, evaluate
 from jpinfer.models import int8
 from jpinfer.models.default_model import default_model_path
 from jpinfer.models.loading import LoadedModel
 from jpinfer.modes import build_engine
-from jpinfer.modes.build import threshold_states
-from jpinfer.modes.threshold import ThresholdSparseFFN
-from jpinfer.profiler import evaluate, sparsity, token_windows
+from jpinfer.modes.engines import threshold_states
+from jpinfer.profiler import sparsity, token_windows
 from jpinfer.profiler.smoothing import ALPHA, cached_channel_peaks, calibration_windows
 
 WINDOW = 512
@@ -72,6 +76,7 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="markdown file (a .json with the rows is written beside it)")
     args = parser.parse_args()
 
+    load_before = load_average()
     dense = jpinfer.load()
     quantized = jpinfer.load(weights="int8")
     model, cfg = dense.model, dense.cfg
@@ -96,13 +101,14 @@ def main() -> None:
         targets, method = parse_point(text)
         th = sparsity.from_histograms(hists, targets, method)
         name = f"jpinfer int8 threshold {th.describe()}"
-        ppl, sums = evaluate(quantized, test, ThresholdSparseFFN(), threshold_states(quantized.model, th),
+        ppl, sums = evaluate(quantized, test, ThresholdRowsFFN(), threshold_states(quantized.model, th),
                              progress=True)
         n = test.size * cfg.n_layers
         neurons_skipped = 1 - sum(s["neurons"] for s in sums) / (n * cfg.d_ff)
         inputs_skipped = 1 - sum(s["inputs"] for s in sums) / (n * cfg.d_model)
         rows.append(dict(engine=name, ppl=ppl, neurons_skipped=neurons_skipped,
-                         weight_mb=(dense_int8_bytes - neurons_skipped * down_bytes - inputs_skipped * gate_up_bytes) / 1e6))
+                         weight_mb=(dense_int8_bytes - neurons_skipped * down_bytes
+                                    - inputs_skipped * gate_up_bytes) / 1e6))
         engines[name] = JaxEngine(name, build_engine(quantized.model, "threshold", thresholds=th))
 
     peers = {}
@@ -126,52 +132,39 @@ def main() -> None:
                  for m, full in int8_forms]
         attribution.append(dict(kind=kind, plain=alone[0], migrated=alone[1]))
 
-    tps = {name: [] for name in engines}
-    e2e = {name: [] for name in engines}
-    tokens, loads = {}, []
-    for r in range(args.rounds):
-        loads.append(os.getloadavg()[0])
-        for name, runner in engines.items():
-            steps, total_s, total_new, outs = [], 0.0, 0, []
-            for p in prompts:
-                stats = runner.run(p, args.new_tokens)
-                steps += stats.step_s
-                total_s += stats.prefill_s + sum(stats.step_s)
-                total_new += len(stats.tokens)
-                outs.append(stats.tokens)
-            tps[name].append(len(steps) / sum(steps))
-            e2e[name].append(total_new / total_s)
-            tokens.setdefault(name, outs)
-        print(f"round {r + 1} (load {loads[-1]:.1f}): " + ", ".join(f"{n} {tps[n][-1]:.1f}" for n in engines),
-              flush=True)
-    ref = tokens["jpinfer float32"]
+    measured, loads = speed_rounds(engines, prompts, args.new_tokens, args.rounds)
+    tps = {name: measured.values(name, decode_tok_s) for name in engines}
+    e2e = {name: measured.values(name, e2e_tok_s) for name in engines}
+    reference = "jpinfer float32"
+    ref = [s.tokens for s in measured.results(reference)[0]]
     for row in rows:
         name = row["engine"]
         row["ppl_ratio"] = row["ppl"] / base
         if name in engines:
-            pairs = [(a, b) for x, y in zip(ref, tokens[name]) for a, b in zip(x, y)]
-            ratios = [a / b for a, b in zip(tps[name], tps["jpinfer float32"])]
+            ratios = measured.ratios(name, reference, decode_tok_s)
             row.update(tok_s=statistics.median(tps[name]), e2e_tok_s=statistics.median(e2e[name]),
                        speedup=statistics.median(ratios), speedup_range=[min(ratios), max(ratios)],
-                       agreement=sum(a == b for a, b in pairs) / max(len(pairs), 1))
+                       agreement=pooled_positions_agreement([s.tokens for s in measured.results(name)[0]], ref))
             row.setdefault("weight_mb", engines[name].weight_bytes_per_token / 1e6)
 
     lines = [
         "# int8 weights (W8A8) against float32 and llama.cpp, default model",
         "",
-        f"{datetime.date.today()}, jax {jax.__version__}, {platform.processor() or platform.machine()}, "
-        f"{os.cpu_count()} CPUs, load average {min(loads):.1f}-{max(loads):.1f} during the speed rounds. Command: "
+        f"{machine_line(machine(load_before))} Load average {min(loads):.1f}-{max(loads):.1f} during the speed "
+        "rounds. Command: "
         f"`python bench/int8.py --points {args.points} --test-windows {args.test_windows} --rounds {args.rounds} "
         f"--prompts {args.prompts} --new-tokens {args.new_tokens} --threads {args.threads}`",
         "",
         f"Perplexity: WikiText-2 test, {args.test_windows} x {WINDOW} tokens (llama.cpp's from its own logits on the "
         f"same windows). Speed: {args.prompts} ChatGPT prompts x {args.new_tokens} greedy tokens, median of "
-        f"{args.rounds} interleaved rounds; 'x float32' is the median of the same-round decode ratios to jpinfer "
-        f"float32 (range beside it). Weight MB: what one decode step reads (all but an untied embedding table; for the "
-        f"threshold mode, less the skipped down rows on the test text).",
+        f"{args.rounds} interleaved rounds (the order rotating); 'x float32' is the median of the same-round decode "
+        "ratios to jpinfer float32 (range beside it). Weight MB: what one decode step reads (all but an untied "
+        "embedding table; for the threshold mode, less the skipped down rows on the test text). "
+        f"{AGREEMENT_MEANINGS[positions_agreement]} (jpinfer float32's), over all the prompts' tokens of the "
+        "first round.",
         "",
         "| engine | perplexity | x float32 | neurons skipped | weight MB/token | decode tok/s | x float32 | range "
-        "| end to end tok/s | greedy agreement |",
+        f"| end to end tok/s | {AGREEMENT_LABELS[positions_agreement]} |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
@@ -190,7 +183,8 @@ def main() -> None:
         "|---|---|---|",
     ] + [f"| {a['kind']} | {a['plain']:.4f} | {a['migrated']:.4f} |" for a in attribution]
     publish("\n".join(lines) + "\n", args.out,
-            {"rows": rows, "attribution": attribution, "loads": loads, "tok_s_rounds": tps, "e2e_rounds": e2e})
+            {"rows": rows, "attribution": attribution, "loads": loads, "tok_s_rounds": tps, "e2e_rounds": e2e,
+             "greedy_agreement": "positions", "machine": machine(load_before)})
 
 
 if __name__ == "__main__":

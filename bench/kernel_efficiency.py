@@ -28,11 +28,9 @@ takes about 2.5-4 minutes on a 2-core machine (most of it the 7B layer):
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import pathlib
-import platform
 import shlex
 import statistics
 import sys
@@ -41,6 +39,7 @@ from typing import Any
 
 import jax
 
+from jpinfer.bench import protocol
 from jpinfer.bench.kernels import SHAPES, bench_shape
 from jpinfer.bench.machine import matvec_read_bandwidth
 from jpinfer.bench.results import publish
@@ -174,18 +173,6 @@ def _shown(path: pathlib.Path) -> str:
         return str(path)
 
 
-def _cpu_name() -> str:
-    """The processor's model name (Linux), else what ``platform`` reports: the CPU numbers belong to it."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=["7b", "smollm2"])
@@ -204,33 +191,38 @@ def main() -> None:
         raise SystemExit(f"--sparsity must lie in [0, 1) (got {bad}); --repeats and --rounds must be >= 1")
 
     start = time.perf_counter()
-    load_before = os.getloadavg()
+    load_before = protocol.load_average()
     gpu = load_gpu(args.gpu_json)  # a bad file fails now, not after minutes of timing
     bandwidth = matvec_read_bandwidth()
     rows, repeat_loads = [], []
-    for r in range(args.repeats):
-        repeat_loads.append(os.getloadavg()[0])
-        for key in args.shapes:
-            t0 = time.perf_counter()
-            got = bench_shape(SHAPES[key], args.sparsity, "auto", args.rounds, bandwidth, args.seed + r,
-                              args.huge_pages)
-            rows += [dict(row, repeat=r) for row in got]
-            print(f"repeat {r + 1}/{args.repeats}, {SHAPES[key].name}: efficiency "
-                  + ", ".join(f"{row['s']}: {row['efficiency']:.2f}" for row in got)
-                  + f" ({time.perf_counter() - t0:.0f} s, load {os.getloadavg()[0]:.2f})", flush=True)
-    load_after = os.getloadavg()
+
+    def shape(key: str):  # one repeat of a shape: bench_shape warms its ops itself (protocol.fastest)
+        return lambda r: [dict(row, repeat=r) for row in bench_shape(SHAPES[key], args.sparsity, "auto", args.rounds,
+                                                                    bandwidth, args.seed + r, args.huge_pages)]
+
+    def done(r: int, key: str, run: protocol.Run) -> None:
+        rows.extend(run.result)
+        print(f"repeat {r + 1}/{args.repeats}, {SHAPES[key].name}: efficiency "
+              + ", ".join(f"{row['s']}: {row['efficiency']:.2f}" for row in run.result)
+              + f" ({run.seconds:.0f} s, load {protocol.load_average()[0]:.2f})", flush=True)
+
+    protocol.interleaved_rounds({key: shape(key) for key in args.shapes}, args.repeats,
+                                warm={key: (lambda: None) for key in args.shapes},
+                                before_round=lambda r, so_far: repeat_loads.append(protocol.load_average()[0]) or True,
+                                after_run=done)
+    load_after = protocol.load_average()
     seconds = time.perf_counter() - start
     cpu = cpu_summary(rows)
 
     command = shlex.join(["python", "bench/kernel_efficiency.py", *sys.argv[1:]])
-    cpu_name = f"{_cpu_name()}, {os.cpu_count()} cores"
+    cpu_name = f"{protocol.cpu_name()}, {os.cpu_count()} cores"
     pages = "huge pages" if args.huge_pages else "4 KiB pages"
     lines = [
         "# Kernel efficiency against sparsity: the sparse FFN op against the dense FFN",
         "",
         f"- command: `{command}`",
-        f"- date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}; jax {jax.__version__}; "
-        f"CPU: {cpu_name}; weights in {pages}; run took {seconds:.0f} s",
+        f"- {protocol.machine_line(protocol.machine(load_before))}",
+        f"- weights in {pages}; run took {seconds:.0f} s",
         f"- load average (1 min): {load_before[0]:.2f} before (5 min: {load_before[1]:.2f}), "
         + ", ".join(f"{v:.2f}" for v in repeat_loads) + f" at the start of each repeat, {load_after[0]:.2f} after "
         f"(5 min: {load_after[1]:.2f}); the machine is shared, so only same-run ratios mean much",
@@ -241,7 +233,8 @@ def main() -> None:
         f"`jpinfer.bench.kernels.bench_shape` (the table of `jpinfer bench-kernels`): the decoder's dense FFN "
         f"against `sparse_ffn` (backend auto: the chunked XLA loop) over random lists of (1 - s) * d_ff neurons, on "
         f"cold caches; the ops alternate in {args.rounds} rounds of 3 calls, the fastest call counts. {args.repeats} "
-        f"repeat(s), shapes interleaved, seed {args.seed} + repeat. Columns: medians over the repeats; `range` = the "
+        f"repeat(s), shapes interleaved (the order rotating), seed {args.seed} + repeat. Columns: medians over the "
+        "repeats; `range` = the "
         f"lowest and highest efficiency of the repeats. Matrix-vector read bandwidth measured at the start: "
         f"{bandwidth / 1e9:.1f} GB/s.",
         "",

@@ -11,7 +11,7 @@ placement and layer offload (``layers``, as llama.cpp's ``-ngl``), and, when eve
 dense model all on the GPU (every neuron read: the model's bytes over the GPU's bandwidth, by the same
 cost model). Shapes: the default model (float32 and bf16), Llama-2 7B / 13B / 70B in fp16 and 70B at
 4.5 bits per weight; frequencies: the default model's measured ones (transplanted to the larger shapes
-by ``placement_share.transplant``) and a ReLU model's skew (80% of activations in 26% of neurons,
+by ``jpinfer.bench.modelled.transplant``) and a ReLU model's skew (80% of activations in 26% of neurons,
 PowerInfer's OPT-30B figure, Song et al., 2023; 10% active per token ASSUMED), as in
 bench/placement_share.py. Dense policy strict, 2048-token KV cache. A figure: modelled tok/s against
 the GPU budget for 7B fp16 on the ``rtx4090`` preset (both skews), and against activation sparsity at
@@ -34,15 +34,10 @@ import time
 
 import numpy as np
 
-from hybrid_gpu import LLAMA2_7B, TINY  # the shapes bench/gpu_decode.py measures (imported before JAX starts)
-from jpinfer.bench.results import publish
-from jpinfer.config import ModelConfig
-from jpinfer.runtime.engine import CACHE_ROUNDING, MIN_PROMPT_BUCKET
-from jpinfer.solver import InfeasibleBudgetError, ModelSizes, model_sizes, preset, solve_placement
-from jpinfer.solver.cli import SHAPES
-from placement_share import (
-    GiB,
+from jpinfer.bench.layer_offload import LLAMA2_7B, TINY  # the shapes bench/gpu_decode.py measures
+from jpinfer.bench.modelled import (
     RELU_MEAN_ACTIVE,
+    GiB,
     Measured,
     add_measured_arguments,
     budget_hardware,
@@ -57,6 +52,11 @@ from placement_share import (
     solve_runs,
     transplant,
 )
+from jpinfer.bench.results import publish
+from jpinfer.config import ModelConfig
+from jpinfer.runtime.engine import CACHE_ROUNDING, MIN_PROMPT_BUCKET
+from jpinfer.solver import InfeasibleBudgetError, ModelSizes, model_sizes, preset, solve_placement
+from jpinfer.solver.cli import SHAPES
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"

@@ -8,9 +8,10 @@ Protocol (CPU; device 0 plays the accelerator, device 1 the host):
   K = d_ff, nothing clipped);
 - quality: WikiText-2 test perplexity of exactly what the sparse engine computes (the
   predicted-mask FFN with the same capacities), neurons per token, clipped and clipped-active
-  rates; greedy agreement with dense on ``--prompts`` ChatGPT prompts;
+  rates; greedy agreement (positions) with dense on ``--prompts`` ChatGPT prompts;
 - speed: decode tok/s over the same prompts, every engine once per round, ``--rounds``
-  interleaved rounds, median per engine; ratios to dense within the run;
+  interleaved rounds (``jpinfer.bench.engines.speed_rounds``), median per engine; medians of
+  same-round ratios to dense;
 - where a step's time goes: device step times of the dense step, the step without FFN,
   with the predictor and selection but no FFN, the sparse step; the head alone; the host
   loop's share (dispatch, reading tokens);
@@ -25,10 +26,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import os
-import platform
-import statistics
 import time
 
 import jax
@@ -37,19 +34,30 @@ jax.config.update("jax_num_cpu_devices", 2)
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from predictors import cached_profile, trained  # noqa: E402
 
 import jpinfer  # noqa: E402
+from jpinfer.bench.accuracy import cached_profile, trained  # noqa: E402
+from jpinfer.bench.engines import JaxEngine, decode_tok_s, prefill_tok_s, speed_rounds  # noqa: E402
+from jpinfer.bench.protocol import (  # noqa: E402
+    AGREEMENT_LABELS,
+    AGREEMENT_MEANINGS,
+    interleaved_rounds,
+    load_average,
+    machine,
+    machine_line,
+    pooled_positions_agreement,
+    positions_agreement,
+)
 from jpinfer.bench.results import publish  # noqa: E402
-from jpinfer.bench.engines import JaxEngine  # noqa: E402
 from jpinfer.data import chatgpt_prompts  # noqa: E402
+from jpinfer.ffn import PredictorMaskFFN, evaluate, layer_capacities, mask_states, part_capacities  # noqa: E402
 from jpinfer.models import transformer  # noqa: E402
 from jpinfer.models.params import nbytes  # noqa: E402
-from jpinfer.modes import build_engine, choose_placement, layer_capacities  # noqa: E402
-from jpinfer.modes.build import part_capacities  # noqa: E402
-from jpinfer.predictor import PredictedMaskFFN, mask_states, predict_logits, select_neurons  # noqa: E402
+from jpinfer.modes import build_engine  # noqa: E402
+from jpinfer.modes.placement import choose_placement  # noqa: E402
+from jpinfer.predictor import predict_logits, select_neurons  # noqa: E402
 from jpinfer.predictor.fit import retune  # noqa: E402
-from jpinfer.profiler import evaluate, token_windows  # noqa: E402
+from jpinfer.profiler import token_windows  # noqa: E402
 from jpinfer.solver import measure_hardware  # noqa: E402
 
 
@@ -114,26 +122,22 @@ def capacity_arg(text: str, cfg):
 def median_steps(engines: dict, prompt, rounds: int) -> tuple[dict[str, float], dict[str, float]]:
     """Medians over interleaved rounds of each engine's device step time (no host round trip)
     and of the host's time to dispatch a step."""
-    times = {name: [] for name in engines}
-    for _ in range(rounds):
-        for name, engine in engines.items():
-            times[name].append(engine.step_times(prompt, 32))
-    step = {name: statistics.median(t[0] for t in ts) for name, ts in times.items()}
-    return step, {name: statistics.median(t[1] for t in ts) for name, ts in times.items()}
+    measured = interleaved_rounds({name: (lambda r, e=engine: e.step_times(prompt, 32)) for name, engine in
+                                   engines.items()}, rounds)
+    step = {name: measured.median(name, lambda t: t[0]) for name in engines}
+    return step, {name: measured.median(name, lambda t: t[1]) for name in engines}
 
 
 def transfer_seconds(d: int, n_layers: int, accelerator, host, rounds: int = 50) -> float:
     """One token's transfers: per layer a hidden state to the host and one back, chained."""
     x = jax.device_put(jnp.ones((1, 1, d), jnp.float32), accelerator)
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
+
+    def one_token(r: int) -> None:
         y = x
         for _ in range(n_layers):
             y = jax.device_put(jax.device_put(y, host), accelerator)
         y.block_until_ready()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return interleaved_rounds({"transfers": one_token}, rounds).median("transfers")
 
 
 def main() -> None:
@@ -150,6 +154,7 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="markdown file (a .json with the rows is written beside it)")
     args = parser.parse_args()
 
+    load_before = load_average()
     dense = jpinfer.load()
     cfg = dense.cfg
     prof = cached_profile(dense, args.samples)
@@ -165,8 +170,8 @@ def main() -> None:
         tuned = retune(dense, predictors, prof, recall, strong)
         tuned_points[point] = tuned
         for cap in args.capacities.split(","):
-            ks = layer_capacities(dense.model, capacity_arg(cap, cfg), prof, tuned)
-            ppl, sums = evaluate(dense, test, PredictedMaskFFN(cfg, ks), mask_states(tuned.layers, prof.thresholds),
+            ks = layer_capacities(dense.cfg, capacity_arg(cap, cfg), prof, tuned)
+            ppl, sums = evaluate(dense, test, PredictorMaskFFN(cfg, ks), mask_states(tuned.layers, prof.thresholds),
                                  progress=True)
             per_token = {k: sum(layer[k] for layer in sums) / (test.size * cfg.n_layers) for k in sums[0]}
             name = f"sparse {point} K={cap}"
@@ -179,7 +184,7 @@ def main() -> None:
     tuned = tuned_points[point0]
     placement = choose_placement(dense.model, prof, tuned, args.budget)
     masks = placement.masks()
-    ks = layer_capacities(dense.model, capacity_arg(args.capacities.split(",")[0], cfg), prof, tuned)
+    ks = layer_capacities(dense.cfg, capacity_arg(args.capacities.split(",")[0], cfg), prof, tuned)
     split = part_capacities(ks, masks, prof.frequency())
     hybrid_name = f"hybrid {point0} K={args.capacities.split(',')[0]}"
     engines[hybrid_name] = build_engine(dense.model, "hybrid", predictors=tuned, profile=prof, capacity=ks,
@@ -193,33 +198,16 @@ def main() -> None:
 
     # speed: interleaved rounds over the prompts
     runners = {name: JaxEngine(name, engine) for name, engine in engines.items()}
-    tps = {name: [] for name in runners}
-    prefill_tps = {name: [] for name in runners}
-    tokens = {}
-    for r in range(args.rounds):
-        for name, runner in runners.items():
-            steps, outs, prefill_s = [], [], 0.0
-            for p in prompts:
-                stats = runner.run(p, args.new_tokens)
-                steps += stats.step_s
-                prefill_s += stats.prefill_s
-                outs.append(stats.tokens)
-            tps[name].append(len(steps) / sum(steps))
-            prefill_tps[name].append(sum(len(p) for p in prompts) / prefill_s)
-            tokens.setdefault(name, outs)
-        print(f"round {r + 1}: " + ", ".join(f"{n} {tps[n][-1]:.1f}" for n in runners), flush=True)
-    speed = {name: statistics.median(v) for name, v in tps.items()}
-    prefill = {name: statistics.median(v) for name, v in prefill_tps.items()}
-    ref = tokens["dense"]
-
-    def agreement(outs):
-        pairs = [(a, b) for x, y in zip(ref, outs) for a, b in zip(x, y)]
-        return sum(a == b for a, b in pairs) / max(len(pairs), 1), sum(x == y for x, y in zip(ref, outs))
-
+    measured, loads = speed_rounds(runners, prompts, args.new_tokens, args.rounds)
+    speed = {name: measured.median(name, decode_tok_s) for name in runners}
+    prefill = {name: measured.median(name, prefill_tok_s) for name in runners}
+    first_round = {name: [s.tokens for s in measured.results(name)[0]] for name in runners}
+    ref = first_round["dense"]
     for row in rows:
         row["tok_s"] = speed[row["engine"]]
-        row["speedup"] = speed[row["engine"]] / speed["dense"]
-        row["agreement"], row["identical"] = agreement(tokens[row["engine"]])
+        row["speedup"] = measured.median_ratio(row["engine"], "dense", decode_tok_s)
+        row["agreement"] = pooled_positions_agreement(first_round[row["engine"]], ref)
+        row["identical"] = sum(x == y for x, y in zip(ref, first_round[row["engine"]]))
 
     # where the step's time goes (dense and the sparse engine of the last point, first capacity)
     main_name = f"sparse {point0} K={args.capacities.split(',')[0]}"
@@ -259,12 +247,13 @@ def main() -> None:
     cold_work = sum(s["cold"] for s in side_sums)
 
     report = dict(
-        date=datetime.date.today().isoformat(), jax=jax.__version__, machine=platform.machine(), cpus=os.cpu_count(),
-        load=os.getloadavg()[0], dense_ppl=dense_ppl, dense_tok_s=speed["dense"], rows=rows,
+        machine=machine(load_before), loads=loads, greedy_agreement="positions", dense_ppl=dense_ppl,
+        dense_tok_s=speed["dense"], rows=rows,
         prefill_tok_s=prefill, prefill_union=union,
         step_ms={k: v * 1e3 for k, v in step.items()}, head_ms=head_s * 1e3,
         dispatch_ms={k: v * 1e3 for k, v in dispatch.items()},
-        hybrid=dict(name=hybrid_name, tok_s=speed[hybrid_name], speedup=speed[hybrid_name] / speed["dense"],
+        hybrid=dict(name=hybrid_name, tok_s=speed[hybrid_name],
+                    speedup=measured.median_ratio(hybrid_name, "dense", decode_tok_s),
                     budget_fraction=args.budget, budget_bytes=placement.budget_bytes,
                     model_bytes=nbytes(dense.weights),
                     hot_neurons=int(sum(m.sum() for m in masks)), neurons=cfg.n_layers * cfg.d_ff,
@@ -281,12 +270,13 @@ def render(r: dict, args) -> str:
         "# Engine modes on the default model (CPU)", "",
         "Command: `python bench/modes.py " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out" and v is not None) + "`", "",
-        f"Date {r['date']}, jax {r['jax']}, {r['machine']}, {r['cpus']} CPUs, load average at the end {r['load']:.1f}. "
-        f"WikiText-2 test perplexity over {args.test_windows} windows of 512 tokens; decode tok/s median of "
-        f"{args.rounds} interleaved rounds over {args.prompts} ChatGPT prompts x {args.new_tokens} tokens.", "",
+        f"{machine_line(r['machine'])} WikiText-2 test perplexity over {args.test_windows} windows of 512 tokens; "
+        f"decode tok/s median of {args.rounds} interleaved rounds (the order rotating) over {args.prompts} ChatGPT "
+        f"prompts x {args.new_tokens} tokens; vs dense: median of same-round ratios. "
+        f"{AGREEMENT_MEANINGS[positions_agreement]} (dense's), over all the prompts' tokens of the first round.", "",
         f"Dense: perplexity {r['dense_ppl']:.2f}, {r['dense_tok_s']:.1f} tok/s.", "",
         "| engine | neurons / token | clipped / token | clipped active / token | perplexity | ppl / dense "
-        "| greedy agreement | identical prompts | tok/s | vs dense |",
+        f"| {AGREEMENT_LABELS[positions_agreement]} | identical prompts | tok/s | vs dense |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in r["rows"]:

@@ -66,7 +66,8 @@ def main() -> None:
 
         pack = pack_for(None, None if args.pack == "default" else args.pack)
         prof, saved = pack.profile, pack.path / "profile.npz"
-        args.sparsity, args.window, args.n_samples = pack.settings.sparsity, pack.settings.window, pack.settings.n_samples
+        settings = pack.settings
+        args.sparsity, args.window, args.n_samples = settings.sparsity, settings.window, settings.n_samples
     elif args.reuse and saved.is_file():
         prof = ActivationProfile.load(saved)
     else:

@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import pathlib
-import platform
 import time
 
 import jax
@@ -31,6 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jpinfer
+from jpinfer.bench.protocol import machine, machine_line
+from jpinfer.bench.results import publish
 from jpinfer.models import transformer
 from jpinfer.predictor import LayerData, TrainConfig, cutoff_for_recall, predict_logits, train_layer
 from jpinfer.predictor.train import score
@@ -110,8 +110,8 @@ def main() -> None:
         "# Predictor input: FFN input vs lookahead vs previous layer (default model)", "",
         f"Command: `python bench/predictor_inputs.py --layers {args.layers} --rank {args.rank} --windows "
         f"{args.windows} --sparsity {args.sparsity} --epochs {args.epochs}`", "",
-        f"Date {datetime.date.today()}, jax {jax.__version__}, {platform.processor() or platform.machine()}, "
-        f"{args.windows * 512} tokens of WikiText-2 valid (held-out tail {config.held_out:.0%}), labels at "
+        f"{machine_line(machine())} {args.windows * 512} tokens of WikiText-2 valid (held-out tail "
+        f"{config.held_out:.0%}), labels at "
         f"{args.sparsity:.0%} uniform sparsity, width {args.rank}, {time.perf_counter() - t0:.0f} s.", "",
         "| layer | input | precision @ recall 0.74 | computed @ recall 0.9 | computed @ recall 0.99 | held-out loss |",
         "|---|---|---|---|---|---|",
@@ -121,10 +121,10 @@ def main() -> None:
                      f"{at[0.99].predicted:.3f} | {min(result.held_out_loss):.4f} |")
     lines += ["", "\"computed\": mean fraction of the layer's neurons over the cut-off that reaches the recall "
               "(lower is better; the truly active fraction is about 1 - sparsity)."]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        args.out.write_text(text)
+    publish("\n".join(lines) + "\n", args.out, {"machine": machine(), "rows": [
+        {"layer": layer, "input": name, "held_out_loss": min(result.held_out_loss),
+         **{f"recall_{r}": {"precision": s.precision, "predicted": s.predicted} for r, s in at.items()}}
+        for layer, name, at, result in rows]})
 
 
 if __name__ == "__main__":

@@ -14,8 +14,6 @@ $JPINFER_CACHE/bench, so a second run only redraws.
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
 import pathlib
 import sys
 
@@ -23,6 +21,7 @@ import jax
 import numpy as np
 
 import jpinfer
+from jpinfer.bench.protocol import load_average, machine, machine_line
 from jpinfer.bench.results import publish
 from jpinfer.cache import cache_dir
 from jpinfer.errors import ArtifactError
@@ -85,6 +84,7 @@ def main() -> None:
     ap.add_argument("--pack", default=None, help="pack directory (default: the default model's, built if missing)")
     ap.add_argument("--out", default=None, help="markdown file (JSON and PNG beside it)")
     args = ap.parse_args()
+    load_before = load_average()
     model = jpinfer.load_model(None)
     pack = pack_for(model, args.pack)
     fixed_set = fixed_width(model, pack)
@@ -93,10 +93,12 @@ def main() -> None:
     mean = lambda rows, key: float(np.mean([r[key] for r in rows]))
     command = "python bench/predictor_sizes.py " + " ".join(sys.argv[1:])
     s = pack.settings
+    m = machine(load_before)
     lines = [
         "# Predictor size and recall per layer: adaptive against fixed widths (SmolLM2-135M-Instruct)", "",
-        f"Command: `{command}` ({datetime.date.today()}, jax {jax.__version__}, {os.cpu_count()} CPUs).", "",
-        f"Pack `{pack.path.name}`: {s.n_samples} samples per layer ({pack.predictors.meta['train_config']['held_out']:.0%} "
+        f"Command: `{command}`. {machine_line(m)}", "",
+        f"Pack `{pack.path.name}`: {s.n_samples} samples per layer "
+        f"({pack.predictors.meta['train_config']['held_out']:.0%} "
         f"held out), recall {s.recall}, strong recall {s.strong_recall}, adaptive budget {s.predictor_budget:.0%} of "
         f"the model. Adaptive: {total(adaptive):,} parameters; fixed width {fixed[0]['width']}: {total(fixed):,}.", "",
         "![widths and neurons computed per layer](predictor_sizes.png)", "",
@@ -112,7 +114,7 @@ def main() -> None:
         lines.append(f"| {i} | {a['width']} | {a['params']:,} | {a['recall']:.4f} | {a['strong_recall']:.4f} | "
                      f"{a['precision']:.3f} | {a['predicted']:.3f} | {f['recall']:.4f} | {f['strong_recall']:.4f} | "
                      f"{f['precision']:.3f} | {f['predicted']:.3f} |")
-    data = {"command": command, "date": str(datetime.date.today()), "jax": jax.__version__, "pack": str(pack.path),
+    data = {"command": command, "date": m["date"], "jax": jax.__version__, "machine": m, "pack": str(pack.path),
             "adaptive": adaptive, "fixed": fixed}
     publish("\n".join(lines) + "\n", args.out, data)
     if args.out:

@@ -7,7 +7,7 @@ Protocol:
   model), timed; then every layer at one fixed width with the same total parameters;
 - quality: WikiText-2 test perplexity (the first ``--test-windows`` windows of 512 tokens, as
   bench/sparsity_ppl.py) of the model computing only the predicted neurons
-  (``PredictedMaskFFN``), with the cut-offs re-chosen for each operating point in ``--points``
+  (``PredictorMaskFFN``), with the cut-offs re-chosen for each operating point in ``--points``
   (recall of active neurons / recall of the strong ones, the largest 10% contributions; no
   retraining), next to dense and to the oracle (exact active sets, uniform thresholds) at
   the same mean number of computed neurons per token; test-text recall per layer (the
@@ -22,56 +22,32 @@ Protocol:
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
 import pathlib
-import platform
-import time
 
-import jax
 import numpy as np
 
 import jpinfer
+from jpinfer.bench.accuracy import cached_profile, trained
+from jpinfer.bench.protocol import (
+    interleaved_rounds,
+    load_average,
+    machine,
+    machine_line,
+    matching_prefix,
+    pooled_positions_agreement,
+)
 from jpinfer.bench.results import publish
-from jpinfer.cache import cache_dir
 from jpinfer.data import chatgpt_prompts
-from jpinfer.errors import ArtifactError
-from jpinfer.predictor import PredictedMaskFFN, Predictors, mask_states, train_predictors
+from jpinfer.ffn import PredictorMaskFFN, evaluate, mask_states, perplexity
+from jpinfer.predictor import Predictors
 from jpinfer.predictor.fit import model_params, retune
 from jpinfer.predictor.sizing import predictor_params
-from jpinfer.profiler import ActivationProfile, calibrate, evaluate, perplexity, profile, token_windows
-
-
-def cached_profile(engine, n_samples: int) -> ActivationProfile:
-    path = cache_dir("bench") / f"predictors-profile-{n_samples}.npz"
-    if path.is_file():
-        try:
-            prof = ActivationProfile.load(path, engine)
-            prof.samples()
-            return prof
-        except ArtifactError as e:  # an older format, or samples deleted or damaged: profile again
-            print(f"profiling again: {e}")
-    prof = profile(engine, n_samples=n_samples)
-    prof.save(path)
-    return prof
-
-
-def trained(engine, prof, name: str, reuse: bool, **kwargs) -> tuple[Predictors, float]:
-    path = cache_dir("bench") / f"predictors-{name}"
-    if reuse and path.is_dir():
-        loaded = Predictors.load(path, engine, prof)
-        return loaded, loaded.meta["seconds"]
-    t = time.perf_counter()
-    predictors = train_predictors(engine, prof, **kwargs)
-    seconds = time.perf_counter() - t
-    predictors.meta["seconds"] = seconds
-    predictors.save(path)
-    return predictors, seconds
+from jpinfer.profiler import ActivationProfile, calibrate, token_windows
 
 
 def masked(engine, predictors: Predictors, prof: ActivationProfile) -> jpinfer.FfnStrategy:
-    return jpinfer.FfnStrategy(PredictedMaskFFN(engine.cfg), mask_states(predictors.layers, prof.thresholds),
+    return jpinfer.FfnStrategy(PredictorMaskFFN(engine.cfg), mask_states(predictors.layers, prof.thresholds),
                                "predicted masks")
 
 
@@ -88,32 +64,27 @@ def quality(engine, predictors, prof, test) -> dict:
 
 
 def agreement(engine, strategy, prompts, new_tokens) -> dict:
-    """Position-wise equal greedy tokens against dense, prompts whose outputs are identical, and the
-    mean number of tokens before the first difference."""
+    """Greedy agreement (positions) against dense over all the prompts' tokens
+    (``token_agreement``), prompts whose outputs are identical, and the mean number of tokens
+    before the first difference (``matching_prefix``, the count behind greedy agreement (prefix))."""
     other = engine.with_ffn(strategy)
-    equal = total = identical = 0
-    prefixes = []
-    for p in prompts:
-        a = engine.generate(p, max_new_tokens=new_tokens).token_ids
-        b = other.generate(p, max_new_tokens=new_tokens).token_ids
-        n = min(len(a), len(b))
-        equal += sum(x == y for x, y in zip(a[:n], b[:n]))
-        total += n
-        identical += a == b
-        prefixes.append(next((i for i in range(n) if a[i] != b[i]), n))
-    return {"token_agreement": equal / total, "identical_prompts": identical, "prompts": len(prompts),
-            "matching_prefix": float(np.mean(prefixes))}
+    dense = [engine.generate(p, max_new_tokens=new_tokens).token_ids for p in prompts]
+    masked_out = [other.generate(p, max_new_tokens=new_tokens).token_ids for p in prompts]
+    return {"token_agreement": pooled_positions_agreement(masked_out, dense),
+            "identical_prompts": sum(a == b for a, b in zip(dense, masked_out)), "prompts": len(prompts),
+            "matching_prefix": float(np.mean([matching_prefix(b, a) for a, b in zip(dense, masked_out)]))}
 
 
 def step_cost(engine, strategy, prompt, rounds: int) -> dict:
-    """Median decode step (no host round trips) of dense and of the masked model, interleaved."""
+    """Median decode step (no host round trips) of dense and of the masked model, interleaved
+    rounds; the overhead is the median of the same-round ratios less one."""
     other = engine.with_ffn(strategy)
-    dense, with_predictor = [], []
-    for _ in range(rounds):
-        dense.append(engine.device_step_seconds(prompt, 64))
-        with_predictor.append(other.device_step_seconds(prompt, 64))
-    d, p = float(np.median(dense)), float(np.median(with_predictor))
-    return {"dense_ms": d * 1e3, "masked_ms": p * 1e3, "overhead": p / d - 1, "load": os.getloadavg()[0]}
+    measured = interleaved_rounds({"dense": lambda r: engine.device_step_seconds(prompt, 64),
+                                   "masked": lambda r: other.device_step_seconds(prompt, 64)}, rounds)
+    step = lambda seconds: seconds
+    d, p = measured.median("dense", step), measured.median("masked", step)
+    return {"dense_ms": d * 1e3, "masked_ms": p * 1e3, "overhead": measured.median_ratio("masked", "dense", step) - 1,
+            "load": (load_average() or [float("nan")])[0]}
 
 
 def main() -> None:
@@ -128,6 +99,7 @@ def main() -> None:
     ap.add_argument("--reuse", action="store_true", help="reuse predictors trained by an earlier run")
     ap.add_argument("--out", type=pathlib.Path, default=None)
     args = ap.parse_args()
+    load_before = load_average()
     points = [tuple(float(v) for v in point.split("/")) for point in args.points.split(",")]
 
     engine = jpinfer.load()
@@ -171,8 +143,7 @@ def main() -> None:
         "# Activation predictors on the default model", "",
         f"Command: `python bench/predictors.py --samples {args.samples} --test-windows {args.test_windows} "
         f"--points {args.points} --prompts {args.prompts} --new-tokens {args.new_tokens} --rounds {args.rounds}`", "",
-        f"Date {datetime.date.today()}, jax {jax.__version__}, {platform.processor() or platform.machine()}, "
-        f"{os.cpu_count()} CPUs, load average at the end {os.getloadavg()[0]:.1f}. Labels: |silu(g)*u| over the "
+        f"{machine_line(machine(load_before))} Labels: |silu(g)*u| over the "
         f"profile's uniform 50% thresholds; {meta['n_samples']} samples per layer (held-out tail "
         f"{meta['train_config']['held_out']:.0%}).", "",
         "## Training", "",
@@ -192,7 +163,8 @@ def main() -> None:
     ]
     for r in rows:
         lines.append(f"| {r['predictors']} | {r['recall']} / {r['strong_recall']} | {r['neurons']:.0f} | "
-                     f"{r['neurons'] / cfg.d_ff:.1%} | {r['ppl']:.2f} | {r['ppl'] / dense_ppl:.3f} | {r['oracle_ppl']:.2f} | "
+                     f"{r['neurons'] / cfg.d_ff:.1%} | {r['ppl']:.2f} | {r['ppl'] / dense_ppl:.3f} | "
+                     f"{r['oracle_ppl']:.2f} | "
                      f"{r['test_recall_all']:.3f} |")
     lines += [
         "", "Best operating point at perplexity <= 1.05x dense: "
@@ -201,8 +173,9 @@ def main() -> None:
            f"neurons per token ({best['neurons'] / cfg.d_ff:.1%}), perplexity {best['ppl']:.2f}." if ok else
            "none of the measured points (below: the point with the lowest perplexity)."),
         f"Greedy tokens there against dense, {agree['prompts']} ChatGPT prompts x {args.new_tokens} tokens: "
-        f"{agree['token_agreement']:.1%} of positions equal, {agree['identical_prompts']} prompts identical, "
-        f"{agree['matching_prefix']:.1f} tokens before the first difference on average; at "
+        f"{agree['token_agreement']:.1%} of positions equal (greedy agreement (positions)), "
+        f"{agree['identical_prompts']} prompts identical, {agree['matching_prefix']:.1f} tokens before the first "
+        "difference on average (the matching prefix); at "
         f"{rows[0]['recall']} / {rows[0]['strong_recall']}: {agree_first['token_agreement']:.1%}, "
         f"{agree_first['identical_prompts']} identical, {agree_first['matching_prefix']:.1f} tokens.", "",
         "## Cost per decode step", "",
@@ -221,7 +194,8 @@ def main() -> None:
     for layer in range(cfg.n_layers):
         a, f = meta["held_out_scores"][layer], fixed.meta["held_out_scores"][layer]
         trials = sizing.get("trials", {}).get(str(layer), {})
-        trial_text = ", ".join(f"{r}: {t['predicted']:.3f}" for r, t in sorted(trials.items(), key=lambda kv: int(kv[0])))
+        trial_text = ", ".join(f"{r}: {t['predicted']:.3f}"
+                               for r, t in sorted(trials.items(), key=lambda kv: int(kv[0])))
         lines.append(f"| {layer} | {adaptive.ranks[layer]} | {adaptive.layers[layer].n_params:,} | "
                      f"{a['precision']:.3f} | {a['predicted']:.3f} | {test_recall[layer]:.3f} | {f['precision']:.3f} | "
                      f"{f['predicted']:.3f} | {sizing.get('start', ['-'] * cfg.n_layers)[layer]} | {trial_text} |")

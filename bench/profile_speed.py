@@ -24,6 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jpinfer
+from jpinfer.bench.protocol import interleaved_rounds, load_average, machine, machine_line
+from jpinfer.bench.results import publish
 from jpinfer.models import transformer
 from jpinfer.profiler import profile, score_histogram, token_windows, uniform
 from jpinfer.profiler.passes import batches
@@ -61,6 +63,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--out", type=pathlib.Path, default=None)
     args = ap.parse_args()
+    load_before = load_average()
 
     engine = jpinfer.load()
     tokens = token_windows("wikitext2-valid", engine.tokenizer, window=args.window,
@@ -81,11 +84,11 @@ def main() -> None:
             engine, tokens, n_samples=args.n_samples, **kw).meta["seconds"]["pass"],
         "calibration pass (score histogram)": lambda: timed(score_histogram, engine, tokens, batch_size=b),
     }
-    best = {name: float("inf") for name in runs}
-    for _ in range(args.reps):
-        for name, run in runs.items():
-            best[name] = min(best[name], run())
-            print(f"{name}: {tokens.size / best[name]:.1f} tok/s", flush=True)
+    measured = interleaved_rounds({name: (lambda r, run=run: run()) for name, run in runs.items()}, args.reps,
+                                  warm={name: (lambda: None) for name in runs},  # compiled above
+                                  after_run=lambda r, name, run: print(f"{name}: {tokens.size / run.result:.1f} tok/s",
+                                                                       flush=True))
+    best = {name: min(measured.results(name)) for name in runs}  # each run's own seconds (its pass alone)
 
     base = best[next(iter(runs))]
     lines = [
@@ -93,9 +96,9 @@ def main() -> None:
         "",
         f"Command: `python bench/profile_speed.py {' '.join(sys.argv[1:])}`",
         "",
-        f"{args.windows} windows x {args.window} tokens of WikiText-2 valid, batch {args.batch_size}, jax "
-        f"{jax.__version__} on {jax.devices()[0].platform}; best of {args.reps} alternating runs. The machine is a "
-        "shared 2-core VM with other jobs running: absolute numbers are noisy, the ratios less so.",
+        f"{args.windows} windows x {args.window} tokens of WikiText-2 valid, batch {args.batch_size}; best of "
+        f"{args.reps} interleaved rounds (jpinfer.bench.protocol). {machine_line(machine(load_before))} The machine "
+        "is shared with other jobs: absolute numbers are noisy, the ratios less so.",
         "",
         "| run | tokens/s | cost vs dense prefill |",
         "|---|---|---|",
@@ -108,10 +111,8 @@ def main() -> None:
     whole = (best[names[2]] + best[names[4]] * calib / n) / base
     lines += ["", f"A default profile() of {n} tokens first calibrates on {calib} of them: end to end it costs "
               f"(profile pass + {calib / n:.3f} x calibration pass) = {whole:.2f}x the dense prefill."]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        args.out.write_text(text)
+    publish("\n".join(lines) + "\n", args.out, {"tok_s": {name: tokens.size / s for name, s in best.items()},
+                                                 "seconds": best, "machine": machine(load_before)})
 
 
 if __name__ == "__main__":

@@ -13,7 +13,9 @@ import json
 import pathlib
 from typing import Any, Callable
 
-from jpinfer.bench.results import format_cell as fmt, markdown_table as table
+from jpinfer.bench.protocol import AGREEMENT_LABELS, AGREEMENT_MEANINGS, machine_line, prefix_agreement
+from jpinfer.bench.results import format_cell as fmt
+from jpinfer.bench.results import markdown_table as table
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
@@ -50,9 +52,14 @@ def setup() -> list[str]:
     if bench is None:
         return out + missing(COMMANDS["bench"])
     m = bench["machine"]
-    out += [f"- Machine: {m['cpus']} CPUs, jax {m['jax']} on {m['platform']}; the main bench ran {bench['date']} "
-            f"(load average before {m['load_before']}, after {m['load_after']}). No GPU was used for any number "
-            "here; GPU figures are modelled and say so.",
+    if "cores" in m:  # jpinfer.bench.protocol.machine's dict
+        out += [f"- {machine_line(m)} The main bench ran {bench['date']}. No GPU was used for any number here; GPU "
+                "figures are modelled and say so."]
+    else:  # recorded before the protocol module: load averages as text
+        out += [f"- Machine: {m['cpus']} CPUs, jax {m['jax']} on {m['platform']}; the main bench ran {bench['date']} "
+                f"(load average before {m['load_before']}, after {m['load_after']}). No GPU was used for any number "
+                "here; GPU figures are modelled and say so."]
+    out += [
             f"- Model: {bench['model']}, float32."]
     pack = bench.get("pack")
     if pack:
@@ -101,12 +108,14 @@ def accuracy() -> list[str]:
         out += ["", source("accuracy_curves"), ""]
     bench = load("bench")
     if bench is not None:
+        # the bench has always reported the matching prefix (jpinfer.bench.compare, protocol.prefix_agreement)
         out += ["Accuracy of each engine of the main bench (what it decodes with; greedy agreement with dense on "
-                "the bench's prompts):", ""]
-        out += table(["engine", "perplexity", "x dense", "greedy agreement", "neurons / token and layer",
-                       "clipped"], [[r["engine"], fmt(r["perplexity"], ".3f"), fmt(r["ppl_vs_dense"], ".3f"),
-                                     f"{r['greedy_agreement']:.2f}", fmt(r["neurons"], ".0f"),
-                                     fmt(r["clipped"], ".1f")] for r in bench["engines"]])
+                f"the bench's prompts; {AGREEMENT_MEANINGS[prefix_agreement]}):", ""]
+        out += table(["engine", "perplexity", "x dense", AGREEMENT_LABELS[prefix_agreement],
+                      "neurons / token and layer", "clipped"],
+                     [[r["engine"], fmt(r["perplexity"], ".3f"), fmt(r["ppl_vs_dense"], ".3f"),
+                       f"{r['greedy_agreement']:.2f}", fmt(r["neurons"], ".0f"), fmt(r["clipped"], ".1f")]
+                      for r in bench["engines"]])
         out += ["", source("bench"), ""]
     return out
 
@@ -233,7 +242,8 @@ def activity() -> list[str]:
         mean = lambda key, which: sum(r[key] for r in sizes[which]) / len(sizes[which])
         total = lambda which: sum(r["params"] for r in sizes[which])
         out += [f"Predictors, adaptive widths ({total('adaptive'):,} parameters) against one fixed width "
-                f"({sizes['fixed'][0]['width']}, {total('fixed'):,}): a token computes {mean('predicted', 'adaptive'):.3f} "
+                f"({sizes['fixed'][0]['width']}, {total('fixed'):,}): a token computes "
+                f"{mean('predicted', 'adaptive'):.3f} "
                 f"against {mean('predicted', 'fixed'):.3f} of each layer's neurons at held-out recall "
                 f"{mean('recall', 'adaptive'):.4f} against {mean('recall', 'fixed'):.4f} (truly active: "
                 f"{mean('active', 'adaptive'):.3f}).", "", "![predictor sizes](predictor_sizes.png)", "",

@@ -50,7 +50,8 @@ def run_case(shape: str, args: list[str], time_limit: int, common: list[str]) ->
 def table(rows: list[dict]) -> list[str]:
     latency = next(r for r in rows if r["run"] == "latency")["per_token_time_ms"]
     out = [
-        "| run | accel share | ms/token (predicted) | vs latency | split layers | layers < C_l | status | gap | solve s |",
+        "| run | accel share | ms/token (predicted) | vs latency | split layers | layers < C_l | status | gap "
+        "| solve s |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -106,7 +107,8 @@ def main() -> None:
         command, rows, wall = run_case(shape, case_args, limit, common)
         by = {r["run"]: r for r in rows}
         b = by["latency"]["per_token_time_ms"]
-        gains = ", ".join(f"{(by[k]['per_token_time_ms'] / b - 1) * 100:.2f}% vs {k}" for k in ("mass", "greedy", "layers"))
+        gains = ", ".join(f"{(by[k]['per_token_time_ms'] / b - 1) * 100:.2f}% vs {k}"
+                          for k in ("mass", "greedy", "layers"))
         block = [
             f"## {title}",
             "",

@@ -20,10 +20,10 @@ import time
 import numpy as np
 
 import jpinfer
+from jpinfer.bench.results import publish
 from jpinfer.cache import cache_dir
-from jpinfer.profiler import (
-    ScoreHistogram, Sensitivity, greedy, perplexity, score_histogram, sensitivity, token_windows, uniform,
-)
+from jpinfer.ffn import perplexity
+from jpinfer.profiler import ScoreHistogram, Sensitivity, greedy, score_histogram, sensitivity, token_windows, uniform
 
 SPARSITIES = (0.0, 0.3, 0.5, 0.6, 0.7, 0.8, 0.9)
 CHECK = {  # the same protocol measured earlier by an independent script, before the profiler existed
@@ -145,8 +145,7 @@ def write_markdown(args, rows, sens, sens_s, total_s) -> None:
     for s in SPARSITIES[1:]:
         lines.append(f"- s={s}: " + " ".join(f"{v:.2f}" for v in by[("greedy", s)]["layer_sparsity"]))
     lines += ["", f"Total wall time {total_s / 60:.0f} min on a shared 2-core CPU (other jobs running).", ""]
-    args.out.write_text("\n".join(lines))
-    args.out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
+    publish("\n".join(lines), args.out, rows)
 
 
 if __name__ == "__main__":

@@ -8,12 +8,13 @@ Protocol (CPU, float32):
   input 30%, ``a0.5+i0.3`` both, a ``g`` suffix for greedy allocation;
 - quality: WikiText-2 test perplexity (``--test-windows`` x 512 tokens) of exactly what the engine computes
   (``profiler.evaluate`` with the threshold FFN; several tokens zero the same entries a single token skips),
-  and the fraction of FFN inputs and neurons skipped on the test text; greedy agreement with dense on the
+  and the fraction of FFN inputs and neurons skipped on the test text; greedy agreement (positions) with dense on the
   ChatGPT prompts;
 - the predictor mode at its two operating points (recall 0.99 / strong 0.999 and 0.9 / 0.995), predictors
   as bench/predictors.py (cached under $JPINFER_CACHE/bench; trained when missing), K = predicted;
 - speed: decode tok/s over ``--prompts`` ChatGPT prompts x ``--new-tokens``, every engine once per round,
-  ``--rounds`` interleaved rounds, median per engine, ratios to dense within the run; load average printed.
+  ``--rounds`` interleaved rounds (``jpinfer.bench.engines.speed_rounds``), median per engine, medians of
+  same-round ratios to dense; load average printed; greedy agreement (positions) with dense.
 
     python bench/threshold.py --out bench/results/threshold.md
 """
@@ -21,38 +22,33 @@ Protocol (CPU, float32):
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import platform
 import statistics
 
 import jax
 
 jax.config.update("jax_num_cpu_devices", 2)
 
-from predictors import cached_profile, trained  # noqa: E402
-
 import jpinfer  # noqa: E402
+from jpinfer.bench.accuracy import cached_profile, parse_point, trained  # noqa: E402
+from jpinfer.bench.engines import JaxEngine, decode_tok_s, speed_rounds, weights_read_per_token  # noqa: E402
+from jpinfer.bench.protocol import (  # noqa: E402
+    AGREEMENT_LABELS,
+    AGREEMENT_MEANINGS,
+    load_average,
+    machine,
+    machine_line,
+    pooled_positions_agreement,
+    positions_agreement,
+)
 from jpinfer.bench.results import publish  # noqa: E402
-from jpinfer.bench.engines import JaxEngine, weights_read_per_token  # noqa: E402
 from jpinfer.data import chatgpt_prompts  # noqa: E402
-from jpinfer.modes import build_engine, layer_capacities  # noqa: E402
-from jpinfer.modes.build import threshold_states  # noqa: E402
-from jpinfer.modes.threshold import ThresholdSparseFFN  # noqa: E402
-from jpinfer.predictor import PredictedMaskFFN, mask_states  # noqa: E402
+from jpinfer.ffn import PredictorMaskFFN, ThresholdRowsFFN, evaluate, layer_capacities, mask_states  # noqa: E402
+from jpinfer.modes import build_engine  # noqa: E402
+from jpinfer.modes.engines import threshold_states  # noqa: E402
 from jpinfer.predictor.fit import retune  # noqa: E402
-from jpinfer.profiler import calibration, evaluate, sparsity, token_windows  # noqa: E402
+from jpinfer.profiler import calibration, sparsity, token_windows  # noqa: E402
 
 WINDOW = 512
-
-
-def parse_point(text: str) -> tuple[dict[str, float], str]:
-    """'a0.5+i0.3g' -> ({'activation': 0.5, 'input': 0.3}, 'greedy')."""
-    method = "greedy" if text.endswith("g") else "uniform"
-    targets = {}
-    for part in text.rstrip("g").split("+"):
-        targets[{"a": "activation", "i": "input"}[part[0]]] = float(part[1:])
-    return targets, method
 
 
 def main() -> None:
@@ -69,6 +65,7 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="markdown file (a .json with the rows is written beside it)")
     args = parser.parse_args()
 
+    load_before = load_average()
     dense = jpinfer.load()
     cfg = dense.cfg
     n_cal = args.calibration_windows
@@ -88,7 +85,7 @@ def main() -> None:
         th = sparsity.from_histograms(hists, targets, method, sensitivities)
         name = f"threshold {th.describe()}"
         engine = build_engine(dense.model, "threshold", thresholds=th)
-        ppl, sums = evaluate(dense, test, ThresholdSparseFFN(), threshold_states(dense.model, th), progress=True)
+        ppl, sums = evaluate(dense, test, ThresholdRowsFFN(), threshold_states(dense.model, th), progress=True)
         n = test.size * cfg.n_layers
         rows.append(dict(engine=name, point=text, ppl=ppl, ppl_ratio=ppl / dense_ppl,
                          inputs_skipped=1 - sum(s["inputs"] for s in sums) / (n * cfg.d_model),
@@ -102,8 +99,8 @@ def main() -> None:
     for point in predictor_points:
         recall, strong = (float(v) for v in point.split("/"))
         tuned = retune(dense, predictors, prof, recall, strong)
-        ks = layer_capacities(dense.model, "predicted", prof, tuned)
-        ppl, sums = evaluate(dense, test, PredictedMaskFFN(cfg, ks), mask_states(tuned.layers, prof.thresholds),
+        ks = layer_capacities(dense.cfg, "predicted", prof, tuned)
+        ppl, sums = evaluate(dense, test, PredictorMaskFFN(cfg, ks), mask_states(tuned.layers, prof.thresholds),
                              progress=True)
         computed = sum(layer["predicted"] for layer in sums) / (test.size * cfg.n_layers * cfg.d_ff)
         name = f"sparse (predictors {point})"
@@ -121,32 +118,21 @@ def main() -> None:
         row["bytes_ratio"] = (total_bytes - skipped) / total_bytes
 
     runners = {name: JaxEngine(name, engine) for name, engine in engines.items()}
-    tps, tokens, loads = {name: [] for name in runners}, {}, []
-    for r in range(args.rounds):
-        loads.append(os.getloadavg()[0])
-        for name, runner in runners.items():
-            steps, outs = [], []
-            for p in prompts:
-                stats = runner.run(p, args.new_tokens)
-                steps += stats.step_s
-                outs.append(stats.tokens)
-            tps[name].append(len(steps) / sum(steps))
-            tokens.setdefault(name, outs)
-        print(f"round {r + 1} (load {loads[-1]:.1f}): " + ", ".join(f"{n} {tps[n][-1]:.1f}" for n in runners),
-              flush=True)
-    speed = {name: statistics.median(v) for name, v in tps.items()}
-    ref = tokens["dense"]
+    measured, loads = speed_rounds(runners, prompts, args.new_tokens, args.rounds)
+    tps = {name: measured.values(name, decode_tok_s) for name in runners}
+    speed = {name: measured.median(name, decode_tok_s) for name in runners}
+    ref = [s.tokens for s in measured.results("dense")[0]]
     for row in rows:
-        pairs = [(a, b) for x, y in zip(ref, tokens[row["engine"]]) for a, b in zip(x, y)]
-        ratios = [a / b for a, b in zip(tps[row["engine"]], tps["dense"])]  # same-round ratios: load hits both alike
+        ratios = measured.ratios(row["engine"], "dense", decode_tok_s)  # same-round ratios: load hits both alike
         row.update(tok_s=speed[row["engine"]], speedup=statistics.median(ratios),
-                   speedup_range=[min(ratios), max(ratios)], agreement=sum(a == b for a, b in pairs) / max(len(pairs), 1))
+                   speedup_range=[min(ratios), max(ratios)],
+                   agreement=pooled_positions_agreement([s.tokens for s in measured.results(row["engine"])[0]], ref))
 
     lines = [
         "# Threshold mode (training-free) against dense and the predictor mode, default model",
         "",
-        f"{datetime.date.today()}, jax {jax.__version__}, {platform.processor() or platform.machine()}, "
-        f"{os.cpu_count()} CPUs, load average {min(loads):.1f}-{max(loads):.1f} during the speed rounds. Command: "
+        f"{machine_line(machine(load_before))} Load average {min(loads):.1f}-{max(loads):.1f} during the speed "
+        "rounds. Command: "
         f"`python bench/threshold.py --points {args.points} --test-windows {args.test_windows} --rounds "
         f"{args.rounds} --prompts {args.prompts} --new-tokens {args.new_tokens}`",
         "",
@@ -158,10 +144,12 @@ def main() -> None:
         f"embedding table), given the skipped fractions; 'bytes bound' is the speed-up over dense if a step took time "
         f"in proportion to them.",
         "",
-        "Decode 'x dense' is the median of the same-round ratios (their range beside it).",
+        "Decode 'x dense' is the median of the same-round ratios (their range beside it); the rounds interleave the "
+        f"engines, the order rotating. {AGREEMENT_MEANINGS[positions_agreement]} (dense's), over all the prompts' "
+        "tokens of the first round.",
         "",
         "| engine | perplexity | x dense | FFN inputs skipped | neurons skipped | weight bytes x dense | bytes bound "
-        "| decode tok/s | x dense | range | greedy agreement |",
+        f"| decode tok/s | x dense | range | {AGREEMENT_LABELS[positions_agreement]} |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
@@ -170,7 +158,8 @@ def main() -> None:
                      f"{row['tok_s']:.1f} | {row['speedup']:.2f} | {row['speedup_range'][0]:.2f}-"
                      f"{row['speedup_range'][1]:.2f} | {row['agreement']:.1%} |")
     publish("\n".join(lines) + "\n", args.out,
-            {"dense_ppl": dense_ppl, "dense_tok_s": speed["dense"], "rows": rows, "loads": loads, "tok_s_rounds": tps})
+            {"dense_ppl": dense_ppl, "dense_tok_s": speed["dense"], "rows": rows, "loads": loads, "tok_s_rounds": tps,
+             "greedy_agreement": "positions", "machine": machine(load_before)})
 
 
 if __name__ == "__main__":

@@ -24,13 +24,12 @@ one process, variants alternating in rounds (fastest call counts):
 from __future__ import annotations
 
 import argparse
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jpinfer.bench.timing import fastest
+from jpinfer.bench.protocol import fastest, machine, machine_line
 from jpinfer.models.transformer import linear
 
 PARTS = ("ffn", "fuse", "matvec", "head")
@@ -151,9 +150,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     rng = np.random.default_rng(args.seed)
-    one, five = os.getloadavg()[:2]
-    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}, {os.cpu_count()} cores, "
-          f"load average {one:.2f} (1 min), {five:.2f} (5 min)")
+    print(machine_line(machine()))
     if "ffn" in args.parts:
         ffn_part(args.d_model, args.d_ff, args.rounds, rng)
     if "fuse" in args.parts:

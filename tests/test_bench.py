@@ -10,9 +10,10 @@ import jpinfer
 from jpinfer.bench.accuracy import wikitext_windows
 from jpinfer.bench.prompts import sample_prompts
 from jpinfer.cli import main
-from jpinfer.config import ENGINE_MODES
-from jpinfer.pack import Pack, STAGES
-from jpinfer.profiler import evaluate
+from jpinfer.ffn import evaluate
+from jpinfer.modes import MODE_NAMES
+from jpinfer.pack import STAGES, Pack
+
 from gguf_fixtures import random_tensors, tiny_config, write_gguf
 
 ROUNDS, NEW, LENGTHS, LONG = 2, 5, (4, 16), 40
@@ -72,7 +73,7 @@ def test_bench_runs_every_mode_from_the_pack(env, tmp_path, capsys):
                  "2", "--no-peers", "--json", str(out_json), "--out", str(out_md), "--no-progress"]) == 0
     results = json.loads(out_json.read_text())
     names = [row["engine"] for row in results["engines"]]
-    assert names == [f"jpinfer {mode} float32" for mode in ENGINE_MODES]
+    assert names == [f"jpinfer {mode} float32" for mode in MODE_NAMES]
     lengths = [*LENGTHS, LONG]
     assert len(results["runs"]) == ROUNDS * len(lengths) * len(names)
     tokenizer = jpinfer.load_model(model).tokenizer
@@ -96,6 +97,9 @@ def test_bench_runs_every_mode_from_the_pack(env, tmp_path, capsys):
     assert {row["length"] for row in results["per_length"]} == set(lengths)
     text = out_md.read_text()
     assert "| engine | decode tok/s |" in text and "## Per prompt length" in text
+    # the agreement it reports is named, and the machine line comes from jpinfer.bench.protocol
+    assert "| greedy agreement (prefix) |" in text and results["protocol"]["greedy_agreement"] == "prefix"
+    assert "Machine: " in text and {"cpu", "cores", "load_before", "load_after"} <= set(results["machine"])
     assert text.strip() in capsys.readouterr().out
 
 

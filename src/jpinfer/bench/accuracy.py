@@ -9,16 +9,22 @@ model runs the dense model's weights in float32 and is not scored again.
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
 
 import numpy as np
 
 from jpinfer.bench.engines import JaxEngine
-from jpinfer.bench.llama_cpp import LlamaCppEngine, perplexity as llama_cpp_perplexity
+from jpinfer.bench.llama_cpp import LlamaCppEngine
+from jpinfer.bench.llama_cpp import perplexity as llama_cpp_perplexity
+from jpinfer.cache import cache_dir
 from jpinfer.data import WIKITEXT2_TEST
+from jpinfer.errors import ArtifactError
+from jpinfer.ffn import evaluate
 from jpinfer.models.loading import LoadedModel
 from jpinfer.modes.evaluation import decode_equivalent
-from jpinfer.profiler import evaluate, token_windows
+from jpinfer.predictor import Predictors, train_predictors
+from jpinfer.profiler import ActivationProfile, profile, token_windows
 
 WINDOW = 512  # tokens per perplexity window (fewer when the model's context is shorter)
 
@@ -63,3 +69,47 @@ def _per_token_and_layer(aux: Any, key: str, windows: np.ndarray) -> float | Non
     if not _has(aux, key):
         return None
     return float(sum(layer[key] for layer in aux) / (len(aux) * windows.size))
+
+
+# ----- operating points the scripts share
+
+
+def cached_profile(engine: Any, n_samples: int) -> ActivationProfile:
+    """The model's activation profile with ``n_samples`` predictor samples per layer, profiled once
+    and cached under $JPINFER_CACHE/bench (profiled again when the cached one is unreadable)."""
+    path = cache_dir("bench") / f"predictors-profile-{n_samples}.npz"
+    if path.is_file():
+        try:
+            prof = ActivationProfile.load(path, engine)
+            prof.samples()
+            return prof
+        except ArtifactError as e:  # an older format, or samples deleted or damaged: profile again
+            print(f"profiling again: {e}")
+    prof = profile(engine, n_samples=n_samples)
+    prof.save(path)
+    return prof
+
+
+def trained(engine: Any, prof: ActivationProfile, name: str, reuse: bool, **kwargs: Any) -> tuple[Predictors, float]:
+    """Predictors trained on ``prof`` (``train_predictors`` with ``kwargs``) and the training seconds;
+    saved under $JPINFER_CACHE/bench/predictors-``name``, loaded from there with ``reuse``."""
+    path = cache_dir("bench") / f"predictors-{name}"
+    if reuse and path.is_dir():
+        loaded = Predictors.load(path, engine, prof)
+        return loaded, loaded.meta["seconds"]
+    t = time.perf_counter()
+    predictors = train_predictors(engine, prof, **kwargs)
+    seconds = time.perf_counter() - t
+    predictors.meta["seconds"] = seconds
+    predictors.save(path)
+    return predictors, seconds
+
+
+def parse_point(text: str) -> tuple[dict[str, float], str]:
+    """A threshold operating point: 'a0.5+i0.3g' -> ({'activation': 0.5, 'input': 0.3}, 'greedy')
+    (a: activation sparsity, i: input sparsity; a trailing g: the greedy per-layer method, else uniform)."""
+    method = "greedy" if text.endswith("g") else "uniform"
+    targets = {}
+    for part in text.rstrip("g").split("+"):
+        targets[{"a": "activation", "i": "input"}[part[0]]] = float(part[1:])
+    return targets, method

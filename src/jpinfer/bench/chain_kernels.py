@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import time
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jpinfer.bench.timing import fastest
+from jpinfer.bench.protocol import fastest
 from jpinfer.config import ModelConfig
 from jpinfer.models import params, transformer
 from jpinfer.sparse import NeuronFFN, sparse_ffn
@@ -35,12 +34,7 @@ def copy_bandwidth(device: Any, n_bytes: int = 1 << 30, repeats: int = 5) -> flo
     """Bytes/s read plus written by an elementwise op over a large float32 array on ``device``."""
     a = jax.device_put(jnp.zeros((n_bytes // 4,), jnp.float32), device)
     f = jax.jit(lambda a: a + 1.0)
-    jax.block_until_ready(f(a))
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(a))
-        best = min(best, time.perf_counter() - t0)
+    (best,) = fastest([lambda: f(a)], rounds=repeats, per_round=1)
     return 2 * n_bytes / best
 
 
@@ -125,8 +119,8 @@ def chain_rows(chain: Chain, sparsities, tokens: int, rounds: int, bandwidth: fl
                 row.update(error=f"{type(err).__name__}: {str(err).splitlines()[0][:200]}")
                 log(f"s={s} {name}: FAILED {row['error']}")
             else:
-                row.update(ms=t * 1e3, speedup=t_dense / t, efficiency=t_dense / t * (1 - s), gbs=listed_bytes / t / 1e9,
-                           copy_share=listed_bytes / t / bandwidth)
+                row.update(ms=t * 1e3, speedup=t_dense / t, efficiency=t_dense / t * (1 - s),
+                           gbs=listed_bytes / t / 1e9, copy_share=listed_bytes / t / bandwidth)
                 log(f"s={s} {name}: {t * 1e3:.3f} ms, efficiency {row['efficiency']:.2f}")
             out.append(row)
     return out

@@ -6,16 +6,16 @@ llama.cpp (extra ``peers``) on a float32 GGUF of the same weights and on the ori
 transformers' PyTorch eager model. Protocol (PowerInfer, Song et al., 2023): prompts of 8, 64
 and 128 tokens sampled with a seed from the ChatGPT prompts and Alpaca (``prompts``), 128 greedy
 output tokens, batch 1, plus one long prompt. Each round draws new prompts and runs every engine
-on each (interleaved, the engine order rotating), so machine load hits all alike; ratios to
-dense are medians of same-round ratios. An engine compiles (or loads its compiled programs)
-before its first run of each prompt length, untimed. Accuracy: WikiText-2 test perplexity of what each engine
-decodes with (``accuracy``), greedy agreement with dense, neurons computed and clipped.
+on each (``protocol.interleaved_rounds``: the engine order rotating), so machine load hits all
+alike; ratios to dense are medians of same-round ratios. Every engine compiles (or loads its
+compiled programs) for each prompt length before the first round, untimed. Accuracy: WikiText-2
+test perplexity of what each engine decodes with (``accuracy``), greedy agreement with dense
+(``protocol.prefix_agreement``), neurons computed and clipped.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import pathlib
@@ -26,10 +26,19 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from jpinfer.bench.protocol import (
+    AGREEMENT_LABELS,
+    AGREEMENT_MEANINGS,
+    interleaved_rounds,
+    load_average,
+    machine,
+    machine_line,
+    prefix_agreement,
+)
 from jpinfer.bench.results import format_cell, markdown_table
 from jpinfer.cli_args import add_mode_arguments, mode_options, prepare_devices
-from jpinfer.config import ENGINE_MODES, WEIGHT_FORMATS
-from jpinfer.modes.arguments import INT8_MODES
+from jpinfer.config import WEIGHT_FORMATS
+from jpinfer.modes import INT8_MODES, MODE_NAMES, REFERENCE_MODE, ModeInputs, get_mode
 
 PEERS = ("llama.cpp", "transformers")
 LENGTHS = (8, 64, 128)
@@ -45,11 +54,6 @@ def _rss_mb() -> float:
         return _peak_rss_mb()
 
 
-def _load_average() -> str:
-    one, five, _ = os.getloadavg()
-    return f"{one:.2f} (1 min) {five:.2f} (5 min) on {os.cpu_count()} cores"
-
-
 def _pack(args: argparse.Namespace, modes: list[str]) -> Any:
     """The pack the sparse modes read (a ``pack.Pack``, or None when they need none or were given their
     predictors and profile): --pack, or for the default model its pack (built on first use)."""
@@ -57,12 +61,12 @@ def _pack(args: argparse.Namespace, modes: list[str]) -> Any:
 
     if args.pack is not None:
         return Pack.load(args.pack)
-    if set(modes) <= {"dense"} or args.predictors or args.profile or args.model is not None:
+    if not any(get_mode(mode).uses_pack for mode in modes) or args.predictors or args.profile or args.model is not None:
         return None
-    import jpinfer
+    from jpinfer.models.loading import load_model
 
     print("the sparse modes read the default model's pack (built once into the cache, reused after)", file=sys.stderr)
-    return default_pack(jpinfer.load_model(None, dtype=args.dtypes[0]))
+    return default_pack(load_model(None, dtype=args.dtypes[0]))
 
 
 def _activity_thresholds(args: argparse.Namespace, pack: Any) -> np.ndarray | None:
@@ -78,7 +82,7 @@ def _activity_thresholds(args: argparse.Namespace, pack: Any) -> np.ndarray | No
 
 def _engines(args: argparse.Namespace, modes: list[str], pack: Any) -> list[tuple[Any, float]]:
     """(engine, resident MB it added) for the jpinfer engines, then the peers asked for and installed."""
-    import jpinfer
+    from jpinfer.api import load
     from jpinfer.bench.engines import JaxEngine, TransformersEager
     from jpinfer.bench.llama_cpp import INSTALL_MESSAGE, LlamaCppEngine, float32_gguf
 
@@ -93,11 +97,11 @@ def _engines(args: argparse.Namespace, modes: list[str], pack: Any) -> list[tupl
     for mode in modes:
         for dtype in args.dtypes:
             for weights in args.weights:
-                if weights == "int8" and mode not in INT8_MODES:
+                if weights == "int8" and not get_mode(mode).int8:
                     continue  # no int8 form (run refuses a mode left with no engine at all)
                 label = f"jpinfer {mode} {dtype}" + (" int8 weights" if weights == "int8" else "")
                 print(f"loading {label} ...", file=sys.stderr)
-                add(lambda: JaxEngine(label, jpinfer.load(args.model, dtype=dtype, mode=mode, weights=weights,
+                add(lambda: JaxEngine(label, load(args.model, dtype=dtype, mode=mode, weights=weights,
                                                           **options)))
     source = pathlib.Path(out[0][0].engine.source)
     if "llama.cpp" in args.peers:
@@ -116,7 +120,8 @@ def _engines(args: argparse.Namespace, modes: list[str], pack: Any) -> list[tupl
         if TransformersEager.available():
             add(lambda: TransformersEager(str(source)))
         else:
-            print("skipping transformers eager: PyTorch is not installed (pip install 'jpinfer[bench]')", file=sys.stderr)
+            print("skipping transformers eager: PyTorch is not installed (pip install 'jpinfer[bench]')",
+                  file=sys.stderr)
     return out
 
 
@@ -127,25 +132,33 @@ def bench(args: argparse.Namespace) -> dict:
 
     modes = args.modes
     pack = _pack(args, modes)
-    load_before = _load_average()
+    load_before = load_average()
     loaded = _engines(args, modes, pack)
     engines = [engine for engine, _ in loaded]
     first = engines[0].engine
     lengths = list(args.lengths) + ([args.long_prompt] if args.long_prompt else [])
     prompts = sample_prompts(first.tokenizer, lengths, args.rounds, args.seed)
-    runs = {e: {n: [] for n in lengths} for e in range(len(engines))}  # engine -> length -> RunStats per round
     total = args.rounds * len(lengths) * len(engines)
     with tqdm(total=total, desc="benchmarking", unit="run", disable=not args.progress) as bar:
-        for r in range(args.rounds):
-            for length in lengths:
-                for k in range(len(engines)):
-                    e = (k + r) % len(engines)  # rotate who goes first
-                    if r == 0:  # compile (or load compiled programs) before the first timed run of this shape
-                        bar.set_postfix_str(f"compiling {engines[e].name} for {length} tokens")
-                        engines[e].warm(length, args.max_new_tokens)
-                    bar.set_postfix_str(f"round {r + 1}, {length} tokens, {engines[e].name}")
-                    runs[e][length].append(engines[e].run(prompts[length][r], args.max_new_tokens))
-                    bar.update()
+
+        def run(engine: Any) -> Any:  # one round of an engine: every prompt length once, this round's prompts
+            def call(r: int) -> dict[int, Any]:
+                bar.set_postfix_str(f"round {r + 1}, {engine.name}")
+                return {n: engine.run(prompts[n][r], args.max_new_tokens) for n in lengths}
+            return call
+
+        def warm(engine: Any) -> Any:  # compile (or load compiled programs) for every prompt length, untimed
+            def call() -> None:
+                for n in lengths:
+                    bar.set_postfix_str(f"compiling {engine.name} for {n} tokens")
+                    engine.warm(n, args.max_new_tokens)
+            return call
+
+        measured = interleaved_rounds({str(e): run(engine) for e, engine in enumerate(engines)}, args.rounds,
+                                      warm={str(e): warm(engine) for e, engine in enumerate(engines)},
+                                      after_run=lambda r, name, done: bar.update(len(lengths)))
+    runs = {e: {n: [res[n] for res in measured.results(str(e))] for n in lengths}  # engine -> length -> per round
+            for e in range(len(engines))}
 
     scores = [None] * len(engines)
     window = min(accuracy.WINDOW, first.cfg.max_position)
@@ -155,7 +168,8 @@ def bench(args: argparse.Namespace) -> dict:
         activity = _activity_thresholds(args, pack)
         for e, engine in enumerate(tqdm(engines, desc="perplexity", unit="engine", disable=not args.progress)):
             scores[e] = accuracy.score(engine, dense, windows, activity, args.threads)
-    return _results(args, engines, [mb for _, mb in loaded], runs, lengths, scores, pack, load_before, window)
+    return _results(args, engines, [mb for _, mb in loaded], runs, lengths, scores, pack, load_before, window,
+                    measured)
 
 
 def _dense_model(engines: list, args: argparse.Namespace) -> Any:
@@ -164,24 +178,28 @@ def _dense_model(engines: list, args: argparse.Namespace) -> Any:
     from jpinfer.models import int8
 
     for engine in engines:
-        if isinstance(engine, JaxEngine) and engine.engine.stepper.name == "dense" and not int8.is_int8(
+        if isinstance(engine, JaxEngine) and engine.engine.stepper.name == REFERENCE_MODE and not int8.is_int8(
                 engine.engine.weights):
             return engine.engine.model
-    import jpinfer
+    from jpinfer.models.loading import load_model
 
-    return jpinfer.load_model(args.model, dtype=args.dtypes[0])
-
-
-def _round_rate(stats: list, tokens, seconds) -> float:
-    return sum(tokens(s) for s in stats) / sum(seconds(s) for s in stats)
+    return load_model(args.model, dtype=args.dtypes[0])
 
 
-def _results(args, engines, resident_mb, runs, lengths, scores, pack, load_before, window) -> dict:
+def _decode_rate(lengths: list[int]) -> Any:
+    """A round's decode tok/s over the prompts of ``lengths`` (all its decode steps over their time)."""
+    return lambda res: sum(len(res[n].step_s) for n in lengths) / sum(sum(res[n].step_s) for n in lengths)
+
+
+def _e2e_rate(lengths: list[int]) -> Any:
+    """A round's end-to-end tok/s over the prompts of ``lengths`` (tokens out over prefill and decode time)."""
+    return lambda res: sum(len(res[n].tokens) for n in lengths) / sum(res[n].total_s for n in lengths)
+
+
+def _results(args, engines, resident_mb, runs, lengths, scores, pack, load_before, window, measured) -> dict:
     rounds = range(args.rounds)
-    decode = lambda e, r, ls=lengths: _round_rate([runs[e][n][r] for n in ls], lambda s: len(s.step_s),
-                                                  lambda s: sum(s.step_s))
-    e2e = lambda e, r, ls=lengths: _round_rate([runs[e][n][r] for n in ls], lambda s: len(s.tokens),
-                                               lambda s: s.total_s)
+    decode, e2e = _decode_rate(lengths), _e2e_rate(lengths)
+    ref = "0"  # the first engine: dense
     reference = {n: [runs[0][n][r].tokens for r in rounds] for n in lengths}
     summary = []
     for e, engine in enumerate(engines):
@@ -191,30 +209,31 @@ def _results(args, engines, resident_mb, runs, lengths, scores, pack, load_befor
         summary.append(dict(
             engine=engine.name,
             prefill_tok_s=sum(s.n_prompt for s in every) / sum(s.prefill_s for s in every),
-            decode_tok_s=float(np.median([decode(e, r) for r in rounds])),
-            e2e_tok_s=float(np.median([e2e(e, r) for r in rounds])),
-            decode_vs_dense=float(np.median([decode(e, r) / decode(0, r) for r in rounds])),
-            e2e_vs_dense=float(np.median([e2e(e, r) / e2e(0, r) for r in rounds])),
+            decode_tok_s=float(measured.median(str(e), decode)),
+            e2e_tok_s=float(measured.median(str(e), e2e)),
+            decode_vs_dense=float(measured.median_ratio(str(e), ref, decode)),
+            e2e_vs_dense=float(measured.median_ratio(str(e), ref, e2e)),
             p50_ms=1e3 * float(np.percentile(steps, 50)), p99_ms=1e3 * float(np.percentile(steps, 99)),
             resident_mb=resident_mb[e],
             perplexity=None if acc is None else acc.perplexity,
             neurons=None if acc is None else acc.neurons, clipped=None if acc is None else acc.clipped,
             clipped_active=None if acc is None else acc.clipped_active,
-            greedy_agreement=float(np.mean([_prefix_agreement(runs[e][n][r].tokens, reference[n][r])
+            greedy_agreement=float(np.mean([prefix_agreement(runs[e][n][r].tokens, reference[n][r])
                                             for n in lengths for r in rounds])),
         ))
+    m = machine(load_before) | {"peak_rss_mb": _peak_rss_mb()}
     dense_ppl = summary[0]["perplexity"]
     for row in summary:
         row["ppl_vs_dense"] = row["perplexity"] / dense_ppl if row["perplexity"] and dense_ppl else None
     per_length = [dict(engine=engine.name, length=n,
                        prefill_tok_s=n * len(rounds) / sum(s.prefill_s for s in runs[e][n]),
                        ttft_ms=1e3 * float(np.median([s.prefill_s for s in runs[e][n]])),
-                       decode_tok_s=float(np.median([decode(e, r, [n]) for r in rounds])),
-                       e2e_tok_s=float(np.median([e2e(e, r, [n]) for r in rounds])),
-                       decode_vs_dense=float(np.median([decode(e, r, [n]) / decode(0, r, [n]) for r in rounds])))
+                       decode_tok_s=float(measured.median(str(e), _decode_rate([n]))),
+                       e2e_tok_s=float(measured.median(str(e), _e2e_rate([n]))),
+                       decode_vs_dense=float(measured.median_ratio(str(e), ref, _decode_rate([n]))))
                   for n in lengths for e, engine in enumerate(engines)]
     return {
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "date": m["date"],
         "command": "jpinfer bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]),
         "model": args.model or "default (SmolLM2-135M-Instruct)",
         "pack": None if pack is None else {
@@ -222,9 +241,8 @@ def _results(args, engines, resident_mb, runs, lengths, scores, pack, load_befor
             "stage_seconds": {stage: entry["seconds"] for stage, entry in pack.manifest["stages"].items()}},
         "protocol": {"lengths": list(args.lengths), "long_prompt": args.long_prompt, "rounds": args.rounds,
                      "max_new_tokens": args.max_new_tokens, "seed": args.seed, "ppl_windows": args.ppl_windows,
-                     "ppl_window_tokens": window},
-        "machine": {"jax": jax.__version__, "platform": jax.devices()[0].platform, "cpus": os.cpu_count(),
-                    "load_before": load_before, "load_after": _load_average(), "peak_rss_mb": _peak_rss_mb()},
+                     "ppl_window_tokens": window, "greedy_agreement": "prefix"},
+        "machine": m,
         "engines": summary,
         "per_length": per_length,
         "runs": [{"engine": engines[e].name, "length": n, "round": r, "n_prompt": s.n_prompt, "tokens": s.tokens,
@@ -239,13 +257,6 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _prefix_agreement(a: list[int], b: list[int]) -> float:
-    """Fraction of greedy tokens equal to the reference before the first divergence."""
-    n = min(len(a), len(b))
-    same = next((i for i in range(n) if a[i] != b[i]), n)
-    return same / max(n, 1)
-
-
 def _markdown(rows: list[dict], cols: list[tuple[str, str, str]]) -> str:
     """Rows as a markdown table of columns (title, key, format spec)."""
     return "\n".join(markdown_table([title for title, _, _ in cols],
@@ -258,14 +269,13 @@ def report(results: dict) -> str:
     lengths = ", ".join(str(n) for n in p["lengths"]) + (f" and {p['long_prompt']}" if p["long_prompt"] else "")
     head = [
         f"# jpinfer bench: {results['model']}", "",
-        f"Command: `{results['command']}` ({results['date']}; jax {m['jax']} on {m['platform']}, {m['cpus']} CPUs; "
-        f"load average before {m['load_before']}, after {m['load_after']}).",
+        f"Command: `{results['command']}` ({results['date']}).", machine_line(m),
         f"Protocol: prompts of {lengths} tokens (ChatGPT prompts and Alpaca instructions, seed {p['seed']}), "
         f"{p['max_new_tokens']} greedy output tokens, batch 1, {p['rounds']} interleaved rounds; decode and end-to-end "
         "tok/s: median over rounds; x dense: median of same-round ratios; p50/p99: per decode step.",
         f"Accuracy: WikiText-2 test perplexity over {p['ppl_windows']} windows of {p['ppl_window_tokens']} tokens of "
         "what each engine decodes with; neurons / clipped: per token and layer (clipped active: of those, truly "
-        "active); greedy agreement: share of output tokens equal to dense's before the first difference.",
+        f"active); {AGREEMENT_MEANINGS[prefix_agreement]} (dense's), mean over the prompts.",
         f"Pack: {results['pack']['path'] if results['pack'] else 'none'}. Resident MB: memory the process gained "
         f"loading the engine; process peak {m['peak_rss_mb']:.0f} MB.", "",
     ]
@@ -274,7 +284,8 @@ def report(results: dict) -> str:
         ("end-to-end tok/s", "e2e_tok_s", ".1f"), ("x dense", "e2e_vs_dense", ".2f"),
         ("prefill tok/s", "prefill_tok_s", ".0f"), ("p50 ms", "p50_ms", ".2f"), ("p99 ms", "p99_ms", ".2f"),
         ("perplexity", "perplexity", ".2f"), ("x dense", "ppl_vs_dense", ".3f"),
-        ("greedy agree", "greedy_agreement", ".2f"), ("neurons", "neurons", ".0f"), ("clipped", "clipped", ".1f"),
+        (AGREEMENT_LABELS[prefix_agreement], "greedy_agreement", ".2f"), ("neurons", "neurons", ".0f"),
+        ("clipped", "clipped", ".1f"),
         ("clipped active", "clipped_active", ".1f"), ("resident MB", "resident_mb", ".0f"),
     ])
     by_length = _markdown(results["per_length"], [
@@ -316,11 +327,9 @@ def add_arguments(parser: argparse.ArgumentParser, command: str = "bench") -> No
 
 
 def run(args: argparse.Namespace) -> int:
-    from jpinfer.modes import check_mode_arguments
-
     if args.modes is None:  # every mode when a pack is at hand (the default model's is built if missing)
-        args.modes = list(ENGINE_MODES) if args.model is None or args.pack else ["dense"]
-        if args.modes == ["dense"]:
+        args.modes = list(MODE_NAMES) if args.model is None or args.pack else [REFERENCE_MODE]
+        if args.modes == [REFERENCE_MODE]:
             print("running dense only: give --pack DIR (jpinfer prepare --model ...) to add sparse, hybrid and "
                   "threshold", file=sys.stderr)
     for name in ("rounds", "max_new_tokens", "threads"):
@@ -328,17 +337,18 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.long_prompt < 0 or args.ppl_windows < 0 or min(args.lengths) < 1:
         raise ValueError("--lengths must be >= 1 and --long-prompt, --ppl-windows >= 0")
-    if args.modes[0] != "dense":
-        raise ValueError("--modes must start with dense: every ratio and agreement is taken against it")
+    if args.modes[0] != REFERENCE_MODE:
+        raise ValueError(f"--modes must start with {REFERENCE_MODE}: every ratio and agreement is taken against it")
     for mode in args.modes:
-        if mode not in INT8_MODES and "float" not in args.weights:
+        if not get_mode(mode).int8 and "float" not in args.weights:
             raise ValueError(f"int8 weights run in the modes {' and '.join(INT8_MODES)}; mode {mode!r} needs float "
                              "weights (--weights float int8 runs both where both exist)")
     uses_pack = args.pack is not None or args.model is None
     for mode in args.modes:  # before any model loads
-        if mode != "dense" and not uses_pack:
-            check_mode_arguments(mode, args.predictors, args.profile, args.gpu_budget, None,
-                                 mode_options(args)["thresholds"], "float")
+        thresholds = mode_options(args)["thresholds"]
+        chosen = get_mode(mode, thresholds=thresholds)
+        if chosen.uses_pack and not uses_pack:
+            chosen.check(ModeInputs(args.predictors, args.profile, None, args.gpu_budget, thresholds))
     prepare_devices(args.modes)
     if args.dtypes is None:
         args.dtypes = ["float32"] if jax.devices()[0].platform == "cpu" else ["float32", "bfloat16"]

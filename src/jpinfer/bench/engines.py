@@ -9,8 +9,9 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import time
-from typing import Protocol
+from typing import Callable, Mapping, Protocol
 
+from jpinfer.bench.protocol import Rounds, interleaved_rounds, load_average
 from jpinfer.runtime.engine import Engine, GenerationConfig
 
 
@@ -108,3 +109,56 @@ class TransformersEager:
         tokens = out[0, len(prompt_ids) :].tolist()
         assert tokens[0] == first[0, -1].item()
         return RunStats(len(prompt_ids), tokens, prefill_s, [per_step] * (n_new - 1))
+
+
+# ----- one engine over a list of prompts: what a round of the scripts' speed protocol runs
+
+
+def run_prompts(engine: BenchEngine, prompts: list[list[int]], max_new_tokens: int) -> list[RunStats]:
+    """Every prompt once, in order (one engine's turn in a round of ``protocol.interleaved_rounds``)."""
+    return [engine.run(p, max_new_tokens) for p in prompts]
+
+
+def warm_prompts(engine: BenchEngine, prompts: list[list[int]], max_new_tokens: int) -> Callable[[], None]:
+    """The untimed warm-up for ``run_prompts``: ``warm`` once per distinct prompt length."""
+    def warm() -> None:
+        for n in sorted({len(p) for p in prompts}):
+            engine.warm(n, max_new_tokens)
+    return warm
+
+
+def decode_tok_s(stats: list[RunStats]) -> float:
+    """Decode tokens per second over the runs: all their decode steps over the steps' time."""
+    return sum(len(s.step_s) for s in stats) / sum(sum(s.step_s) for s in stats)
+
+
+def e2e_tok_s(stats: list[RunStats]) -> float:
+    """End-to-end tokens per second: tokens out over prefill and decode time."""
+    return sum(len(s.tokens) for s in stats) / sum(s.total_s for s in stats)
+
+
+def prefill_tok_s(stats: list[RunStats]) -> float:
+    """Prompt tokens per second of the prefills."""
+    return sum(s.n_prompt for s in stats) / sum(s.prefill_s for s in stats)
+
+
+def speed_rounds(engines: Mapping[str, BenchEngine], prompts: list[list[int]], max_new_tokens: int,
+                 rounds: int) -> tuple[Rounds[list[RunStats]], list[float]]:
+    """The scripts' speed protocol: ``protocol.interleaved_rounds`` of ``run_prompts`` over the
+    engines (each warmed for the prompts' lengths first, untimed), printing each round's decode
+    tok/s; returns the rounds and the 1-minute load average at the start of each round."""
+    loads: list[float] = []
+
+    def start(r: int, so_far: Rounds) -> bool:
+        loads.append((load_average() or [float("nan")])[0])
+        return True
+
+    def report(r: int, so_far: Rounds) -> None:
+        print(f"round {r + 1} (load {loads[-1]:.1f}): " + ", ".join(
+            f"{name} {decode_tok_s(run.result):.1f}" for name, run in so_far.rounds[r].items()), flush=True)
+
+    measured = interleaved_rounds(
+        {name: (lambda r, e=engine: run_prompts(e, prompts, max_new_tokens)) for name, engine in engines.items()},
+        rounds, warm={name: warm_prompts(engine, prompts, max_new_tokens) for name, engine in engines.items()},
+        before_round=start, after_round=report)
+    return measured, loads

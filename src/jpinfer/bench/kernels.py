@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jpinfer.activations import activate
-from jpinfer.bench.timing import fastest
+from jpinfer.bench.protocol import fastest, load_average, machine, machine_line
 from jpinfer.config import ModelConfig
 from jpinfer.models import params, transformer
 from jpinfer.sparse import neurons
@@ -132,7 +131,8 @@ def bench_shape(
     rows = []
     for s in sparsities:
         k = int(round(shape.d_ff * (1 - s)))
-        lists = [jnp.asarray(rng.permutation(shape.d_ff)[:k].astype(np.int32)) for _ in range(N_LISTS)]  # random order, as top-k gives
+        # random order, as top-k gives
+        lists = [jnp.asarray(rng.permutation(shape.d_ff)[:k].astype(np.int32)) for _ in range(N_LISTS)]
         op = jax.jit(lambda ffn, x, ids: sparse_ffn(ffn, x, ids, k, backend=backend))
         n_sets = max(copies, N_LISTS)
         sparse = _cycle(op, [(ffns[i % copies], x, lists[i % N_LISTS]) for i in range(n_sets)])
@@ -199,11 +199,6 @@ def primitive_rates(shape: Shape, s: float, rounds: int, seed: int, huge_pages: 
     return out
 
 
-def _load() -> str:
-    one, five, _ = os.getloadavg()
-    return f"load average {one:.2f} (1 min), {five:.2f} (5 min) on {os.cpu_count()} cores"
-
-
 def add_arguments(ap: argparse.ArgumentParser, command: str = "bench-kernels") -> None:
     ap.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=["7b", "smollm2"])
     ap.add_argument("--sparsity", nargs="+", type=float, default=list(SPARSITIES))
@@ -223,19 +218,18 @@ def add_arguments(ap: argparse.ArgumentParser, command: str = "bench-kernels") -
 
 def run_chain(args: argparse.Namespace) -> int:
     """The accelerator table: see ``chain_kernels``."""
-    import datetime
     import sys
 
     from jpinfer.bench import chain_kernels
     from jpinfer.bench.results import publish
 
+    load_before = load_average()
     device = jax.devices()[0]
     interpret = device.platform == "cpu"
     if args.layers < 1 or min(args.tokens) < 1:
         raise ValueError(f"--layers and --tokens must be >= 1, got {args.layers} and {args.tokens}")
     bandwidth = chain_kernels.copy_bandwidth(device)
     lines = [f"# Sparse FFN kernels on {device.device_kind} ({device.platform})", "",
-             f"- date: {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}; jax {jax.__version__}",
              f"- command: `{' '.join(['jpinfer bench-kernels', *sys.argv[2:]])}`" if sys.argv[1:2] == ["bench-kernels"]
              else f"- command: `{' '.join(sys.argv)}`",
              f"- {args.layers} layers chained in one jit, {args.dtype}, random weights and random lists per layer; "
@@ -254,6 +248,7 @@ def run_chain(args: argparse.Namespace) -> int:
         del chain
     lines.append("effic. = speedup over dense x (1 - s); GB/s = weight bytes the op must read / time; copy = that "
                  "rate / copy bandwidth; `pallas rows` is the first kernel, `pallas split` the one `sparse_ffn` runs.")
+    lines[2:2] = [f"- {machine_line(machine(load_before))}"]  # after the run: the load average after it
     publish("\n".join(lines), args.out, dict(device=device.device_kind, jax=jax.__version__, layers=args.layers,
                                              dtype=args.dtype, copy_bandwidth=bandwidth, tables=data))
     return 0
@@ -267,8 +262,8 @@ def run(args: argparse.Namespace) -> int:
         return run_chain(args)
 
     pages = "huge pages" if args.huge_pages else "4 KiB pages"
-    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; backend={args.backend}; weights in {pages}; "
-          f"before: {_load()}")
+    load_before = load_average()
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; backend={args.backend}; weights in {pages}")
     from jpinfer.bench.machine import matvec_read_bandwidth
 
     bandwidth = matvec_read_bandwidth()
@@ -294,5 +289,5 @@ def run(args: argparse.Namespace) -> int:
         print(f"\nwhere the sparse op's time goes (7B layer, s=0.9, chunks of {DEFAULT_CHUNK}, cold caches, fastest):")
         for name, ms, n_bytes in primitive_rates(SHAPES["7b"], 0.9, args.rounds, args.seed, args.huge_pages):
             print(f"  {name:<54} {ms:>7.2f} ms  {n_bytes / 1e6:>6.1f} MB  {n_bytes / ms / 1e6:>5.1f} GB/s")
-    print(f"after: {_load()}")
+    print(machine_line(machine(load_before)))
     return 0

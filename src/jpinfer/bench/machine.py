@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import time
-
 import jax
 import jax.numpy as jnp
+
+from jpinfer.bench.protocol import fastest
 
 
 def matvec_read_bandwidth(n_bytes: int = 512 << 20, repeats: int = 5) -> float:
@@ -18,11 +18,5 @@ def matvec_read_bandwidth(n_bytes: int = 512 << 20, repeats: int = 5) -> float:
     w = jnp.ones((rows, cols), jnp.float32)
     x = jnp.ones((cols,), jnp.float32)
     f = jax.jit(lambda w, x: w @ x)
-    f(w, x).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        f(w, x).block_until_ready()
-        best = min(best, time.perf_counter() - t0)
-    del w
+    (best,) = fastest([lambda: f(w, x)], rounds=repeats, per_round=1)
     return rows * cols * 4 / best

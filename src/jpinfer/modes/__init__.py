@@ -13,10 +13,10 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from jpinfer.models.loading import LoadedModel
-from jpinfer.modes.catalog import INT8_MODES, MODE_NAMES, MODES, Mode, ModeInputs, get_mode
+from jpinfer.modes.catalog import INT8_MODES, MODE_NAMES, MODES, REFERENCE_MODE, Mode, ModeInputs, get_mode
 from jpinfer.runtime.engine import Engine
 
-__all__ = ["INT8_MODES", "MODE_NAMES", "MODES", "Mode", "ModeInputs", "build_engine", "get_mode"]
+__all__ = ["INT8_MODES", "MODE_NAMES", "MODES", "REFERENCE_MODE", "Mode", "ModeInputs", "build_engine", "get_mode"]
 
 
 def build_engine(

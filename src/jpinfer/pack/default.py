@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 
 from jpinfer.models.loading import ModelArg, resolve_model
-from jpinfer.pack.stages import prepare
 from jpinfer.pack.settings import PackSettings
+from jpinfer.pack.stages import prepare
 from jpinfer.pack.store import Pack
 
 
