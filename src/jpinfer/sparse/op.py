@@ -10,9 +10,10 @@ Backends, picked per lowering platform (``backend="auto"``, so a function jitted
 device on a GPU machine still gets the CPU kernel): on CUDA GPUs the Pallas kernel
 (``pallas_kernels.DEFAULT_KERNEL``) when this jax has the Triton lowering, else the XLA gather
 (``_gathered_ffn``: the listed rows taken at once, then products); on other accelerators the XLA
-gather; on the CPU the chunked XLA loop (``cpu_backend``). ``backend="pallas"`` forces the kernel
-(interpret mode on the CPU: tests); ``backend="xla"`` forces the platform's XLA form and
-``backend="gather"`` the XLA gather on any platform.
+gather; on the CPU the native fused kernel (``jpinfer.native``: float32 rows, the library loaded),
+else the chunked XLA loop (``cpu_backend``). ``backend="pallas"`` forces the kernel (interpret mode
+on the CPU: tests); ``backend="xla"`` forces the platform's XLA form (the chunked loop on the CPU)
+and ``backend="gather"`` the XLA gather on any platform.
 
 ``sparse_rows_product(matrix, x, ids, count)`` is the product x @ matrix over listed rows
 only: the input-sparse linear map of the threshold mode (``threshold_layout.py``).
@@ -28,6 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jpinfer.activations import activate
+from jpinfer.native import kernels as native_kernels
+from jpinfer.native import native_available
 from jpinfer.sparse.cpu_backend import sparse_ffn_chunked
 from jpinfer.sparse.cpu_backend import sparse_rows_product as sparse_rows_chunked
 from jpinfer.sparse.neurons import NeuronFFN
@@ -65,7 +68,8 @@ def sparse_ffn(
 
     x: (d,) for one token or (T, d) for tokens sharing the list. ids: (K,) integer
     row indices into ``ffn.rows``; valid ones must lie in [0, n) and not repeat
-    (they are clamped, not checked, on the device). Returns x's shape and dtype.
+    (not checked on the device: the XLA forms clamp an id outside, the native kernel skips
+    it). Returns x's shape and dtype.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -79,6 +83,7 @@ def sparse_ffn(
     else:
         args = (ffn.rows, ffn.b_up, x2, ids, count)
         loop = lambda *a: sparse_ffn_chunked(*a, kind=ffn.kind)
+        cpu = _native_ffn(ffn.kind) if native_serves(ffn.rows) else loop
         gather = lambda *a: _gathered_ffn(*a, kind=ffn.kind)
         kernel = lambda *a: KERNELS[DEFAULT_KERNEL](*a, kind=ffn.kind)
         if backend == "xla":
@@ -89,11 +94,23 @@ def sparse_ffn(
             interpreted = lambda *a: KERNELS[DEFAULT_KERNEL](*a, kind=ffn.kind, interpret=True)
             y = jax.lax.platform_dependent(*args, cpu=interpreted, default=kernel)
         else:
-            y = jax.lax.platform_dependent(*args, cpu=loop, cuda=kernel if triton_available() else gather,
+            y = jax.lax.platform_dependent(*args, cpu=cpu, cuda=kernel if triton_available() else gather,
                                            default=gather)
     if ffn.b_down is not None:
         y = y + ffn.b_down.astype(jnp.float32)
     return y.astype(x.dtype).reshape(x.shape)
+
+
+def native_serves(matrix: jax.Array) -> bool:
+    """Whether the native CPU kernels serve this matrix: float32 (they read float32 rows) and the
+    library loaded (``native.native_available``: else one warning said why, and XLA runs)."""
+    return matrix.dtype == jnp.float32 and native_available()
+
+
+def _native_ffn(kind: str):
+    """The native fused sparse FFN (``native.kernels.sparse_ffn``) in ``sparse_ffn_chunked``'s signature."""
+    return lambda rows, b_up, x, ids, count: native_kernels.sparse_ffn(rows, x, ids, count, kind=kind, b_up=b_up,
+                                                                       native=True)
 
 
 def _gathered_ffn(rows: jax.Array, b_up: jax.Array | None, x: jax.Array, ids: jax.Array, count: jax.Array, *,

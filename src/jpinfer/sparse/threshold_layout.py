@@ -30,6 +30,8 @@ from jpinfer.config import FfnKind
 from jpinfer.models import int8
 from jpinfer.models.int8 import Int8Matrix
 from jpinfer.models.params import Layer
+from jpinfer.native import kernels as native_kernels
+from jpinfer.native import native_available
 from jpinfer.sparse.op import RowsBackend, sparse_rows_product
 
 
@@ -107,7 +109,28 @@ def kept(values: jax.Array, threshold: jax.Array) -> tuple[jax.Array, jax.Array]
 
 def _project(matrix: jax.Array | Int8Matrix, x: jax.Array, input_major: bool, threshold: jax.Array,
              backend: RowsBackend) -> tuple[jax.Array, jax.Array]:
-    """(x (T, in) through ``matrix``, float32 (T, out); inputs kept per token (T,)).
+    """(x (T, in) through ``matrix``, float32 (T, out); inputs kept per token (T,)): ``_xla_project``, or
+    on the CPU (backend "auto", at most ``native_kernels.MAX_TOKENS`` tokens: decode) the native kernel
+    that keeps, compacts and reads the kept rows in one call (same kept entries, same integers in int8)."""
+    if not (input_major and backend == "auto" and x.shape[0] <= native_kernels.MAX_TOKENS and _native_form(matrix)):
+        return _xla_project(matrix, x, input_major, threshold, backend)
+    if isinstance(matrix, Int8Matrix):
+        native = lambda m, x, t: native_kernels.threshold_rows_product_int8(m.values, m.scales, x, t, native=True)
+    else:
+        native = lambda m, x, t: native_kernels.threshold_rows_product(m, x, t, native=True)
+    xla = lambda m, x, t: _xla_project(m, x, True, t, backend)
+    return jax.lax.platform_dependent(matrix, x, threshold, cpu=native, default=xla)
+
+
+def _native_form(matrix: jax.Array | Int8Matrix) -> bool:
+    """An input-major matrix the native threshold kernels read: float32, or int8 with one scale per column."""
+    readable = matrix.scale_axis == 1 if isinstance(matrix, Int8Matrix) else matrix.dtype == jnp.float32
+    return readable and native_available()
+
+
+def _xla_project(matrix: jax.Array | Int8Matrix, x: jax.Array, input_major: bool, threshold: jax.Array,
+                 backend: RowsBackend) -> tuple[jax.Array, jax.Array]:
+    """``_project`` in XLA ops.
 
     input_major: ``matrix`` is (in, out) and x's entries at most ``threshold`` are skipped;
     otherwise it is (out, in) and the product is dense. An int8 matrix (one scale per output): every

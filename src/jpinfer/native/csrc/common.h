@@ -1,0 +1,148 @@
+// Shared pieces of jpinfer's native CPU kernels (XLA FFI custom calls, see ../__init__.py).
+//
+// Threads: the kernels run on XLA's intra-op thread pool, handed to every handler through the FFI
+// context (`ffi::ThreadPool`), not on OpenMP. XLA:CPU already keeps one worker per core; an OpenMP
+// team would be a second set of threads that spin after each parallel region (GOMP_SPINCOUNT) while
+// XLA's workers run the next ops, oversubscribing the cores, and would add a libgomp dependency to the
+// wheel. The pool's threads are idle while a custom call runs (it is one op of the program), so the
+// calling thread plus (threads - 1) helpers split the work.
+// Measured (bench/native_kernels.py, 2-core EPYC, 2026-12-02, same ParallelFor with an OpenMP
+// `parallel for schedule(dynamic)` body, build flag -DJPN_OPENMP -fopenmp): the OpenMP build ran the 7B
+// sparse FFN within run-to-run noise of this one (0.71-0.82 vs 0.64-0.86 of XLA's W @ x rate), but
+// XLA's own dense FFN, run in between, slowed by up to 30% at the small shape while the OpenMP team
+// spun: the oversubscription above. So the pool stays; JPN_OPENMP is kept for re-measuring only.
+//
+// Determinism: every kernel cuts its work into a partition that depends on the shapes and the
+// count only, never on the number of threads; each piece writes its own output slice or partial sum,
+// and partial sums are added in piece order. Which thread runs which piece changes nothing, so the
+// results are bit-identical for any thread count (tests/test_native_kernels.py checks 1 vs all).
+//
+// Instruction set: AVX2 + FMA (+ F16C for float16 block scales) is the baseline (x86-64-v3); the
+// build uses -march=native by default or -march=x86-64-v3 with JPINFER_NATIVE_PORTABLE=1.
+// No -ffast-math: the float sums keep their written order, which the determinism relies on.
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+#ifdef JPN_OPENMP
+#include <omp.h>
+#endif
+
+#if !defined(__AVX2__) || !defined(__FMA__) || !defined(__F16C__)
+#error "jpinfer native kernels need AVX2, FMA and F16C (-march=x86-64-v3 or newer)"
+#endif
+
+namespace jpn {
+
+namespace ffi = xla::ffi;
+
+constexpr int kMaxTokens = 8;  // tokens per call (T); the Python wrappers check it
+
+// Upper bound on worker threads, 0 = the pool's size. Set through jpinfer_native_set_max_threads
+// (tests compare 1 thread with all of them).
+int MaxThreads();
+
+inline int64_t Clamp(int64_t v, int64_t lo, int64_t hi) { return v < lo ? lo : (v > hi ? hi : v); }
+inline int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+inline int64_t RoundUp(int64_t a, int64_t b) { return CeilDiv(a, b) * b; }
+
+// The list's count as the kernels use it: a scalar int32 buffer, clamped to [0, K].
+inline int64_t ListCount(const ffi::Buffer<ffi::S32>& count, int64_t k) {
+  return count.element_count() < 1 ? 0 : Clamp(count.typed_data()[0], 0, k);
+}
+
+// Horizontal sum of 8 float lanes in a fixed order ((0+4)+(2+6))+((1+5)+(3+7)).
+inline float HSum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+
+inline int32_t HSumI32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm_cvtsi128_si32(s);
+}
+
+// A per-thread scratch buffer reused across calls (no malloc/mmap and page faults per call).
+template <class T>
+T* Scratch(std::vector<T>& buf, size_t n) {
+  if (buf.size() < n) buf.resize(n);
+  return buf.data();
+}
+
+// Runs body(i) for every i in [0, n): the calling thread and up to (threads - 1) helpers scheduled
+// on XLA's pool claim indices from one atomic counter (dynamic balance, no fixed thread->piece map).
+// work_bytes: about how many bytes the whole loop reads; below kInlineBytes it runs on the caller
+// alone, as waking a helper costs a few microseconds.
+constexpr int64_t kInlineBytes = 96 * 1024;
+
+// Threads a ParallelFor may use: the pool's size (at least 1), capped by MaxThreads().
+inline int64_t Workers(ffi::ThreadPool& pool) {
+  int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int cap = MaxThreads();
+  return cap > 0 ? std::min<int64_t>(threads, cap) : threads;
+}
+
+template <class F>
+void ParallelFor(ffi::ThreadPool& pool, int64_t n, int64_t work_bytes, F&& body) {
+  if (n <= 0) return;
+#ifdef JPN_OPENMP  // measurement build only (bench/results/native_kernels.md): OpenMP instead of XLA's pool
+  {
+    const int cap = MaxThreads();
+    const int threads = cap > 0 ? std::min(cap, omp_get_max_threads()) : omp_get_max_threads();
+    if (threads <= 1 || work_bytes < kInlineBytes) {
+      for (int64_t i = 0; i < n; ++i) body(i);
+      return;
+    }
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int64_t i = 0; i < n; ++i) body(i);
+    return;
+  }
+#endif
+  const int64_t threads = pool.num_threads() > 0 ? Workers(pool) : 0;
+  const int64_t helpers = std::min<int64_t>(threads, n) - 1;
+  if (helpers <= 0 || work_bytes < kInlineBytes) {
+    for (int64_t i = 0; i < n; ++i) body(i);
+    return;
+  }
+  struct State {
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> done{0};
+  };
+  // Shared ownership: a helper may start after the caller has returned (every index claimed);
+  // it then finds the counter exhausted and never touches `body`, which lives on the caller's stack.
+  auto state = std::make_shared<State>();
+  using Body = std::remove_reference_t<F>;
+  Body* fn = &body;
+  auto work = [state, fn, n]() {
+    for (;;) {
+      const int64_t i = state->next.fetch_add(1, std::memory_order_relaxed);
+      if (i >= n) return;
+      (*fn)(i);
+      state->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  for (int64_t h = 0; h < helpers; ++h) pool.Schedule(decltype(work)(work));
+  work();
+  // Wait only for pieces other threads have claimed and are running (never for a queued task, so a
+  // busy or one-thread pool cannot deadlock us).
+  for (int spins = 0; state->done.load(std::memory_order_acquire) < n; ++spins) {
+    if (spins < 4096) _mm_pause(); else std::this_thread::yield();
+  }
+}
+
+}  // namespace jpn

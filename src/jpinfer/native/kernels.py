@@ -1,0 +1,452 @@
+"""The native CPU kernels as functions of plain jax arrays (usable under jit, inside lax.scan).
+
+Each function runs the native kernel (an XLA FFI custom call, ``csrc/``) when the library is loaded
+and ``native`` allows it, else an XLA implementation of the same semantics (slower, and summing in
+another order: equal within float32 rounding, and exactly for the integer parts). ``native``: None =
+the native kernel when available, True = require it (RuntimeError when unavailable), False = XLA.
+
+Shapes are static; counts and ids are device arrays. ``x`` is (T, d) (or (d,), giving a 1-D result);
+one native call takes 1 to ``MAX_TOKENS`` tokens, longer batches run as several calls of up to 8.
+Every product accumulates in float32 (int32 for int8 x int8 sums).
+
+Lists (``ids`` int32 (K,), ``count`` int32 scalar): the count is clamped to [0, K]; entries at
+positions >= count are padding and ignored; ids outside [0, n) are skipped (never read: unlike the
+XLA chunk loop of jpinfer.sparse.cpu_backend, which clamps them onto row 0 or n - 1); a repeated id
+counts each time it is listed (like the XLA loop, which sums every listed entry).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jpinfer.activations import activate
+from jpinfer.models.int8 import Int8Matrix, integer_product, matmul, quantize_tokens
+from jpinfer.native.library import native_available, unavailable_reason
+
+MAX_TOKENS = 8
+KINDS = {"swiglu": 0, "reglu": 1, "drelu": 2, "relu": 3}  # csrc/sparse_ffn.cc Kind
+QK = 32  # weights per 4-bit block (llama.cpp's QK4_0 / QK4_1) and per block of quantized activations
+
+
+def _use_native(native: bool | None) -> bool:
+    if native is None:
+        return native_available()
+    if native and not native_available():
+        raise RuntimeError(f"native kernels requested but unavailable: {unavailable_reason()}")
+    return bool(native)
+
+
+def _tokens(x, d: int, name: str = "x") -> tuple[jax.Array, bool]:
+    """x as float32 (T, d), and whether it was 1-D."""
+    x = jnp.asarray(x)
+    if x.ndim not in (1, 2) or x.shape[-1] != d:
+        raise ValueError(f"{name} must be (T, {d}) or ({d},), got shape {tuple(x.shape)}")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"{name} must be a float array, got {x.dtype}")
+    if x.ndim == 2 and x.shape[0] < 1:
+        raise ValueError(f"{name} must hold at least one token")
+    return x.reshape(x.shape[0] if x.ndim == 2 else 1, d).astype(jnp.float32), x.ndim == 1
+
+
+def _per_group(fn, x: jax.Array, *rest_batched):
+    """fn(x_group, *rest_groups) over groups of at most MAX_TOKENS tokens, outputs concatenated along 0."""
+    T = x.shape[0]
+    if T <= MAX_TOKENS:
+        return fn(x, *rest_batched)
+    outs = [fn(x[s:s + MAX_TOKENS], *(r[s:s + MAX_TOKENS] for r in rest_batched)) for s in range(0, T, MAX_TOKENS)]
+    if isinstance(outs[0], tuple):
+        return tuple(jnp.concatenate(parts, axis=0) for parts in zip(*outs))
+    return jnp.concatenate(outs, axis=0)
+
+
+def _list(ids, count) -> tuple[jax.Array, jax.Array]:
+    ids = jnp.asarray(ids)
+    if ids.ndim != 1 or not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise ValueError(f"ids must be a 1-D integer array, got {ids.dtype} {tuple(ids.shape)}")
+    count = jnp.asarray(count)
+    if count.size != 1 or not jnp.issubdtype(count.dtype, jnp.integer):
+        raise ValueError(f"count must be an integer scalar, got {count.dtype} {tuple(count.shape)}")
+    return ids.astype(jnp.int32), count.reshape(()).astype(jnp.int32)
+
+
+def _f32(a, name: str, shape: tuple[int, ...] | None = None) -> jax.Array:
+    a = jnp.asarray(a)
+    if a.dtype != jnp.float32:
+        raise ValueError(f"{name} must be float32 (convert the weights once, not per call), got {a.dtype}")
+    if shape is not None and tuple(a.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(a.shape)}")
+    return a
+
+
+def _valid(ids: jax.Array, count: jax.Array, n: int) -> jax.Array:
+    """Which list positions count: before ``count`` and an id in [0, n)."""
+    k = ids.shape[0]
+    return (jnp.arange(k) < jnp.clip(count, 0, k)) & (ids >= 0) & (ids < n)
+
+
+def _check_ffn(rows, kind: str, b_up, b_down):
+    if kind not in KINDS:
+        raise ValueError(f"unknown FFN kind {kind!r}; supported: {', '.join(KINDS)}")
+    rows = _f32(rows, "rows")
+    if rows.ndim != 3 or rows.shape[1] != (2 if kind == "relu" else 3):
+        raise ValueError(f"rows must be (n, {2 if kind == 'relu' else 3}, d) neuron-major bundles for kind {kind!r}, "
+                         f"got shape {tuple(rows.shape)}")
+    n, _, d = rows.shape
+    b_up = None if b_up is None else _f32(b_up, "b_up", (n,))
+    b_down = None if b_down is None else jnp.asarray(b_down)
+    if b_down is not None and tuple(b_down.shape) != (d,):
+        raise ValueError(f"b_down must have shape {(d,)}, got {tuple(b_down.shape)}")
+    return rows, b_up, b_down
+
+
+@functools.partial(jax.jit, static_argnames=("kind",))
+def _xla_activations(rows, b_up, x, ids, count, kind):
+    n = rows.shape[0]
+    valid = _valid(ids, count, n)
+    safe = jnp.where(valid, ids, 0)
+    proj = rows[safe, : rows.shape[1] - 1]  # (K, R-1, d)
+    h = jnp.einsum("krd,td->tkr", proj, x, precision=jax.lax.Precision.HIGHEST)
+    up = h[..., -1]
+    if b_up is not None:
+        up = up + b_up[safe]
+    a = activate(kind, h[..., 0] if rows.shape[1] == 3 else None, up)
+    return jnp.where(valid[None, :], a, 0.0)
+
+
+@functools.partial(jax.jit, static_argnames=("slot",))
+def _xla_rows_sum(m3, slot, w, ids, count):
+    n = m3.shape[0]
+    valid = _valid(ids, count, n)
+    rows = m3[jnp.where(valid, ids, 0), slot]  # (K, d)
+    return jnp.einsum("tk,kd->td", jnp.where(valid[None, :], w, 0.0), rows, precision=jax.lax.Precision.HIGHEST)
+
+
+def sparse_ffn(rows, x, ids, count, *, kind: str, b_up=None, b_down=None, native: bool | None = None) -> jax.Array:
+    """The sparse FFN of one layer over listed neurons, float32 (T, d) (or (d,) for a 1-D x):
+    sum over the listed neurons i of act_i(x) * down_i (+ b_down when given, added once).
+
+    rows: (n, R, d) float32 neuron-major bundles (jpinfer.sparse.neurons.NeuronFFN.rows): R = 3
+    [gate, up, down], R = 2 [up, down] for kind relu; b_up (n,) float32 or None; ids/count: the list
+    (module docstring). The native kernel fuses gate/up, activation and down four neurons a pass."""
+    rows, b_up, b_down = _check_ffn(rows, kind, b_up, b_down)
+    n, _, d = rows.shape
+    x2, flat = _tokens(x, d)
+    ids, count = _list(ids, count)
+    if _use_native(native):
+        empty = jnp.zeros((0,), jnp.float32) if b_up is None else b_up
+        call = lambda xt: jax.ffi.ffi_call("jpinfer_sparse_ffn", jax.ShapeDtypeStruct(xt.shape, jnp.float32),
+                                           vmap_method="sequential")(rows, empty, xt, ids, count,
+                                                                     kind=np.int32(KINDS[kind]))
+        y = _per_group(call, x2)
+    else:
+        a = _xla_activations(rows, b_up, x2, ids, count, kind)
+        y = _xla_rows_sum(rows, rows.shape[1] - 1, a, ids, count)
+    if b_down is not None:
+        y = y + b_down.astype(jnp.float32)
+    return y[0] if flat else y
+
+
+def sparse_activations(rows, x, ids, count, *, kind: str, b_up=None, native: bool | None = None) -> jax.Array:
+    """The activations act_i(x) of the listed neurons, float32 (T, K) by list position (0 at padding
+    positions and skipped ids): the first half of ``sparse_ffn``."""
+    rows, b_up, _ = _check_ffn(rows, kind, b_up, None)
+    n, _, d = rows.shape
+    x2, flat = _tokens(x, d)
+    ids, count = _list(ids, count)
+    K = ids.shape[0]
+    if _use_native(native):
+        empty = jnp.zeros((0,), jnp.float32) if b_up is None else b_up
+        call = lambda xt: jax.ffi.ffi_call("jpinfer_sparse_activations",
+                                           jax.ShapeDtypeStruct((xt.shape[0], K), jnp.float32),
+                                           vmap_method="sequential")(rows, empty, xt, ids, count,
+                                                                     kind=np.int32(KINDS[kind]))
+        a = _per_group(call, x2)
+    else:
+        a = _xla_activations(rows, b_up, x2, ids, count, kind)
+    return a[0] if flat else a
+
+
+def listed_rows_sum(matrix, weights, ids, count, *, slot: int | None = None, native: bool | None = None) -> jax.Array:
+    """sum over list positions k of weights[t, k] * row ids[k], float32 (T, d) (or (d,)): the second half
+    of ``sparse_ffn`` with ``matrix`` the (n, R, d) bundles and ``slot`` their down slot (default R - 1),
+    or any (n, d) matrix (slot ignored). weights: (T, K) or (K,) by list position."""
+    matrix = _f32(matrix, "matrix")
+    if matrix.ndim == 2:
+        matrix, slot = matrix[:, None, :], 0
+    if matrix.ndim != 3:
+        raise ValueError(f"matrix must be (n, d) or (n, R, d), got shape {tuple(matrix.shape)}")
+    slot = matrix.shape[1] - 1 if slot is None else int(slot)
+    if not 0 <= slot < matrix.shape[1]:
+        raise ValueError(f"slot must lie in [0, {matrix.shape[1]}), got {slot}")
+    ids, count = _list(ids, count)
+    w2, flat = _tokens(weights, ids.shape[0], "weights")
+    d = matrix.shape[2]
+    if _use_native(native):
+        result = lambda wt: jax.ShapeDtypeStruct((wt.shape[0], d), jnp.float32)
+        call = lambda wt: jax.ffi.ffi_call("jpinfer_listed_rows_sum", result(wt), vmap_method="sequential")(
+            matrix, wt, ids, count, slot=np.int32(slot))
+        y = _per_group(call, w2)
+    else:
+        y = _xla_rows_sum(matrix, slot, w2, ids, count)
+    return y[0] if flat else y
+
+
+def threshold_rows_product(matrix, x, threshold, *, native: bool | None = None) -> tuple[jax.Array, jax.Array]:
+    """(x' @ matrix, float32 (T, M); kept counts int32 (T,)) with x'[t, j] = x[t, j] where
+    |x[t, j]| > threshold (strictly) and 0 elsewhere; rows no token keeps are never read.
+
+    matrix (N, M) float32 row-major: the input-major gate/up matrix (d, R n) for input sparsity, or
+    the neuron-major down matrix (n, d) with x the activations for activation sparsity
+    (jpinfer.sparse.threshold_layout). A 1-D x gives (M,) and a scalar count."""
+    matrix = _f32(matrix, "matrix")
+    if matrix.ndim != 2:
+        raise ValueError(f"matrix must be (N, M), got shape {tuple(matrix.shape)}")
+    N, M = matrix.shape
+    x2, flat = _tokens(x, N)
+    thr = jnp.asarray(threshold, jnp.float32)
+    if thr.size != 1:
+        raise ValueError(f"threshold must be a scalar, got shape {tuple(thr.shape)}")
+    thr = thr.reshape(())
+    if _use_native(native):
+        call = lambda xt: jax.ffi.ffi_call(
+            "jpinfer_threshold_rows",
+            (jax.ShapeDtypeStruct((xt.shape[0], M), jnp.float32), jax.ShapeDtypeStruct((xt.shape[0],), jnp.int32)),
+            vmap_method="sequential")(matrix, xt, thr)
+        y, counts = _per_group(call, x2)
+    else:
+        keep = jnp.abs(x2) > thr
+        y = jnp.einsum("tn,nm->tm", jnp.where(keep, x2, 0.0), matrix, precision=jax.lax.Precision.HIGHEST)
+        counts = keep.sum(-1, dtype=jnp.int32)
+    return (y[0], counts[0]) if flat else (y, counts)
+
+
+def threshold_rows_product_int8(values, scales, x, threshold, *, native: bool | None = None
+                                ) -> tuple[jax.Array, jax.Array]:
+    """``threshold_rows_product`` over an int8 matrix: (y float32 (T, M), kept counts int32 (T,)).
+
+    values int8 (N, M) with one float32 scale per column (jpinfer.models.int8.Int8Matrix with scale_axis
+    1: the input-major / neuron-major copies of the threshold layout). x is quantized per token whole
+    (``quantize_tokens``), the entries with |x| > threshold (on the float x) keep their integers, the
+    kept rows are summed exactly in int32, and y = acc * (token scale * column scale): the integers and
+    formula of jpinfer.sparse.threshold_layout's int8 path for one token, and of its masked product for several
+    (quantizing the masked x gives the same integers: its peak is x's when anything is kept)."""
+    values = jnp.asarray(values)
+    if values.dtype != jnp.int8 or values.ndim != 2:
+        raise ValueError(f"values must be an int8 (N, M) matrix, got {values.dtype} {tuple(values.shape)}")
+    N, M = values.shape
+    scales = _f32(scales, "scales", (M,))
+    x2, flat = _tokens(x, N)
+    thr = jnp.asarray(threshold, jnp.float32)
+    if thr.size != 1:
+        raise ValueError(f"threshold must be a scalar, got shape {tuple(thr.shape)}")
+    thr = thr.reshape(())
+    if _use_native(native):
+        result = lambda xt: (jax.ShapeDtypeStruct((xt.shape[0], M), jnp.float32),
+                             jax.ShapeDtypeStruct((xt.shape[0],), jnp.int32))
+        call = lambda xt: jax.ffi.ffi_call("jpinfer_threshold_rows_int8", result(xt), vmap_method="sequential")(
+            values, scales, xt, thr)
+        y, counts = _per_group(call, x2)
+    else:
+        keep = jnp.abs(x2) > thr
+        q, token_scales = quantize_tokens(x2)
+        acc = integer_product(jnp.where(keep, q, 0), Int8Matrix(values, scales, 1))
+        y = acc.astype(jnp.float32) * (token_scales[:, None] * scales[None, :])
+        counts = keep.sum(-1, dtype=jnp.int32)
+    return (y[0], counts[0]) if flat else (y, counts)
+
+
+# ---------------------------------------------------------------- int8 (W8A8)
+
+def int8_matvec(values, scales, x, *, native: bool | None = None) -> jax.Array:
+    """W8A8 product W @ x per token, float32 (T, out) (or (out,)): ``values`` int8 (out, in) with one
+    float32 scale per row (jpinfer.models.int8.Int8Matrix with scale_axis 0); x quantized per token
+    inside (``quantize_tokens``); exact int32 sums; y = acc * (token scale * row scale), the formula
+    of int8.matmul. Values of -128 are allowed (the symmetric quantizer never makes them)."""
+    values = jnp.asarray(values)
+    if values.dtype != jnp.int8 or values.ndim != 2:
+        raise ValueError(f"values must be an int8 (out, in) matrix, got {values.dtype} {tuple(values.shape)}")
+    out, inp = values.shape
+    scales = _f32(scales, "scales", (out,))
+    x2, flat = _tokens(x, inp)
+    if _use_native(native):
+        call = lambda xt: jax.ffi.ffi_call("jpinfer_int8_matvec", jax.ShapeDtypeStruct((xt.shape[0], out), jnp.float32),
+                                           vmap_method="sequential")(values, scales, xt)
+        y = _per_group(call, x2)
+    else:
+        y = matmul(x2, Int8Matrix(values, scales, 0))
+    return y[0] if flat else y
+
+
+# ---------------------------------------------------------------- 4-bit blocks (llama.cpp Q4_0 / Q4_1)
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Q4Matrix:
+    """A 4-bit (out, in) matrix in blocks of 32 along the input, llama.cpp semantics:
+    q4_0: w = scale * (q - 8); q4_1: w = scale * q + min; q in 0..15.
+
+    packed: uint8 (out, in / 2): within each block's 16 bytes, byte i holds element i (low nibble)
+            and element i + 16 (high nibble), the order of llama.cpp's block ``qs``;
+    scales: float16 (out, in / 32); mins: float16 (out, in / 32) for q4_1, None for q4_0."""
+
+    packed: jax.Array
+    scales: jax.Array
+    mins: jax.Array | None
+    kind: str = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.packed.shape[0], self.packed.shape[1] * 2
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.packed.nbytes) + int(self.scales.nbytes) + (0 if self.mins is None else int(self.mins.nbytes))
+
+
+def _blocks(w) -> np.ndarray:
+    w = np.asarray(w, np.float32)
+    if w.ndim != 2 or w.shape[1] % QK:
+        raise ValueError(f"a 4-bit matrix must be (out, in) with in a multiple of {QK}, got shape {w.shape}")
+    return w.reshape(w.shape[0], -1, QK)
+
+
+def _pack(q: np.ndarray) -> np.ndarray:
+    """q (out, nb, 32) in 0..15 -> packed (out, nb * 16): byte i = q[i] | q[i + 16] << 4."""
+    q = q.astype(np.uint8)
+    return (q[..., :16] | (q[..., 16:] << 4)).reshape(q.shape[0], -1)
+
+
+def _unpack(packed: np.ndarray) -> np.ndarray:
+    """packed (out, in / 2) -> q (out, nb, 32)."""
+    b = np.asarray(packed, np.uint8).reshape(packed.shape[0], -1, 16)
+    return np.concatenate([b & 0x0F, b >> 4], axis=-1)
+
+
+def quantize_q4_0(w) -> Q4Matrix:
+    """llama.cpp's quantize_row_q4_0 on each block (float32): d = (the value of largest magnitude) / -8,
+    q = min(15, trunc(x / d + 8.5)); the scale is stored as float16 (the integers use the float32 d)."""
+    x = _blocks(w)
+    idx = np.abs(x).argmax(axis=-1)[..., None]
+    vmax = np.take_along_axis(x, idx, axis=-1)
+    d = vmax / np.float32(-8)
+    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
+    q = np.minimum(15, np.trunc(x * inv + np.float32(8.5))).astype(np.uint8)
+    return Q4Matrix(jnp.asarray(_pack(q)), jnp.asarray(d[..., 0].astype(np.float16)), None, "q4_0")
+
+
+def quantize_q4_1(w) -> Q4Matrix:
+    """llama.cpp's quantize_row_q4_1 on each block (float32): d = (max - min) / 15,
+    q = min(15, trunc((x - min) / d + 0.5)); scale d and min stored as float16."""
+    x = _blocks(w)
+    lo, hi = x.min(axis=-1, keepdims=True), x.max(axis=-1, keepdims=True)
+    d = (hi - lo) / np.float32(15)
+    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
+    q = np.minimum(15, np.trunc((x - lo) * inv + np.float32(0.5))).astype(np.uint8)
+    return Q4Matrix(jnp.asarray(_pack(q)), jnp.asarray(d[..., 0].astype(np.float16)),
+                    jnp.asarray(lo[..., 0].astype(np.float16)), "q4_1")
+
+
+def dequantize_q4(m: Q4Matrix) -> np.ndarray:
+    """The float32 (out, in) matrix a Q4Matrix represents."""
+    q = _unpack(np.asarray(m.packed)).astype(np.float32)
+    d = np.asarray(m.scales, np.float32)[..., None]
+    w = d * (q - 8) if m.kind == "q4_0" else d * q + np.asarray(m.mins, np.float32)[..., None]
+    return w.reshape(q.shape[0], -1)
+
+
+GGUF_BLOCK_BYTES = {"q4_0": 18, "q4_1": 20}  # fp16 d [, fp16 m], 16 bytes qs
+
+
+def q4_from_gguf(raw, shape: tuple[int, int], kind: str) -> Q4Matrix:
+    """A Q4Matrix from a GGUF Q4_0 / Q4_1 tensor's bytes (``raw``: its uint8 data, blocks in row order;
+    ``shape``: (out, in), i.e. GGUF's (ne1, ne0)): the scales, mins and nibbles are split out of each
+    block as they are, no float round trip."""
+    if kind not in GGUF_BLOCK_BYTES:
+        raise ValueError(f"kind must be one of {tuple(GGUF_BLOCK_BYTES)}, got {kind!r}")
+    out, inp = shape
+    if inp % QK:
+        raise ValueError(f"in ({inp}) must be a multiple of {QK}")
+    size = GGUF_BLOCK_BYTES[kind]
+    raw = np.ascontiguousarray(np.asarray(raw, np.uint8)).reshape(-1)
+    if raw.size != out * inp // QK * size:
+        raise ValueError(f"{kind} data of shape {shape} holds {out * inp // QK * size} bytes, got {raw.size}")
+    blocks = raw.reshape(out, inp // QK, size)
+    scales = blocks[..., 0:2].copy().view(np.float16)[..., 0]
+    mins = blocks[..., 2:4].copy().view(np.float16)[..., 0] if kind == "q4_1" else None
+    packed = blocks[..., size - 16:].reshape(out, inp // 2)
+    return Q4Matrix(jnp.asarray(packed), jnp.asarray(scales), None if mins is None else jnp.asarray(mins), kind)
+
+
+def q4_to_gguf(m: Q4Matrix) -> np.ndarray:
+    """The GGUF block bytes (uint8, flat) of a Q4Matrix (inverse of ``q4_from_gguf``)."""
+    out, inp = m.shape
+    nb = inp // QK
+    parts = [np.asarray(m.scales, np.float16).reshape(out, nb, 1).view(np.uint8)]
+    if m.kind == "q4_1":
+        parts.append(np.asarray(m.mins, np.float16).reshape(out, nb, 1).view(np.uint8))
+    parts.append(np.asarray(m.packed, np.uint8).reshape(out, nb, 16))
+    return np.concatenate(parts, axis=-1).reshape(-1)
+
+
+def quantize_blocks_q8(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """x (T, in) to int8 in blocks of 32 as the 4-bit kernels do: (q (T, in) int8, scale (T, in/32) float32,
+    sum of each block's q (T, in/32) int32), the rounding of ``quantize_tokens`` per block."""
+    T, inp = x.shape
+    xb = x.astype(jnp.float32).reshape(T, inp // QK, QK)
+    q, scale = quantize_tokens(xb)
+    return q.reshape(T, inp), scale, q.astype(jnp.int32).sum(-1)
+
+
+@jax.jit
+def _xla_q4(m: Q4Matrix, x2: jax.Array) -> jax.Array:
+    out, inp = m.shape
+    nb = inp // QK
+    b = m.packed.reshape(out, nb, 16)
+    q = jnp.concatenate([b & 0x0F, b >> 4], axis=-1).astype(jnp.int32)  # (out, nb, 32)
+    if m.kind == "q4_0":
+        q = q - 8
+    xq, xd, xs = quantize_blocks_q8(x2)
+    isum = jnp.einsum("obj,tbj->tob", q, xq.reshape(-1, nb, QK).astype(jnp.int32))
+    dw = m.scales.astype(jnp.float32)
+    y = jnp.sum((dw[None] * xd[:, None, :]) * isum.astype(jnp.float32), axis=-1)
+    if m.kind == "q4_1":
+        y = y + jnp.sum(m.mins.astype(jnp.float32)[None] * xd[:, None, :] * xs[:, None, :].astype(jnp.float32), -1)
+    return y
+
+
+def q4_matvec(m: Q4Matrix, x, *, native: bool | None = None) -> jax.Array:
+    """W @ x per token for a 4-bit matrix, float32 (T, out) (or (out,)). x is quantized to int8 in blocks
+    of 32 (``quantize_blocks_q8``, llama.cpp's Q8_0 pairing): y = sum over blocks of
+    scale_w * scale_x * (exact int32 block sum) [+ min_w * scale_x * sum of the block's q for q4_1]."""
+    if not isinstance(m, Q4Matrix) or m.kind not in GGUF_BLOCK_BYTES:
+        raise ValueError("m must be a Q4Matrix of kind q4_0 or q4_1")
+    out, inp = m.shape
+    if m.packed.dtype != jnp.uint8 or m.scales.dtype != jnp.float16 or tuple(m.scales.shape) != (out, inp // QK):
+        raise ValueError("Q4Matrix: packed must be uint8 (out, in/2), scales float16 (out, in/32)")
+    if m.kind == "q4_1" and (m.mins is None or m.mins.dtype != jnp.float16 or tuple(m.mins.shape) != (out, inp // QK)):
+        raise ValueError("Q4Matrix q4_1: mins must be float16 (out, in/32)")
+    if inp % QK:
+        raise ValueError(f"in ({inp}) must be a multiple of {QK}")
+    x2, flat = _tokens(x, inp)
+    if _use_native(native):
+        mins = m.mins if m.kind == "q4_1" else jnp.zeros((0,), jnp.float16)
+        result = lambda xt: jax.ShapeDtypeStruct((xt.shape[0], out), jnp.float32)
+        call = lambda xt: jax.ffi.ffi_call(f"jpinfer_{m.kind}_matvec", result(xt), vmap_method="sequential")(
+            m.packed, m.scales, mins, xt)
+        y = _per_group(call, x2)
+    else:
+        y = _xla_q4(m, x2)
+    return y[0] if flat else y
+
+
+__all__ = [
+    "MAX_TOKENS", "KINDS", "Q4Matrix", "sparse_ffn", "sparse_activations", "listed_rows_sum", "threshold_rows_product",
+    "threshold_rows_product_int8",
+    "int8_matvec", "q4_matvec", "quantize_q4_0", "quantize_q4_1",
+    "dequantize_q4", "q4_from_gguf", "q4_to_gguf", "quantize_blocks_q8",
+]
