@@ -33,11 +33,6 @@ from jpinfer.sparse import neurons
 from jpinfer.sparse.op import BACKENDS, all_rows_ffn, sparse_ffn
 
 
-def _check_backend(backend: str) -> None:
-    if backend not in BACKENDS:
-        raise JpinferError(f"backend must be one of {BACKENDS}, got {backend!r}")
-
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class OracleState:
@@ -82,9 +77,9 @@ def oracle_state(
 
 
 @dataclasses.dataclass(frozen=True)
-class OracleListFFN:
-    """Static ``ffn_impl``: the exact active set, at most ``capacity[layer]`` of it by magnitude,
-    through the sparse op. Aux per token: ``OracleAux``."""
+class _ListedFFN:
+    """What every listed strategy is given: at most ``capacity[layer]`` neurons per token (an int: the
+    same for every layer; checked by ``capacity.per_layer``) through the sparse op's ``backend``."""
 
     cfg: ModelConfig
     capacity: tuple[int, ...]
@@ -92,7 +87,14 @@ class OracleListFFN:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "capacity", per_layer(self.capacity, self.cfg))
-        _check_backend(self.backend)
+        if self.backend not in BACKENDS:
+            raise JpinferError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class OracleListFFN(_ListedFFN):
+    """Static ``ffn_impl``: the exact active set, at most ``capacity[layer]`` of it by magnitude,
+    through the sparse op. Aux per token: ``OracleAux``."""
 
     def __call__(self, index: int, layer: Layer, x: jax.Array, state: OracleState) -> tuple[jax.Array, OracleAux]:
         tokens = x.reshape(-1, x.shape[-1])
@@ -131,20 +133,12 @@ class PredictorListState:
 
 
 @dataclasses.dataclass(frozen=True)
-class PredictorListFFN:
+class PredictorListFFN(_ListedFFN):
     """Static ``ffn_impl``: predictor -> at most ``capacity[layer]`` neurons -> sparse op.
 
     Output only (aux None): the engine discards it; ``masked.PredictorMaskFFN`` with the
     same capacities computes the same values densely and counts what was clipped.
     """
-
-    cfg: ModelConfig
-    capacity: tuple[int, ...]
-    backend: str = "auto"
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "capacity", per_layer(self.capacity, self.cfg))
-        _check_backend(self.backend)
 
     def __call__(self, i: int, layer: Layer, x: jax.Array, state: PredictorListState) -> tuple[jax.Array, None]:
         tokens = x.reshape(-1, x.shape[-1])

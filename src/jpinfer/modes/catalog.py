@@ -157,11 +157,14 @@ class _Thresholded(Mode):
 
 
 class _Split(Mode):
-    """Hot neurons on the accelerator, cold on the host: a placement, or a budget and a profile to solve one."""
+    """Hot neurons on the accelerator, cold on the host: a placement, or a budget and a profile to solve one.
+    Mixed in before how the neurons are chosen (``_Predicted`` or ``_Thresholded``), whose checks and pack
+    arguments come first (``super()``)."""
 
     two_devices = True
 
     def check(self, inputs):
+        super().check(inputs)
         if inputs.placement is None and (inputs.gpu_budget is None or inputs.profile is None):
             raise JpinferError("mode 'hybrid' needs a placement, or gpu_budget=... and the profile to solve one")
         if inputs.placement is not None and inputs.gpu_budget is not None:
@@ -170,6 +173,7 @@ class _Split(Mode):
     def from_pack(self, pack, dtype, inputs):
         """The pack's placement unless a placement or budget is given; when it was sized for another
         dtype (bytes per neuron) the placement is solved again for this one under the pack's budget."""
+        inputs = super().from_pack(pack, dtype, inputs)
         if inputs.placement is not None or inputs.gpu_budget is not None:
             return inputs
         import jax.numpy as jnp
@@ -199,13 +203,6 @@ class HybridThreshold(_Split, _Thresholded):
     name, label = "hybrid", "hybrid (threshold)"
     int8 = False  # its parts are moved and cast per device as float arrays
 
-    def check(self, inputs):
-        _Thresholded.check(self, inputs)
-        _Split.check(self, inputs)
-
-    def from_pack(self, pack, dtype, inputs):
-        return _Split.from_pack(self, pack, dtype, _Thresholded.from_pack(self, pack, dtype, inputs))
-
     def build(self, model, inputs, *, devices=None, hardware=None):
         from jpinfer.modes.engines import hybrid_engine
 
@@ -219,13 +216,6 @@ class Hybrid(_Split, _Predicted):
 
     def variant_for(self, thresholds):
         return HYBRID_THRESHOLD if thresholds is not None else self
-
-    def check(self, inputs):
-        _Predicted.check(self, inputs)
-        _Split.check(self, inputs)
-
-    def from_pack(self, pack, dtype, inputs):
-        return _Split.from_pack(self, pack, dtype, _Predicted.from_pack(self, pack, dtype, inputs))
 
     def build(self, model, inputs, *, devices=None, hardware=None):
         from jpinfer.ffn.capacity import part_capacities

@@ -83,6 +83,14 @@ def _f32(a, name: str, shape: tuple[int, ...] | None = None) -> jax.Array:
     return a
 
 
+def _scalar(value, name: str) -> jax.Array:
+    """``value`` as a float32 scalar (a ValueError for anything with more than one entry)."""
+    value = jnp.asarray(value, jnp.float32)
+    if value.size != 1:
+        raise ValueError(f"{name} must be a scalar, got shape {tuple(value.shape)}")
+    return value.reshape(())
+
+
 def _valid(ids: jax.Array, count: jax.Array, n: int) -> jax.Array:
     """Which list positions count: before ``count`` and an id in [0, n)."""
     k = ids.shape[0]
@@ -208,10 +216,7 @@ def threshold_rows_product(matrix, x, threshold, *, native: bool | None = None) 
         raise ValueError(f"matrix must be (N, M), got shape {tuple(matrix.shape)}")
     N, M = matrix.shape
     x2, flat = _tokens(x, N)
-    thr = jnp.asarray(threshold, jnp.float32)
-    if thr.size != 1:
-        raise ValueError(f"threshold must be a scalar, got shape {tuple(thr.shape)}")
-    thr = thr.reshape(())
+    thr = _scalar(threshold, "threshold")
     if _use_native(native):
         call = lambda xt: jax.ffi.ffi_call(
             "jpinfer_threshold_rows",
@@ -241,10 +246,7 @@ def threshold_rows_product_int8(values, scales, x, threshold, *, native: bool | 
     N, M = values.shape
     scales = _f32(scales, "scales", (M,))
     x2, flat = _tokens(x, N)
-    thr = jnp.asarray(threshold, jnp.float32)
-    if thr.size != 1:
-        raise ValueError(f"threshold must be a scalar, got shape {tuple(thr.shape)}")
-    thr = thr.reshape(())
+    thr = _scalar(threshold, "threshold")
     if _use_native(native):
         result = lambda xt: (jax.ShapeDtypeStruct((xt.shape[0], M), jnp.float32),
                              jax.ShapeDtypeStruct((xt.shape[0],), jnp.int32))
