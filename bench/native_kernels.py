@@ -34,9 +34,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jpinfer.bench import protocol
-from jpinfer.models import int8
 from jpinfer.native import kernels as K
 from jpinfer.native import library
+from jpinfer.quant import int8, q4
 
 
 def interleaved_medians(calls: dict, rounds: int) -> dict[str, float]:
@@ -140,8 +140,8 @@ def quant_section(out_dim: int, in_dim: int, mats: int, rounds: int, seed: int) 
     floats = [np.asarray(normal(keys[i], (out_dim, in_dim), in_dim ** -0.5)) for i in range(mats)]
     f32 = [jnp.asarray(w) for w in floats]
     i8 = [(m.values, m.scales) for m in map(int8.quantize, floats)]
-    q40 = [K.quantize_q4_0(w) for w in floats]
-    q41 = [K.quantize_q4_1(w) for w in floats]
+    q40 = [q4.quantize_q4_0(w) for w in floats]
+    q41 = [q4.quantize_q4_1(w) for w in floats]
     del floats
     res = {"shape": {"out": out_dim, "in": in_dim, "matrices": mats}, "rows": []}
     for T in (1, 8):

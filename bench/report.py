@@ -39,6 +39,7 @@ COMMANDS = {
     "kernel_efficiency": "python bench/kernel_efficiency.py --out bench/results/kernel_efficiency.md",
     "power_law": "python bench/power_law.py --pack --out-dir bench/results",
     "predictor_sizes": "python bench/predictor_sizes.py --out bench/results/predictor_sizes.md",
+    "quantized": "python bench/quantized.py --out bench/results/quantized.md",
 }
 
 
@@ -223,6 +224,22 @@ def kernels() -> list[str]:
     return out
 
 
+def quantized_weights() -> list[str]:
+    out = ["## Quantized weights", ""]
+    data = load("quantized")
+    if data is None:
+        return out + missing(COMMANDS["quantized"])
+    rows = [r for r in data["rows"] if "tok_s" in r]
+    out += [f"{machine_line(data['machine'])} int8 is W8A8 with SmoothQuant's migration, int4 W4A8 on llama.cpp's "
+            "4-bit blocks; 'x llama.cpp': same-round decode ratio to llama.cpp on the same weights in the same format "
+            "(F32; Q8_0 for int8; the same Q4_1 / Q4_0 blocks for int4).", ""]
+    out += table(["engine", "perplexity x float32", "decode tok/s", "x jpinfer float32", "x llama.cpp (speed)",
+                  "x llama.cpp (perplexity)"],
+                 [[r["engine"], fmt(r["ppl_ratio"], ".3f"), fmt(r["tok_s"], ".1f"), fmt(r["speedup"], ".2f"),
+                   fmt(r.get("x_llama_cpp"), ".2f"), fmt(r.get("ppl_x_llama_cpp"), ".3f")] for r in rows])
+    return out + ["", source("quantized"), ""]
+
+
 def activity() -> list[str]:
     out = ["## Activity and predictors", ""]
     law = load("power_law")
@@ -251,7 +268,7 @@ def activity() -> list[str]:
     return out
 
 
-SECTIONS: list[Callable[[], list[str]]] = [setup, accuracy, speed, placement, kernels, activity]
+SECTIONS: list[Callable[[], list[str]]] = [setup, accuracy, speed, quantized_weights, placement, kernels, activity]
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""int8 weights (W8A8): quantization against float64/numpy references written apart from models/int8.py, the
+"""int8 weights (W8A8): quantization against float64/numpy references written apart from quant/int8.py, the
 integer products exactly, the rescaled products within their rounding and quantization error bounds, the
 straight-through derivative, models loaded with weights='int8' (dense and threshold modes) and their errors.
 Tolerances: tests/tolerances.py and the derivations next to each check."""
@@ -15,10 +15,11 @@ from test_threshold import given, windows
 import jpinfer
 from jpinfer import GenerationConfig, JpinferError
 from jpinfer.cache import CacheWarning
-from jpinfer.models import int8, loading, params, transformer
-from jpinfer.models.int8 import Int8Matrix
+from jpinfer.models import loading, params, quantized, smoothquant, transformer
 from jpinfer.modes import build_engine
 from jpinfer.profiler import ProfileMismatchError, profile, smoothing
+from jpinfer.quant import int8
+from jpinfer.quant.int8 import Int8Matrix
 from jpinfer.sparse import ROWS_BACKENDS, sparse_rows_product, threshold_ffn, threshold_layout
 
 import gguf_fixtures as fx
@@ -119,7 +120,7 @@ def test_bad_matrices_are_value_errors():
     with pytest.raises(ValueError, match="inf or nan"):
         int8.quantize(np.array([[1.0, np.nan]]))
     with pytest.raises(ValueError, match="takes 5"):
-        int8.matmul(jnp.zeros((1, 4)), int8.quantize(np.ones((3, 5))))
+        quantized.matmul(jnp.zeros((1, 4)), int8.quantize(np.ones((3, 5))))
 
 
 # ----- products
@@ -144,7 +145,7 @@ def test_matmul_within_rescaling_and_quantization_error(scale_axis, tokens):
     w = random_matrix((n_out, n_in) if scale_axis == 0 else (n_in, n_out), seed=6, scale_axis=scale_axis)
     m = int8.quantize(w, scale_axis)
     x = np.random.default_rng(7).standard_normal((tokens, n_in)).astype(np.float32)
-    got = np.asarray(int8.matmul(jnp.asarray(x), m), np.float64)
+    got = np.asarray(quantized.matmul(jnp.asarray(x), m), np.float64)
     q_w, s_w = reference_quantize(w, scale_axis)
     w_out_in = q_w if scale_axis == 0 else q_w.T  # (out, in) integers
     q_x, s_x = reference_tokens(x)
@@ -165,7 +166,7 @@ def test_matmul_within_rescaling_and_quantization_error(scale_axis, tokens):
 
 def test_matmul_of_zeros_is_zero():
     m = int8.quantize(random_matrix((8, 16), seed=8))
-    y = np.asarray(int8.matmul(jnp.zeros((2, 16)), m))
+    y = np.asarray(quantized.matmul(jnp.zeros((2, 16)), m))
     assert np.array_equal(y, np.zeros((2, 8)))
 
 
@@ -175,7 +176,7 @@ def test_matmul_derivative_is_straight_through():
     m = int8.quantize(w)
     x = jnp.asarray(np.random.default_rng(10).standard_normal((3, 20)), jnp.float32)
     g = np.random.default_rng(11).standard_normal((3, 12))
-    grad = jax.grad(lambda v: jnp.sum(int8.matmul(v, m) * g))(x)
+    grad = jax.grad(lambda v: jnp.sum(quantized.matmul(v, m) * g))(x)
     expected = g @ np.asarray(int8.dequantize(m), np.float64)
     # float32 products of 12 terms of O(1) times weights of O(20): 12 u |terms| each, well inside 1e-5 (1 + |g|)
     np.testing.assert_allclose(np.asarray(grad), expected, rtol=KERNEL_RTOL, atol=KERNEL_ATOL * 20)
@@ -201,12 +202,12 @@ def test_int8_rows_product_is_exact(backend, tokens):
 def int8_engine(kind: str) -> jpinfer.Engine:
     dense = tiny_engine(kind)
     model = dense.model
-    return jpinfer.Engine(dataclasses.replace(model, weights=int8.quantize_weights(model.weights)))
+    return jpinfer.Engine(dataclasses.replace(model, weights=quantized.quantize_weights(model.weights, "int8")))
 
 
 def test_quantize_weights_quantizes_every_projection_and_the_head():
     dense = tiny_engine("swiglu")
-    w = int8.quantize_weights(dense.weights)
+    w = quantized.quantize_weights(dense.weights, "int8")
     layer, ref = w.layers[1], dense.weights.layers[1]
     for name in ("w_qkv", "wo", "w_gate_up", "w_down"):
         got = getattr(layer, name)
@@ -214,15 +215,16 @@ def test_quantize_weights_quantizes_every_projection_and_the_head():
         np.testing.assert_array_equal(np.asarray(got.values), reference_quantize(getattr(ref, name), 0)[0])
         assert got.nbytes < getattr(ref, name).nbytes / 3
     np.testing.assert_array_equal(np.asarray(w.head.values), reference_quantize(np.asarray(dense.weights.head).T, 0)[0])
-    assert w.dtype == jnp.float32 and int8.is_int8(w) and not int8.is_int8(dense.weights)
+    assert w.dtype == jnp.float32 and quantized.weights_format(w) == "int8"
+    assert quantized.weights_format(dense.weights) == "float"
     np.testing.assert_array_equal(np.asarray(w.embed), np.asarray(dense.weights.embed))  # untied: stays float
     with pytest.raises(ValueError, match="int8 already"):
-        int8.quantize_weights(w)
+        quantized.quantize_weights(w, "int8")
 
 
 def test_tied_embedding_reads_the_int8_head_rows():
     cfg = dataclasses.replace(tiny_engine("swiglu").cfg, tie_embeddings=True)
-    w = int8.quantize_weights(params.build_weights(cfg, params.init_random(cfg)))
+    w = quantized.quantize_weights(params.build_weights(cfg, params.init_random(cfg)), "int8")
     assert w.embed is None  # tied: the input embedding is the head
     tokens = np.array([[0, 5, 39, 5]], np.int32)
     got = transformer.embed(w, jnp.asarray(tokens), jnp.arange(4), cfg)
@@ -234,10 +236,10 @@ def test_int8_model_follows_the_float_model():
     """A sanity bound, not a rounding bound: W8A8 moves each product by ~1% (quantization steps 1/127 of the
     peaks); over the tiny decoder's two layers the logits moved by 1.3% of their spread (measured), and the
     bound 5% catches a wrong scale or axis (which moves them by their whole spread)."""
-    dense, quantized = tiny_engine("swiglu"), int8_engine("swiglu")
-    tokens = quantized.generate(PROMPT, GenerationConfig(max_new_tokens=12)).token_ids
+    dense, int8_form = tiny_engine("swiglu"), int8_engine("swiglu")
+    tokens = int8_form.generate(PROMPT, GenerationConfig(max_new_tokens=12)).token_ids
     assert len(tokens) == 12
-    ref, got = forced_logits(dense, PROMPT, tokens), forced_logits(quantized, PROMPT, tokens)
+    ref, got = forced_logits(dense, PROMPT, tokens), forced_logits(int8_form, PROMPT, tokens)
     spread = ref.max() - ref.min()
     assert np.abs(got - ref).max() < 0.05 * spread
     assert np.abs(got - ref).max() > 0
@@ -248,10 +250,10 @@ def test_load_int8_from_a_gguf_file(tmp_path):
     cfg = fx.tiny_config(tied=True)
     path = fx.write_gguf(tmp_path / "tiny.gguf", cfg, fx.random_tensors(cfg, seed=3))
     engine = jpinfer.load(path, weights="int8")
-    assert int8.is_int8(engine.weights)
+    assert quantized.weights_format(engine.weights) == "int8"
     model = loading.load_model(path)
     peaks = smoothing.channel_peaks(model, smoothing.calibration_windows(model.tokenizer))
-    expected = int8.quantize_weights(int8.smooth(model.weights, peaks, smoothing.ALPHA))
+    expected = quantized.quantize_weights(smoothquant.smooth(model.weights, peaks, smoothing.ALPHA), "int8")
     for got, want in zip(jax.tree.leaves(engine.weights), jax.tree.leaves(expected)):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert engine.weights.embed is not None  # the tied head was migrated: the embedding keeps the head as it was
@@ -262,21 +264,21 @@ def test_load_int8_from_a_gguf_file(tmp_path):
 
 # ----- SmoothQuant's migration
 
-def random_peaks(cfg, seed=0) -> int8.ChannelPeaks:
+def random_peaks(cfg, seed=0) -> smoothquant.ChannelPeaks:
     rng = np.random.default_rng(seed)
     peak = lambda *shape: np.exp(rng.standard_normal(shape))  # positive, spread over e^(+-2)
-    return int8.ChannelPeaks(peak(cfg.n_layers, cfg.d_model), peak(cfg.n_layers, cfg.d_model),
+    return smoothquant.ChannelPeaks(peak(cfg.n_layers, cfg.d_model), peak(cfg.n_layers, cfg.d_model),
                              peak(cfg.n_layers, cfg.d_ff), peak(cfg.d_model))
 
 
 def test_migration_scales_follow_the_formula():
     w = np.array([[1.0, -4.0, 0.0], [2.0, 0.5, 0.0]])
     peaks = np.array([9.0, 1.0, 3.0])
-    s = int8.migration_scales(peaks, w, 0.5)
+    s = smoothquant.migration_scales(peaks, w, 0.5)
     np.testing.assert_allclose(s, [np.sqrt(9.0) / np.sqrt(2.0), np.sqrt(1.0) / np.sqrt(4.0), 1.0], rtol=1e-15)
-    assert int8.migration_scales(np.zeros(3), w, 0.5).tolist() == [1.0, 1.0, 1.0]  # a channel that never fired
+    assert smoothquant.migration_scales(np.zeros(3), w, 0.5).tolist() == [1.0, 1.0, 1.0]  # a channel that never fired
     with pytest.raises(ValueError, match="alpha must lie in"):
-        int8.smooth(tiny_engine("swiglu").weights, random_peaks(tiny_engine("swiglu").cfg), 1.5)
+        smoothquant.smooth(tiny_engine("swiglu").weights, random_peaks(tiny_engine("swiglu").cfg), 1.5)
 
 
 @pytest.mark.parametrize("kind", ["swiglu", "relu"])
@@ -287,7 +289,7 @@ def test_migration_keeps_the_float_model(kind, tied):
     dense = tiny_engine(kind)  # relu: OPT-like, with up and down biases
     cfg = dataclasses.replace(dense.cfg, tie_embeddings=tied)
     weights = params.build_weights(cfg, params.init_random(cfg, seed=1, scale=0.2))
-    smoothed = int8.smooth(weights, random_peaks(cfg), 0.6)
+    smoothed = smoothquant.smooth(weights, random_peaks(cfg), 0.6)
     tokens = jnp.asarray(windows(2, 12, seed=3))
     ref = np.asarray(transformer.score(weights, tokens, cfg))
     np.testing.assert_allclose(np.asarray(transformer.score(smoothed, tokens, cfg)), ref, rtol=0, atol=DECODER_ATOL)
@@ -331,14 +333,14 @@ def test_migration_cuts_the_int8_error_of_outlier_channels():
     tokens = jnp.asarray(windows(2, 16, seed=6))
     ref = np.asarray(transformer.score(weights, tokens, cfg))
     error = lambda m: np.abs(np.asarray(transformer.score(m.weights, tokens, cfg)) - ref).max()
-    plain = error(loading.LoadedModel(cfg, int8.quantize_weights(weights), None, "plain"))
+    plain = error(loading.LoadedModel(cfg, quantized.quantize_weights(weights, "int8"), None, "plain"))
     smoothed = error(smoothing.int8_model(model, windows(4, 16, seed=7)))
     assert smoothed < 0.75 * plain
 
 
 def test_bad_weights_arguments_fail_before_loading():
-    with pytest.raises(JpinferError, match="unknown weights format 'int4'; choose one of float, int8"):
-        jpinfer.load("/no/such/checkpoint", weights="int4")
+    with pytest.raises(JpinferError, match="unknown weights format 'int2'; choose one of float, int8, int4"):
+        jpinfer.load("/no/such/checkpoint", weights="int2")
     with pytest.raises(JpinferError, match="int8 weights run in the modes dense and threshold"):
         jpinfer.load("/no/such/checkpoint", weights="int8", mode="sparse", predictors="/no/such/predictors")
     with pytest.raises(JpinferError, match="int8 weights run in the modes dense and threshold"):
@@ -401,13 +403,13 @@ def test_int8_threshold_engine_at_zero_thresholds_decodes_like_int8_dense():
 def test_the_int8_model_is_profiled_on_its_own():
     """The threshold mode's thresholds compare the int8 model's own activations (the migration rescales them),
     so a float model's profile is refused with the command that makes the right one."""
-    dense, quantized = tiny_engine("swiglu"), int8_engine("swiglu")
+    dense, int8_form = tiny_engine("swiglu"), int8_engine("swiglu")
     tokens = windows(4, 16, seed=8)
     with pytest.raises(ProfileMismatchError, match=r"with int8 weights \(jpinfer profile --weights int8\)"):
-        build_engine(quantized.model, "threshold", profile=profile(dense, tokens, activation_sparsity=0.4,
+        build_engine(int8_form.model, "threshold", profile=profile(dense, tokens, activation_sparsity=0.4,
                                                                     progress=False))
-    prof = profile(quantized, tokens, activation_sparsity=0.4, progress=False)
-    engine = build_engine(quantized.model, "threshold", profile=prof)
+    prof = profile(int8_form, tokens, activation_sparsity=0.4, progress=False)
+    engine = build_engine(int8_form.model, "threshold", profile=prof)
     assert engine.stepper.name == "threshold"
     assert engine.generate(PROMPT, GenerationConfig(max_new_tokens=6)).token_ids
 

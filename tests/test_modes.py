@@ -370,11 +370,11 @@ def test_decode_equivalent_computes_what_each_decode_step_computes():
 def test_the_mode_catalog_names_each_mode_once_and_picks_the_threshold_variant_of_the_hybrid():
     """Modes are objects looked up by name: the CLI's choices are the catalog's names, the hybrid given thresholds is
     its threshold variant, and int8 weights are refused, before anything loads, where a mode has no int8 form."""
-    from jpinfer.modes import INT8_MODES, MODE_NAMES, MODES, ModeInputs, get_mode
+    from jpinfer.modes import FORMAT_MODES, MODE_NAMES, MODES, ModeInputs, get_mode
 
     assert MODE_NAMES == ("dense", "sparse", "hybrid", "threshold")
     assert all(MODES[name].name == name for name in MODE_NAMES)
-    assert INT8_MODES == ("dense", "threshold")
+    assert FORMAT_MODES == {"float": MODE_NAMES, "int8": ("dense", "threshold"), "int4": ("dense",)}
     assert get_mode("hybrid").label == "hybrid"
     assert get_mode("hybrid", thresholds="profile").label == "hybrid (threshold)"
     assert get_mode("sparse", thresholds="profile") is get_mode("sparse")  # no variant: its check refuses thresholds
@@ -384,6 +384,8 @@ def test_the_mode_catalog_names_each_mode_once_and_picks_the_threshold_variant_o
         with pytest.raises(JpinferError, match="int8 weights run in the modes dense and threshold"):
             get_mode(name, thresholds=thresholds, weights="int8")
     with pytest.raises(JpinferError, match="unknown weights format"):
-        get_mode("dense", weights="int4")
+        get_mode("dense", weights="int2")
+    with pytest.raises(JpinferError, match="int4 weights run in the modes dense; mode 'threshold' runs float or int8"):
+        get_mode("threshold", weights="int4")
     with pytest.raises(JpinferError, match="needs no predictors"):
         get_mode("hybrid", thresholds="profile").check(ModeInputs(predictors="p", profile="q"))

@@ -25,9 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jpinfer.models import int8
 from jpinfer.native import kernels as K
 from jpinfer.native import library
+from jpinfer.quant import int8, q4
 
 U = 2.0 ** -24  # float32 unit roundoff
 
@@ -357,20 +357,31 @@ def q8_blocks_reference(x):
     return q, (peak * np.float32(1 / 127)).astype(np.float32)
 
 
-def q4_reference(m: K.Q4Matrix, x):
-    """(y, bound) in float64 from exact integer block sums and the stored scales."""
-    q = K._unpack(np.asarray(m.packed)).astype(np.int64)  # (out, nb, 32)
+def q4_reference(m: q4.Q4Matrix, x, float_gemm: bool = False):
+    """(y, bound) in float64 from exact integer block sums and the stored scales.
+
+    The native kernels sum each block exactly in int32 and round once per block and scale: (nb + 16) u of the
+    block terms' magnitudes. The XLA form (``float_gemm``) multiplies the dequantized sides in one float32 GEMM:
+    a float32 sum of ``in`` products (worst case in * u of the products' magnitudes) after rounding x's
+    dequantized blocks (one rounding) and q4_1's d q + m (one): (in + 4) u of sum |x^_i w^_i|."""
+    q = q4.unpack(np.asarray(m.packed)).astype(np.int64)  # (out, nb, 32)
     if m.kind == "q4_0":
         q = q - 8
     xq, xd = q8_blocks_reference(np.asarray(x, np.float32))
     isum = np.einsum("obj,tbj->tob", q, xq)
     dw = np.asarray(m.scales, np.float32).astype(np.float64)
     terms = dw[None] * xd[:, None, :].astype(np.float64) * isum
+    w_hat = dw[..., None] * q
     if m.kind == "q4_1":
         mins = np.asarray(m.mins, np.float32).astype(np.float64)
         terms = terms + mins[None] * xd[:, None, :] * xq.sum(-1)[:, None, :]
+        w_hat = w_hat + mins[..., None]
     nb = q.shape[1]
-    return terms.sum(-1), U * (nb + 16) * np.abs(terms).sum(-1) + 1e-30
+    if not float_gemm:
+        return terms.sum(-1), U * (nb + 16) * np.abs(terms).sum(-1) + 1e-30
+    x_hat = np.abs(xq * xd[..., None].astype(np.float64)).reshape(len(xq), -1)
+    magnitude = x_hat @ np.abs(w_hat).reshape(len(w_hat), -1).T
+    return terms.sum(-1), U * (nb * 32 + 4) * magnitude + 1e-30
 
 
 @pytest.mark.parametrize("native", BACKENDS)
@@ -379,15 +390,15 @@ def q4_reference(m: K.Q4Matrix, x):
 def test_q4_matvec(kind, T, native):
     rng = np.random.default_rng(T)
     w = rng.standard_normal((37, 256)).astype(np.float32)
-    m = K.quantize_q4_0(w) if kind == "q4_0" else K.quantize_q4_1(w)
+    m = q4.quantize_q4_0(w) if kind == "q4_0" else q4.quantize_q4_1(w)
     x = rng.standard_normal((T, 256)).astype(np.float32)
     x[0, :32] = 0.0  # an all-zero block
-    ref, bound = q4_reference(m, x)
+    ref, bound = q4_reference(m, x, float_gemm=not native)
     assert_within(K.q4_matvec(m, x, native=native), ref, bound, kind)
     y = jax.jit(lambda m, x: K.q4_matvec(m, x, native=native))(m, x)
     assert_within(y, ref, bound, kind + " jit")
     # and it approximates the float product of the dequantized matrix (4-bit weights, 8-bit inputs)
-    dense = x.astype(np.float64) @ K.dequantize_q4(m).T.astype(np.float64)
+    dense = x.astype(np.float64) @ np.asarray(q4.dequantize(m)).T.astype(np.float64)
     assert np.abs(np.asarray(y) - dense).max() < 0.05 * np.abs(dense).max()
 
 
@@ -400,15 +411,15 @@ def test_q4_layout_is_llama_cpp_blocks():
     mn = np.array([1.0, -2.0], np.float16)
     q = np.concatenate([qs & 15, qs >> 4], axis=1).astype(np.float32)  # (2 blocks, 32)
     raw0 = np.concatenate([np.concatenate([d[b:b + 1].view(np.uint8), qs[b]]) for b in range(2)])
-    m0 = K.q4_from_gguf(raw0, (1, 64), "q4_0")
-    assert np.array_equal(K.dequantize_q4(m0)[0], (d.astype(np.float32)[:, None] * (q - 8)).reshape(-1))
-    assert np.array_equal(K.q4_to_gguf(m0), raw0)
+    m0 = q4.from_gguf(raw0, (1, 64), "q4_0")
+    assert np.array_equal(np.asarray(q4.dequantize(m0))[0], (d.astype(np.float32)[:, None] * (q - 8)).reshape(-1))
+    assert np.array_equal(q4.to_gguf(m0), raw0)
     raw1 = np.concatenate([np.concatenate([d[b:b + 1].view(np.uint8), mn[b:b + 1].view(np.uint8), qs[b]])
                            for b in range(2)])
-    m1 = K.q4_from_gguf(raw1, (1, 64), "q4_1")
+    m1 = q4.from_gguf(raw1, (1, 64), "q4_1")
     expect = (d.astype(np.float32)[:, None] * q + mn.astype(np.float32)[:, None]).reshape(-1)
-    assert np.array_equal(K.dequantize_q4(m1)[0], expect)
-    assert np.array_equal(K.q4_to_gguf(m1), raw1)
+    assert np.array_equal(np.asarray(q4.dequantize(m1))[0], expect)
+    assert np.array_equal(q4.to_gguf(m1), raw1)
 
 
 def test_q4_quantizers_and_q8_blocks():
@@ -416,13 +427,13 @@ def test_q4_quantizers_and_q8_blocks():
     w = rng.standard_normal((8, 64)).astype(np.float32)
     # q4_0: d = max / -8 puts the extreme at q = 0, its negation at 16, clamped to 15: error up to |d|;
     # q4_1: d = (max - min) / 15, rounding to nearest: error up to d / 2
-    for m, bound in ((K.quantize_q4_0(w), lambda b: np.abs(b).max(-1) / 8 * 1.01),
-                     (K.quantize_q4_1(w), lambda b: (b.max(-1) - b.min(-1)) / 30 * 1.01)):
+    for m, bound in ((q4.quantize_q4_0(w), lambda b: np.abs(b).max(-1) / 8 * 1.01),
+                     (q4.quantize_q4_1(w), lambda b: (b.max(-1) - b.min(-1)) / 30 * 1.01)):
         blocks = w.reshape(8, 2, 32)
-        err = np.abs(K.dequantize_q4(m).reshape(8, 2, 32) - blocks).max(-1)
+        err = np.abs(np.asarray(q4.dequantize(m)).reshape(8, 2, 32) - blocks).max(-1)
         assert (err <= bound(blocks) + 1e-3).all(), m.kind
     x = rng.standard_normal((3, 64)).astype(np.float32)
-    q, d, s = K.quantize_blocks_q8(jnp.asarray(x))
+    q, d, s = q4.quantize_blocks(jnp.asarray(x))
     q_ref, d_ref = q8_blocks_reference(x)
     assert np.array_equal(np.asarray(q).reshape(q_ref.shape), q_ref) and np.array_equal(np.asarray(d), d_ref)
     assert np.array_equal(np.asarray(s), q_ref.sum(-1))
@@ -451,7 +462,7 @@ def test_input_checks():
     with pytest.raises(ValueError, match="int8"):
         K.int8_matvec(np.zeros((4, 16), np.int16), np.ones(4, np.float32), x)
     with pytest.raises(ValueError, match="multiple of 32"):
-        K.quantize_q4_0(np.zeros((2, 48), np.float32))
+        q4.quantize_q4_0(np.zeros((2, 48), np.float32))
     with pytest.raises(ValueError, match="threshold must be a scalar"):
         K.threshold_rows_product(rows[:, 0], np.zeros((1, 8), np.float32), np.zeros(2))
 

@@ -11,7 +11,7 @@ from typing import Any, Sequence
 
 import jax
 
-from jpinfer.models.loading import LoadedModel, load_model, parse_dtype
+from jpinfer.models.loading import LoadedModel, int4_model, load_model, parse_dtype
 from jpinfer.modes import ModeInputs, get_mode
 from jpinfer.profiler import ActivationProfile
 from jpinfer.runtime.engine import Engine, GenerationConfig, GenerationResult
@@ -56,9 +56,12 @@ def load(
     ``pack``, ``predictors``, ``profile`` and ``placement`` is given (and ``thresholds`` is None or
     "profile"): prepared into the cache on first use (about five minutes on two CPU cores), reused after.
 
-    ``weights``: ``"float"`` (every tensor in ``dtype``) or ``"int8"`` (W8A8: the projections and
+    ``weights``: ``"float"`` (every tensor in ``dtype``), ``"int8"`` (W8A8: the projections and
     the head quantized at load, one scale per output, after SmoothQuant's migration calibrated on a
-    few thousand tokens of bundled text, ``profiler.smoothing``; modes ``dense`` and ``threshold``).
+    few thousand tokens of bundled text, ``profiler.smoothing``; modes ``dense`` and ``threshold``) or
+    ``"int4"`` (W4A8: the projections in llama.cpp's 4-bit blocks of 32, a GGUF's own Q4_0 / Q4_1 blocks
+    where it has them, else Q4_1 quantized at load; the head int8; mode ``dense``). On the CPU the
+    quantized products of a decode step run as native kernels (``jpinfer.native``).
     """
     chosen = get_mode(mode, thresholds=thresholds, weights=weights)  # before anything loads: fail fast
     inputs = ModeInputs(predictors, profile, placement, gpu_budget, thresholds, capacity)
@@ -94,6 +97,8 @@ def _load_model(source: Any, dtype: Any, ffn_kind: str | None, weights: str) -> 
         from jpinfer.profiler.smoothing import int8_model
 
         model = int8_model(model, progress=True)
+    elif weights == "int4":
+        model = int4_model(model)
     return model
 
 

@@ -22,8 +22,9 @@ def add_model_arguments(p: argparse.ArgumentParser, weights: bool = True) -> Non
     if weights:
         p.add_argument(
             "--weights", default="float", choices=WEIGHT_FORMATS,
-            help="float (default: every tensor in --dtype) or int8 (W8A8, quantized at load; modes dense and "
-                 "threshold)",
+            help="float (default: every tensor in --dtype), int8 (W8A8, quantized at load; modes dense and "
+                 "threshold) or int4 (W4A8 in 4-bit blocks of 32: a GGUF's own Q4_0/Q4_1, else quantized at load; "
+                 "mode dense)",
         )
 
 

@@ -13,7 +13,7 @@ NormKind = Literal["rmsnorm", "layernorm"]
 PositionKind = Literal["rope", "learned"]
 
 FFN_KINDS: tuple[str, ...] = ("swiglu", "reglu", "drelu", "relu")
-WEIGHT_FORMATS: tuple[str, ...] = ("float", "int8")  # jpinfer.load(weights=...); see jpinfer.models.int8
+WEIGHT_FORMATS: tuple[str, ...] = ("float", "int8", "int4")  # jpinfer.load(weights=...); see jpinfer.models.quantized
 
 
 @dataclasses.dataclass(frozen=True)

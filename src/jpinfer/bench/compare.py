@@ -38,7 +38,7 @@ from jpinfer.bench.protocol import (
 from jpinfer.bench.results import format_cell, markdown_table
 from jpinfer.cli_args import add_mode_arguments, mode_options, prepare_devices
 from jpinfer.config import WEIGHT_FORMATS
-from jpinfer.modes import INT8_MODES, MODE_NAMES, REFERENCE_MODE, ModeInputs, get_mode
+from jpinfer.modes import FORMAT_MODES, MODE_NAMES, REFERENCE_MODE, ModeInputs, get_mode
 
 PEERS = ("llama.cpp", "transformers")
 LENGTHS = (8, 64, 128)
@@ -97,9 +97,9 @@ def _engines(args: argparse.Namespace, modes: list[str], pack: Any) -> list[tupl
     for mode in modes:
         for dtype in args.dtypes:
             for weights in args.weights:
-                if weights == "int8" and not get_mode(mode).int8:
-                    continue  # no int8 form (run refuses a mode left with no engine at all)
-                label = f"jpinfer {mode} {dtype}" + (" int8 weights" if weights == "int8" else "")
+                if weights not in get_mode(mode).weight_formats:
+                    continue  # no form in this format (run refuses a mode left with no engine at all)
+                label = f"jpinfer {mode} {dtype}" + ("" if weights == "float" else f" {weights} weights")
                 print(f"loading {label} ...", file=sys.stderr)
                 add(lambda: JaxEngine(label, load(args.model, dtype=dtype, mode=mode, weights=weights,
                                                           **options)))
@@ -175,11 +175,11 @@ def bench(args: argparse.Namespace) -> dict:
 def _dense_model(engines: list, args: argparse.Namespace) -> Any:
     """The dense float model the predictor modes are scored with: the dense engine's, or loaded now."""
     from jpinfer.bench.engines import JaxEngine
-    from jpinfer.models import int8
+    from jpinfer.models import quantized
 
     for engine in engines:
-        if isinstance(engine, JaxEngine) and engine.engine.stepper.name == REFERENCE_MODE and not int8.is_int8(
-                engine.engine.weights):
+        if isinstance(engine, JaxEngine) and engine.engine.stepper.name == REFERENCE_MODE and quantized.weights_format(
+                engine.engine.weights) == "float":
             return engine.engine.model
     from jpinfer.models.loading import load_model
 
@@ -303,8 +303,9 @@ def add_arguments(parser: argparse.ArgumentParser, command: str = "bench") -> No
         help="dtypes to run each mode in (default: float32 on a CPU, where bfloat16 decodes 5-8x slower; float32 and "
              "bfloat16 on an accelerator)",
     )
+    formats = "; ".join(f"{fmt}: {' and '.join(FORMAT_MODES[fmt])}" for fmt in WEIGHT_FORMATS if fmt != "float")
     parser.add_argument("--weights", nargs="+", choices=WEIGHT_FORMATS, default=["float"],
-                        help="weight formats to run each mode with (int8: modes dense and threshold)")
+                        help=f"weight formats to run each mode with ({formats})")
     add_mode_arguments(parser, modes=True)
     parser.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS),
                         help=f"prompt lengths in tokens (default {' '.join(map(str, LENGTHS))})")
@@ -340,9 +341,11 @@ def run(args: argparse.Namespace) -> int:
     if args.modes[0] != REFERENCE_MODE:
         raise ValueError(f"--modes must start with {REFERENCE_MODE}: every ratio and agreement is taken against it")
     for mode in args.modes:
-        if not get_mode(mode).int8 and "float" not in args.weights:
-            raise ValueError(f"int8 weights run in the modes {' and '.join(INT8_MODES)}; mode {mode!r} needs float "
-                             "weights (--weights float int8 runs both where both exist)")
+        formats = get_mode(mode).weight_formats
+        if not set(formats) & set(args.weights):
+            where = "; ".join(f"{w} weights run in the modes {' and '.join(FORMAT_MODES[w])}" for w in args.weights)
+            raise ValueError(f"mode {mode!r} runs {' or '.join(formats)} weights ({where}; --weights float int8 runs "
+                             "both where both exist)")
     uses_pack = args.pack is not None or args.model is None
     for mode in args.modes:  # before any model loads
         thresholds = mode_options(args)["thresholds"]

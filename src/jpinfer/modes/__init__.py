@@ -13,10 +13,10 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from jpinfer.models.loading import LoadedModel
-from jpinfer.modes.catalog import INT8_MODES, MODE_NAMES, MODES, REFERENCE_MODE, Mode, ModeInputs, get_mode
+from jpinfer.modes.catalog import FORMAT_MODES, MODE_NAMES, MODES, REFERENCE_MODE, Mode, ModeInputs, get_mode
 from jpinfer.runtime.engine import Engine
 
-__all__ = ["INT8_MODES", "MODE_NAMES", "MODES", "REFERENCE_MODE", "Mode", "ModeInputs", "build_engine", "get_mode"]
+__all__ = ["FORMAT_MODES", "MODE_NAMES", "MODES", "REFERENCE_MODE", "Mode", "ModeInputs", "build_engine", "get_mode"]
 
 
 def build_engine(
@@ -34,9 +34,9 @@ def build_engine(
 ) -> Engine:
     """The engine for ``mode`` on a loaded ``model``; arguments as in ``jpinfer.load`` (objects or
     paths), ``devices`` (accelerator, host) and ``hardware`` (for the hybrid's placement)."""
-    from jpinfer.models import int8
+    from jpinfer.models import quantized
 
-    chosen = get_mode(mode, thresholds=thresholds, weights="int8" if int8.is_int8(model.weights) else "float")
+    chosen = get_mode(mode, thresholds=thresholds, weights=quantized.weights_format(model.weights))
     inputs = ModeInputs(predictors, profile, placement, gpu_budget, thresholds, capacity)
     chosen.check(inputs)
     return chosen.build(model, inputs, devices=devices, hardware=hardware)

@@ -54,7 +54,7 @@ class Mode:
 
     name: str = ""
     label: str = ""  # how results name it (the name, or the variant)
-    int8: bool = False  # has an int8-weights form (``models.int8``)
+    weight_formats: tuple[str, ...] = ("float",)  # the weights formats it runs (``models.quantized``)
     uses_pack: bool = True  # takes what it needs from a pack
     two_devices: bool = False  # runs over an accelerator and the host (two simulated CPU devices without a GPU)
 
@@ -79,7 +79,7 @@ class Mode:
 
 class Dense(Mode):
     name = label = "dense"
-    int8 = True
+    weight_formats = WEIGHT_FORMATS
     uses_pack = False
 
     def build(self, model, inputs, *, devices=None, hardware=None):
@@ -130,7 +130,7 @@ class _Predicted(Mode):
 class _Thresholded(Mode):
     """A mode whose neurons and input dimensions calibrated thresholds choose (no predictors)."""
 
-    int8 = True
+    weight_formats = ("float", "int8")  # its layouts hold float or int8 rows (``sparse.threshold_layout``)
 
     def check(self, inputs):
         if inputs.predictors is not None:
@@ -201,7 +201,7 @@ class Sparse(_Predicted):
 
 class HybridThreshold(_Split, _Thresholded):
     name, label = "hybrid", "hybrid (threshold)"
-    int8 = False  # its parts are moved and cast per device as float arrays
+    weight_formats = ("float",)  # its parts are moved and cast per device as float arrays
 
     def build(self, model, inputs, *, devices=None, hardware=None):
         from jpinfer.modes.engines import hybrid_engine
@@ -243,19 +243,20 @@ def _given(value: Any, default: Any) -> Any:
 HYBRID_THRESHOLD = HybridThreshold()
 MODES: dict[str, Mode] = {mode.name: mode for mode in (Dense(), Sparse(), Hybrid(), Threshold())}
 MODE_NAMES: tuple[str, ...] = tuple(MODES)  # jpinfer.load(mode=...), the CLI's --mode choices
-INT8_MODES: tuple[str, ...] = tuple(name for name, mode in MODES.items() if mode.int8)
+FORMAT_MODES: dict[str, tuple[str, ...]] = {  # weights format -> the modes that run it
+    fmt: tuple(name for name, mode in MODES.items() if fmt in mode.weight_formats) for fmt in WEIGHT_FORMATS}
 REFERENCE_MODE = "dense"  # what benchmarks compare every other mode with
 
 
 def get_mode(name: str, *, thresholds: Any = None, weights: str = "float") -> Mode:
     """The mode called ``name`` (its variant for ``thresholds`` where it has one); a ``JpinferError``
-    when the name is unknown or ``weights`` ("float" or "int8") has no form in that mode."""
+    when the name is unknown or ``weights`` (``config.WEIGHT_FORMATS``) has no form in that mode."""
     if name not in MODES:
         raise JpinferError(f"unknown mode {name!r}; choose one of {', '.join(MODE_NAMES)}")
     if weights not in WEIGHT_FORMATS:
         raise JpinferError(f"unknown weights format {weights!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
     mode = MODES[name].variant_for(thresholds)
-    if weights == "int8" and not mode.int8:
-        raise JpinferError(f"int8 weights run in the modes {' and '.join(INT8_MODES)}; mode {name!r} reads float "
-                           "neuron bundles: use mode 'threshold' (training-free sparsity) or float weights")
+    if weights not in mode.weight_formats:
+        raise JpinferError(f"{weights} weights run in the modes {' and '.join(FORMAT_MODES[weights])}; mode "
+                           f"{mode.label!r} runs {' or '.join(mode.weight_formats)} weights")
     return mode

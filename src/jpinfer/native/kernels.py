@@ -17,7 +17,6 @@ counts each time it is listed (like the XLA loop, which sums every listed entry)
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -25,12 +24,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jpinfer.activations import activate
-from jpinfer.models.int8 import Int8Matrix, integer_product, matmul, quantize_tokens
 from jpinfer.native.library import native_available, unavailable_reason
+from jpinfer.quant import int8, q4
+from jpinfer.quant.int8 import Int8Matrix
+from jpinfer.quant.q4 import Q4Matrix
 
 MAX_TOKENS = 8
 KINDS = {"swiglu": 0, "reglu": 1, "drelu": 2, "relu": 3}  # csrc/sparse_ffn.cc Kind
-QK = 32  # weights per 4-bit block (llama.cpp's QK4_0 / QK4_1) and per block of quantized activations
 
 
 def _use_native(native: bool | None) -> bool:
@@ -234,9 +234,9 @@ def threshold_rows_product_int8(values, scales, x, threshold, *, native: bool | 
                                 ) -> tuple[jax.Array, jax.Array]:
     """``threshold_rows_product`` over an int8 matrix: (y float32 (T, M), kept counts int32 (T,)).
 
-    values int8 (N, M) with one float32 scale per column (jpinfer.models.int8.Int8Matrix with scale_axis
+    values int8 (N, M) with one float32 scale per column (``quant.int8.Int8Matrix`` with scale_axis
     1: the input-major / neuron-major copies of the threshold layout). x is quantized per token whole
-    (``quantize_tokens``), the entries with |x| > threshold (on the float x) keep their integers, the
+    (``quant.int8.quantize_tokens``), the entries with |x| > threshold (on the float x) keep their integers, the
     kept rows are summed exactly in int32, and y = acc * (token scale * column scale): the integers and
     formula of jpinfer.sparse.threshold_layout's int8 path for one token, and of its masked product for several
     (quantizing the masked x gives the same integers: its peak is x's when anything is kept)."""
@@ -255,8 +255,8 @@ def threshold_rows_product_int8(values, scales, x, threshold, *, native: bool | 
         y, counts = _per_group(call, x2)
     else:
         keep = jnp.abs(x2) > thr
-        q, token_scales = quantize_tokens(x2)
-        acc = integer_product(jnp.where(keep, q, 0), Int8Matrix(values, scales, 1))
+        q, token_scales = int8.quantize_tokens(x2)
+        acc = int8.integer_product(jnp.where(keep, q, 0), Int8Matrix(values, scales, 1))
         y = acc.astype(jnp.float32) * (token_scales[:, None] * scales[None, :])
         counts = keep.sum(-1, dtype=jnp.int32)
     return (y[0], counts[0]) if flat else (y, counts)
@@ -266,9 +266,9 @@ def threshold_rows_product_int8(values, scales, x, threshold, *, native: bool | 
 
 def int8_matvec(values, scales, x, *, native: bool | None = None) -> jax.Array:
     """W8A8 product W @ x per token, float32 (T, out) (or (out,)): ``values`` int8 (out, in) with one
-    float32 scale per row (jpinfer.models.int8.Int8Matrix with scale_axis 0); x quantized per token
-    inside (``quantize_tokens``); exact int32 sums; y = acc * (token scale * row scale), the formula
-    of int8.matmul. Values of -128 are allowed (the symmetric quantizer never makes them)."""
+    float32 scale per row (``quant.int8.Int8Matrix`` with scale_axis 0); x quantized per token
+    inside (``quant.int8.quantize_tokens``); exact int32 sums; y = acc * (token scale * row scale), the
+    formula of ``quant.int8.product``. Values of -128 are allowed (the symmetric quantizer never makes them)."""
     values = jnp.asarray(values)
     if values.dtype != jnp.int8 or values.ndim != 2:
         raise ValueError(f"values must be an int8 (out, in) matrix, got {values.dtype} {tuple(values.shape)}")
@@ -280,160 +280,18 @@ def int8_matvec(values, scales, x, *, native: bool | None = None) -> jax.Array:
                                            vmap_method="sequential")(values, scales, xt)
         y = _per_group(call, x2)
     else:
-        y = matmul(x2, Int8Matrix(values, scales, 0))
+        y = int8.product(x2, Int8Matrix(values, scales, 0))
     return y[0] if flat else y
 
 
 # ---------------------------------------------------------------- 4-bit blocks (llama.cpp Q4_0 / Q4_1)
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class Q4Matrix:
-    """A 4-bit (out, in) matrix in blocks of 32 along the input, llama.cpp semantics:
-    q4_0: w = scale * (q - 8); q4_1: w = scale * q + min; q in 0..15.
-
-    packed: uint8 (out, in / 2): within each block's 16 bytes, byte i holds element i (low nibble)
-            and element i + 16 (high nibble), the order of llama.cpp's block ``qs``;
-    scales: float16 (out, in / 32); mins: float16 (out, in / 32) for q4_1, None for q4_0."""
-
-    packed: jax.Array
-    scales: jax.Array
-    mins: jax.Array | None
-    kind: str = dataclasses.field(metadata=dict(static=True))
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.packed.shape[0], self.packed.shape[1] * 2
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.packed.nbytes) + int(self.scales.nbytes) + (0 if self.mins is None else int(self.mins.nbytes))
-
-
-def _blocks(w) -> np.ndarray:
-    w = np.asarray(w, np.float32)
-    if w.ndim != 2 or w.shape[1] % QK:
-        raise ValueError(f"a 4-bit matrix must be (out, in) with in a multiple of {QK}, got shape {w.shape}")
-    return w.reshape(w.shape[0], -1, QK)
-
-
-def _pack(q: np.ndarray) -> np.ndarray:
-    """q (out, nb, 32) in 0..15 -> packed (out, nb * 16): byte i = q[i] | q[i + 16] << 4."""
-    q = q.astype(np.uint8)
-    return (q[..., :16] | (q[..., 16:] << 4)).reshape(q.shape[0], -1)
-
-
-def _unpack(packed: np.ndarray) -> np.ndarray:
-    """packed (out, in / 2) -> q (out, nb, 32)."""
-    b = np.asarray(packed, np.uint8).reshape(packed.shape[0], -1, 16)
-    return np.concatenate([b & 0x0F, b >> 4], axis=-1)
-
-
-def quantize_q4_0(w) -> Q4Matrix:
-    """llama.cpp's quantize_row_q4_0 on each block (float32): d = (the value of largest magnitude) / -8,
-    q = min(15, trunc(x / d + 8.5)); the scale is stored as float16 (the integers use the float32 d)."""
-    x = _blocks(w)
-    idx = np.abs(x).argmax(axis=-1)[..., None]
-    vmax = np.take_along_axis(x, idx, axis=-1)
-    d = vmax / np.float32(-8)
-    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
-    q = np.minimum(15, np.trunc(x * inv + np.float32(8.5))).astype(np.uint8)
-    return Q4Matrix(jnp.asarray(_pack(q)), jnp.asarray(d[..., 0].astype(np.float16)), None, "q4_0")
-
-
-def quantize_q4_1(w) -> Q4Matrix:
-    """llama.cpp's quantize_row_q4_1 on each block (float32): d = (max - min) / 15,
-    q = min(15, trunc((x - min) / d + 0.5)); scale d and min stored as float16."""
-    x = _blocks(w)
-    lo, hi = x.min(axis=-1, keepdims=True), x.max(axis=-1, keepdims=True)
-    d = (hi - lo) / np.float32(15)
-    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
-    q = np.minimum(15, np.trunc((x - lo) * inv + np.float32(0.5))).astype(np.uint8)
-    return Q4Matrix(jnp.asarray(_pack(q)), jnp.asarray(d[..., 0].astype(np.float16)),
-                    jnp.asarray(lo[..., 0].astype(np.float16)), "q4_1")
-
-
-def dequantize_q4(m: Q4Matrix) -> np.ndarray:
-    """The float32 (out, in) matrix a Q4Matrix represents."""
-    q = _unpack(np.asarray(m.packed)).astype(np.float32)
-    d = np.asarray(m.scales, np.float32)[..., None]
-    w = d * (q - 8) if m.kind == "q4_0" else d * q + np.asarray(m.mins, np.float32)[..., None]
-    return w.reshape(q.shape[0], -1)
-
-
-GGUF_BLOCK_BYTES = {"q4_0": 18, "q4_1": 20}  # fp16 d [, fp16 m], 16 bytes qs
-
-
-def q4_from_gguf(raw, shape: tuple[int, int], kind: str) -> Q4Matrix:
-    """A Q4Matrix from a GGUF Q4_0 / Q4_1 tensor's bytes (``raw``: its uint8 data, blocks in row order;
-    ``shape``: (out, in), i.e. GGUF's (ne1, ne0)): the scales, mins and nibbles are split out of each
-    block as they are, no float round trip."""
-    if kind not in GGUF_BLOCK_BYTES:
-        raise ValueError(f"kind must be one of {tuple(GGUF_BLOCK_BYTES)}, got {kind!r}")
-    out, inp = shape
-    if inp % QK:
-        raise ValueError(f"in ({inp}) must be a multiple of {QK}")
-    size = GGUF_BLOCK_BYTES[kind]
-    raw = np.ascontiguousarray(np.asarray(raw, np.uint8)).reshape(-1)
-    if raw.size != out * inp // QK * size:
-        raise ValueError(f"{kind} data of shape {shape} holds {out * inp // QK * size} bytes, got {raw.size}")
-    blocks = raw.reshape(out, inp // QK, size)
-    scales = blocks[..., 0:2].copy().view(np.float16)[..., 0]
-    mins = blocks[..., 2:4].copy().view(np.float16)[..., 0] if kind == "q4_1" else None
-    packed = blocks[..., size - 16:].reshape(out, inp // 2)
-    return Q4Matrix(jnp.asarray(packed), jnp.asarray(scales), None if mins is None else jnp.asarray(mins), kind)
-
-
-def q4_to_gguf(m: Q4Matrix) -> np.ndarray:
-    """The GGUF block bytes (uint8, flat) of a Q4Matrix (inverse of ``q4_from_gguf``)."""
-    out, inp = m.shape
-    nb = inp // QK
-    parts = [np.asarray(m.scales, np.float16).reshape(out, nb, 1).view(np.uint8)]
-    if m.kind == "q4_1":
-        parts.append(np.asarray(m.mins, np.float16).reshape(out, nb, 1).view(np.uint8))
-    parts.append(np.asarray(m.packed, np.uint8).reshape(out, nb, 16))
-    return np.concatenate(parts, axis=-1).reshape(-1)
-
-
-def quantize_blocks_q8(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """x (T, in) to int8 in blocks of 32 as the 4-bit kernels do: (q (T, in) int8, scale (T, in/32) float32,
-    sum of each block's q (T, in/32) int32), the rounding of ``quantize_tokens`` per block."""
-    T, inp = x.shape
-    xb = x.astype(jnp.float32).reshape(T, inp // QK, QK)
-    q, scale = quantize_tokens(xb)
-    return q.reshape(T, inp), scale, q.astype(jnp.int32).sum(-1)
-
-
-@jax.jit
-def _xla_q4(m: Q4Matrix, x2: jax.Array) -> jax.Array:
-    out, inp = m.shape
-    nb = inp // QK
-    b = m.packed.reshape(out, nb, 16)
-    q = jnp.concatenate([b & 0x0F, b >> 4], axis=-1).astype(jnp.int32)  # (out, nb, 32)
-    if m.kind == "q4_0":
-        q = q - 8
-    xq, xd, xs = quantize_blocks_q8(x2)
-    isum = jnp.einsum("obj,tbj->tob", q, xq.reshape(-1, nb, QK).astype(jnp.int32))
-    dw = m.scales.astype(jnp.float32)
-    y = jnp.sum((dw[None] * xd[:, None, :]) * isum.astype(jnp.float32), axis=-1)
-    if m.kind == "q4_1":
-        y = y + jnp.sum(m.mins.astype(jnp.float32)[None] * xd[:, None, :] * xs[:, None, :].astype(jnp.float32), -1)
-    return y
-
-
 def q4_matvec(m: Q4Matrix, x, *, native: bool | None = None) -> jax.Array:
     """W @ x per token for a 4-bit matrix, float32 (T, out) (or (out,)). x is quantized to int8 in blocks
-    of 32 (``quantize_blocks_q8``, llama.cpp's Q8_0 pairing): y = sum over blocks of
+    of 32 (``quant.q4.quantize_blocks``, llama.cpp's Q8_0 pairing): y = sum over blocks of
     scale_w * scale_x * (exact int32 block sum) [+ min_w * scale_x * sum of the block's q for q4_1]."""
-    if not isinstance(m, Q4Matrix) or m.kind not in GGUF_BLOCK_BYTES:
-        raise ValueError("m must be a Q4Matrix of kind q4_0 or q4_1")
+    q4.check(m)
     out, inp = m.shape
-    if m.packed.dtype != jnp.uint8 or m.scales.dtype != jnp.float16 or tuple(m.scales.shape) != (out, inp // QK):
-        raise ValueError("Q4Matrix: packed must be uint8 (out, in/2), scales float16 (out, in/32)")
-    if m.kind == "q4_1" and (m.mins is None or m.mins.dtype != jnp.float16 or tuple(m.mins.shape) != (out, inp // QK)):
-        raise ValueError("Q4Matrix q4_1: mins must be float16 (out, in/32)")
-    if inp % QK:
-        raise ValueError(f"in ({inp}) must be a multiple of {QK}")
     x2, flat = _tokens(x, inp)
     if _use_native(native):
         mins = m.mins if m.kind == "q4_1" else jnp.zeros((0,), jnp.float16)
@@ -442,13 +300,11 @@ def q4_matvec(m: Q4Matrix, x, *, native: bool | None = None) -> jax.Array:
             m.packed, m.scales, mins, xt)
         y = _per_group(call, x2)
     else:
-        y = _xla_q4(m, x2)
+        y = q4.product(m, x2)
     return y[0] if flat else y
 
 
 __all__ = [
-    "MAX_TOKENS", "KINDS", "Q4Matrix", "sparse_ffn", "sparse_activations", "listed_rows_sum", "threshold_rows_product",
-    "threshold_rows_product_int8",
-    "int8_matvec", "q4_matvec", "quantize_q4_0", "quantize_q4_1",
-    "dequantize_q4", "q4_from_gguf", "q4_to_gguf", "quantize_blocks_q8",
+    "MAX_TOKENS", "KINDS", "sparse_ffn", "sparse_activations", "listed_rows_sum", "threshold_rows_product",
+    "threshold_rows_product_int8", "int8_matvec", "q4_matvec",
 ]

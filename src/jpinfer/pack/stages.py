@@ -24,7 +24,7 @@ import numpy as np
 from jpinfer import artifacts
 from jpinfer.cache import CacheWarning, cache_dir
 from jpinfer.errors import JpinferError
-from jpinfer.models import int8
+from jpinfer.models import quantized
 from jpinfer.models.identity import model_fingerprint
 from jpinfer.models.loading import LoadedModel, ModelArg, resolve_model
 from jpinfer.modes.placement import check_gpu_budget, choose_placement
@@ -153,7 +153,7 @@ def prepare(model: ModelArg = None, out: str | os.PathLike | None = None, settin
     except TypeError as e:  # an unknown setting name
         raise JpinferError(f"prepare: {e}; the settings are the fields of jpinfer.pack.PackSettings") from None
     loaded = resolve_model(model)
-    if int8.is_int8(loaded.weights):
+    if quantized.weights_format(loaded.weights) != "float":
         raise JpinferError("packs hold float models' predictors and placements: prepare the float model "
                            "(the int8 form's threshold mode profiles with jpinfer profile --weights int8)")
     cfg = loaded.cfg

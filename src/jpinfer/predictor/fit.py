@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from jpinfer.config import ModelConfig
 from jpinfer.errors import JpinferError
-from jpinfer.models import int8, transformer
+from jpinfer.models import quantized, transformer
 from jpinfer.models.loading import LoadedModel, ModelArg, resolve_model
 from jpinfer.models.params import Layer
 from jpinfer.predictor import sizing
@@ -54,7 +54,7 @@ def model_params(model: ModelArg) -> int:
 def _contributions(layer: Layer, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     """|a_i| * ||down_i||: how far each neuron moves the FFN output, per sample (n, d_ff)."""
     a = transformer.ffn_activations(layer, x.astype(jnp.float32), cfg)
-    return jnp.abs(a) * jnp.linalg.norm(int8.as_float(layer.w_down), axis=0)
+    return jnp.abs(a) * jnp.linalg.norm(quantized.as_float(layer.w_down), axis=0)
 
 
 def strong_limit(model: LoadedModel, layer: int, inputs: np.ndarray, masks: np.ndarray,

@@ -30,7 +30,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jpinfer.config import ModelConfig
-from jpinfer.models import int8, transformer
+from jpinfer.models import quantized, transformer
 from jpinfer.models.loading import ModelArg, resolve_model
 from jpinfer.models.params import Layer
 from jpinfer.profiler import passes
@@ -196,7 +196,7 @@ def _window_derivatives(weights, tokens, valid, level_thresholds, cfg, score):
     grads, aux = jax.grad(loss, has_aux=True)(probes)
     out = []
     for l, (a, s) in enumerate(aux):  # contrib: each entry times dL/d(entry); removing it costs -contrib
-        dl_da = grads[l] if score == INPUT else grads[l] @ int8.as_float(weights.layers[l].w_down, grads[l].dtype)
+        dl_da = grads[l] if score == INPUT else grads[l] @ quantized.as_float(weights.layers[l].w_down, grads[l].dtype)
         contrib = (a * dl_da).astype(jnp.float32)
         thr = level_thresholds[l]
         out.append(jnp.stack([-jnp.where(s <= thr[k], contrib, 0).sum((1, 2)) for k in range(thr.shape[0])], -1))

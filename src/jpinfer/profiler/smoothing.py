@@ -23,10 +23,10 @@ from jpinfer import artifacts
 from jpinfer.cache import CacheWarning, cache_dir
 from jpinfer.config import ModelConfig
 from jpinfer.errors import CacheError
-from jpinfer.models import int8, transformer
+from jpinfer.models import quantized, smoothquant, transformer
 from jpinfer.models.identity import model_fingerprint
-from jpinfer.models.int8 import ChannelPeaks
 from jpinfer.models.loading import LoadedModel
+from jpinfer.models.smoothquant import ChannelPeaks
 from jpinfer.profiler import passes
 from jpinfer.profiler.corpus import TokenWindows, token_windows
 
@@ -63,7 +63,7 @@ def _batch_peaks(weights, tokens: jax.Array, valid: jax.Array, cfg: ModelConfig)
 def channel_peaks(model: LoadedModel, windows: TokenWindows | np.ndarray, *, batch_size: int = 2,
                   progress: bool = False) -> ChannelPeaks:
     """Max |input| per channel of every layer's q/k/v, gate/up and down projections over ``windows``."""
-    if int8.is_int8(model.weights):
+    if quantized.weights_format(model.weights) != "float":
         raise ValueError("channel peaks are taken on the float model, before it is quantized")
     tokens = passes.as_tokens(windows, model.cfg.vocab_size)
     total = None
@@ -138,7 +138,7 @@ def calibration_windows(tokenizer) -> TokenWindows:
 
 def int8_model(model: LoadedModel, windows: TokenWindows | np.ndarray | None = None, *, alpha: float = ALPHA,
                progress: bool = False) -> LoadedModel:
-    """``model`` with int8 weights (``int8.quantize_weights``) after SmoothQuant's migration, the peaks taken
+    """``model`` with int8 weights (``quantized.quantize_weights``) after SmoothQuant's migration, the peaks taken
     on ``windows`` (default: ``calibration_windows``; cached, ``cached_channel_peaks``). A model without
     a tokenizer and no windows given is quantized without migration, with a warning."""
     weights = model.weights
@@ -148,5 +148,5 @@ def int8_model(model: LoadedModel, windows: TokenWindows | np.ndarray | None = N
     else:
         if windows is None:
             windows = calibration_windows(model.tokenizer)
-        weights = int8.smooth(weights, cached_channel_peaks(model, windows, progress=progress), alpha)
-    return LoadedModel(model.cfg, int8.quantize_weights(weights), model.tokenizer, model.source)
+        weights = smoothquant.smooth(weights, cached_channel_peaks(model, windows, progress=progress), alpha)
+    return LoadedModel(model.cfg, quantized.quantize_weights(weights, "int8"), model.tokenizer, model.source)

@@ -20,7 +20,7 @@ import numpy as np
 
 from jpinfer import artifacts
 from jpinfer.errors import ArtifactError
-from jpinfer.models import int8
+from jpinfer.models import quantized
 from jpinfer.models.identity import model_fingerprint
 from jpinfer.models.loading import ModelArg, resolve_model
 from jpinfer.profiler.samples import SAMPLES_REMAKE, PredictorSamples, SamplesError
@@ -202,7 +202,8 @@ class ActivationProfile:
         model = resolve_model(model)
         fingerprint = model_fingerprint(model.cfg, model.weights)
         if fingerprint != self.model_fingerprint:
-            weights = " with int8 weights (jpinfer profile --weights int8)" if int8.is_int8(model.weights) else ""
+            fmt = quantized.weights_format(model.weights)
+            weights = f" with {fmt} weights (jpinfer profile --weights {fmt})" if fmt != "float" else ""
             raise ProfileMismatchError(
                 f"this profile was made for model {self.model_name!r} (fingerprint {self.model_fingerprint[:12]}), "
                 f"not for {model.cfg.name!r} (fingerprint {fingerprint[:12]}): profile this model{weights} first"

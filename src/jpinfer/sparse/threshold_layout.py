@@ -27,11 +27,12 @@ import numpy as np
 
 from jpinfer.activations import activate
 from jpinfer.config import FfnKind
-from jpinfer.models import int8
-from jpinfer.models.int8 import Int8Matrix
+from jpinfer.models import quantized
 from jpinfer.models.params import Layer
 from jpinfer.native import kernels as native_kernels
 from jpinfer.native import native_available
+from jpinfer.quant import int8
+from jpinfer.quant.int8 import Int8Matrix
 from jpinfer.sparse.op import RowsBackend, sparse_rows_product
 
 
@@ -43,7 +44,7 @@ class ThresholdLayout:
     gate_up: (R n, d) as the decoder stores it, or (d, R n) input-major when ``input_sparse``
              (R = 2 gated, gate block first; R = 1 for kind relu).
     down:    (d, n) as the decoder stores it, or (n, d) neuron-major when ``activation_sparse``.
-    (Either may be an ``models.int8.Int8Matrix``, one scale per output, when the model's weights are int8.)
+    (Either may be an ``quant.int8.Int8Matrix``, one scale per output, when the model's weights are int8.)
     input_threshold / activation_threshold: float32 scalars; an entry is kept when its
              magnitude is strictly greater (so 0 keeps every non-zero entry).
     """
@@ -134,26 +135,26 @@ def _xla_project(matrix: jax.Array | Int8Matrix, x: jax.Array, input_major: bool
 
     input_major: ``matrix`` is (in, out) and x's entries at most ``threshold`` are skipped;
     otherwise it is (out, in) and the product is dense. An int8 matrix (one scale per output): every
-    product is W8A8 (``int8.matmul``); one token quantizes x whole (its peak is kept, so the token's
+    product is W8A8 (``quantized.matmul``); one token quantizes x whole (its peak is kept, so the token's
     scale is that of x with the skipped entries zeroed) and sums the kept rows in int32."""
-    quantized = isinstance(matrix, Int8Matrix)
+    is_int8 = isinstance(matrix, Int8Matrix)
     if not input_major:
-        if quantized:
-            product = int8.matmul(x, matrix)
+        if is_int8:
+            product = quantized.matmul(x, matrix)
         else:
             product = jnp.einsum("ti,oi->to", x.astype(matrix.dtype), matrix, preferred_element_type=jnp.float32)
         return product, jnp.full(x.shape[:1], x.shape[1], jnp.int32)
     if x.shape[0] == 1:
         ids, count = kept(x[0], threshold)
-        if quantized:  # the same integers as int8.matmul of x with the skipped entries zeroed
+        if is_int8:  # the same integers as quantized.matmul of x with the skipped entries zeroed
             q, token_scales = int8.quantize_tokens(x)
             acc = sparse_rows_product(matrix.values, q, ids, count, backend=backend)
             return acc.astype(jnp.float32) * (token_scales[:, None] * matrix.scales[None, :]), count[None]
         return sparse_rows_product(matrix, x, ids, count, backend=backend), count[None]
     keep = jnp.abs(x.astype(jnp.float32)) > threshold
     masked = jnp.where(keep, x, 0)
-    if quantized:
-        product = int8.matmul(masked, matrix)
+    if is_int8:
+        product = quantized.matmul(masked, matrix)
     else:
         product = jnp.einsum("ti,io->to", masked.astype(matrix.dtype), matrix, preferred_element_type=jnp.float32)
     return product, keep.sum(-1, dtype=jnp.int32)

@@ -1,0 +1,145 @@
+"""Quantized decoder weights: their format, quantizing a float model, and the product they run through.
+
+Formats (``config.WEIGHT_FORMATS``, ``jpinfer.load(weights=...)``):
+- "float": every tensor in the model's dtype;
+- "int8": q/k/v, o, gate/up, down and the head as ``quant.int8.Int8Matrix`` (one scale per output, W8A8);
+- "int4": q/k/v, o, gate/up and down as ``quant.q4.Q4Matrix`` (llama.cpp's blocks of 32, W4A8); the head
+  stays int8 per row, as llama.cpp keeps its output matrix at 6 to 8 bits (its Q4 files store the default
+  model's tied head as Q8_0). Norms, biases and an untied input embedding stay float in both.
+
+``matmul`` is the one product of every quantized matrix. On the CPU, for up to
+``native.kernels.MAX_TOKENS`` tokens (every decode step), it runs the native kernel
+(``native.kernels.int8_matvec`` / ``q4_matvec``: weights read once for all tokens, on every core);
+elsewhere the XLA form of ``quant``: on an accelerator, for prompts of more tokens (one native call
+per 8 tokens would read the weights again for each group, where XLA's GEMM reads them once), for an
+input-major int8 copy, and when the native library is unavailable. The two compute the same
+integers (exactly) and scale them in another order (float32 rounding).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jpinfer.models.params import Weights
+from jpinfer.native import kernels as native_kernels
+from jpinfer.native import native_available
+from jpinfer.quant import int8, q4
+from jpinfer.quant.int8 import Int8Matrix
+from jpinfer.quant.q4 import Q4Matrix
+
+QuantizedMatrix = Int8Matrix | Q4Matrix
+INT4_KIND = "q4_1"  # the 4-bit blocks a float checkpoint is quantized to: the default model's own format
+
+
+def is_quantized(w) -> bool:
+    return isinstance(w, (Int8Matrix, Q4Matrix))
+
+
+def weights_format(weights: Weights) -> str:
+    """"float", "int8" or "int4": the format of the decoder's projections (int4 where any is 4-bit)."""
+    layer = weights.layers[0]
+    projections = (layer.w_qkv, layer.wo, layer.w_gate_up, layer.w_down)
+    if any(isinstance(w, Q4Matrix) for w in projections):
+        return "int4"
+    return "int8" if isinstance(layer.w_gate_up, Int8Matrix) else "float"
+
+
+def as_float(w: jax.Array | QuantizedMatrix, dtype=jnp.float32) -> jax.Array:
+    """A weight as the float matrix it stands for, in its stored orientation (for the rare whole-matrix
+    uses outside the products, e.g. a column norm); a float weight is cast to ``dtype``."""
+    if isinstance(w, Int8Matrix):
+        return int8.dequantize(w, dtype)
+    if isinstance(w, Q4Matrix):
+        return q4.dequantize(w, dtype)
+    return w.astype(dtype)
+
+
+def rows(w: QuantizedMatrix, index: jax.Array, dtype=jnp.float32) -> jax.Array:
+    """The dequantized rows at ``index`` (any shape) of an (out, in) quantized matrix: the embeddings of
+    a tied quantized head."""
+    return int8.rows(w, index, dtype) if isinstance(w, Int8Matrix) else q4.rows(w, index, dtype)
+
+
+def matmul(x: jax.Array, w: QuantizedMatrix) -> jax.Array:
+    """x (..., in) times the matrix ``w`` stands for, float32 (..., out): W @ x per token for an (out, in)
+    matrix, x @ M for an int8 (in, out) one (scale_axis 1).
+
+    Differentiable in x (the loss sensitivities of ``profiler.calibration`` run through it): the
+    derivative is the straight-through one, that of the dequantized matrix, since rounding x to
+    int8 has a zero derivative almost everywhere and would silently zero every gradient."""
+    if x.shape[-1] != w.inputs:
+        raise ValueError(f"x has {x.shape[-1]} features, the quantized matrix {w.shape} takes {w.inputs}")
+    y = _product(x.reshape(-1, w.inputs).astype(jnp.float32), w)
+    return y.reshape(*x.shape[:-1], w.outputs)
+
+
+def _xla_product(tokens: jax.Array, w: QuantizedMatrix) -> jax.Array:
+    return int8.product(tokens, w) if isinstance(w, Int8Matrix) else q4.product(w, tokens)
+
+
+def _native_product(tokens: jax.Array, w: QuantizedMatrix) -> jax.Array:
+    if isinstance(w, Int8Matrix):
+        return native_kernels.int8_matvec(w.values, w.scales, tokens, native=True)
+    return native_kernels.q4_matvec(w, tokens, native=True)
+
+
+@jax.custom_jvp
+def _product(tokens: jax.Array, w: QuantizedMatrix) -> jax.Array:
+    native_form = isinstance(w, Q4Matrix) or w.scale_axis == 0
+    if tokens.shape[0] > native_kernels.MAX_TOKENS or not native_form or not native_available():
+        return _xla_product(tokens, w)
+    return jax.lax.platform_dependent(tokens, w, cpu=_native_product, default=_xla_product)
+
+
+@_product.defjvp
+def _product_jvp(primals, tangents):
+    tokens, w = primals
+
+    def dequantized(t, m):  # the float product; linear in t and in the scales (and mins)
+        matrix = as_float(m)
+        return t @ (matrix if isinstance(m, Int8Matrix) and m.scale_axis == 1 else matrix.T)
+
+    _, dy = jax.jvp(dequantized, primals, tangents)
+    return _product(tokens, w), dy
+
+
+def quantize_weights(weights: Weights, fmt: str, blocks: dict[str, Q4Matrix] | None = None) -> Weights:
+    """Float ``weights`` in the format ``fmt`` ("int8" or "int4"; module docstring).
+
+    int8: every projection and the head per output row (the head as a (vocab, d_model) matrix; a tied
+    model's input embedding is then read from those rows, so nothing is stored twice; an embedding of
+    its own stays float: it is read one row per token, nothing to gain, and quantizing it cost the
+    default model 0.4% perplexity after the migration, a scratch run).
+    int4: the projections in 4-bit blocks, taken from ``blocks`` where given (a GGUF file's own Q4_0 /
+    Q4_1 tensors, fused like the float ones: ``gguf_loader.read_q4_blocks``), else quantized to
+    ``INT4_KIND``; a projection whose input width is not a multiple of 32 (the blocks' width), and the
+    head, int8."""
+    if fmt not in ("int8", "int4"):
+        raise ValueError(f"fmt must be 'int8' or 'int4', got {fmt!r}")
+    if fmt == "int8" and blocks:
+        raise ValueError("4-bit blocks make int4 weights, not int8")
+    if weights_format(weights) != "float":
+        raise ValueError(f"the weights are {weights_format(weights)} already")
+    blocks = blocks or {}
+
+    def convert(i: int, name: str, w: jax.Array) -> QuantizedMatrix:
+        stored = blocks.get(f"layers.{i}.{name}")
+        if stored is not None:
+            return stored
+        if fmt == "int8" or w.shape[1] % q4.QK:  # 4-bit blocks need whole blocks of 32 inputs
+            return int8.quantize(w)
+        return q4.quantize(w, INT4_KIND)
+
+    layers = [
+        dataclasses.replace(layer, **{name: convert(i, name, getattr(layer, name))
+                                      for name in ("w_qkv", "wo", "w_gate_up", "w_down")})
+        for i, layer in enumerate(weights.layers)
+    ]
+    result = dataclasses.replace(weights, layers=layers, head=int8.quantize(np.asarray(weights.head).T))
+    if weights_format(result) != fmt:  # every layer has the shapes of the first
+        raise ValueError(f"int4 weights need projections taking a multiple of {q4.QK} inputs; this model has none")
+    return result
