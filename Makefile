@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: setup setup-test bench test test-fast test-slow lint clean
+.PHONY: setup setup-test bench test test-slow lint clean
 
 $(VENV)/.installed: pyproject.toml setup.py $(wildcard src/jpinfer/native/csrc/*)
 	$(PYTHON) -m venv $(VENV)
@@ -28,17 +28,15 @@ bench: setup
 	$(PIP) install -q -e ".[bench]"
 	$(PY) -m jpinfer.bench
 
+# `make test` leaves out the tests marked slow (the default model, long runs): `make test-slow` runs them; CI runs both
 test: setup-test
-	$(PY) -m pytest -q
-
-lint: setup-test
-	$(PY) -m ruff check src tests bench
-
-test-fast: setup-test
 	$(PY) -m pytest -q -m "not slow"
 
 test-slow: setup-test
 	$(PY) -m pytest -q -m slow
+
+lint: setup-test
+	$(PY) -m ruff check src tests bench
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache src/jpinfer/native/_jpinfer_native*.so

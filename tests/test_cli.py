@@ -77,9 +77,17 @@ def test_console_script_and_module_entry_points_agree():
     entry points all reach the same parser."""
     script = pathlib.Path(sys.executable).with_name("jpinfer")
     assert script.exists(), "the jpinfer console script is not installed (pip install -e .)"
-    for command in ([str(script), "place", "--help"], [sys.executable, "-m", "jpinfer", "place", "--help"],
-                    [sys.executable, "-m", "jpinfer.solver", "--help"]):
-        out = subprocess.run(command, capture_output=True, text=True, timeout=120, check=True).stdout
+    commands = ([str(script), "place", "--help"], [sys.executable, "-m", "jpinfer", "place", "--help"],
+                [sys.executable, "-m", "jpinfer.solver", "--help"])
+    # started together: each spends seconds importing jax, and two cores run two imports at once
+    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for c in commands]
+    try:
+        outputs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for command, p, (out, err) in zip(commands, procs, outputs):
+        assert p.returncode == 0, (command, err[-2000:])
         assert "--budget-gib" in out, command
 
 

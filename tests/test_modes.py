@@ -18,7 +18,7 @@ from jpinfer.modes import build_engine
 from jpinfer.modes.placement import parse_budget
 from jpinfer.predictor import Predictors, PredictorWeights, profile_fingerprint, select_neurons, selection_mask
 from jpinfer.profiler import profile
-from jpinfer.runtime.engine import FfnStrategy, FusedStepper
+from jpinfer.runtime.engine import FfnStrategy, FusedStepper, attend_length
 from jpinfer.runtime.sampling import Sampler
 from jpinfer.solver import InfeasibleBudgetError
 
@@ -83,14 +83,17 @@ def masked_reference(dense, predictors, capacity=None) -> jpinfer.Engine:
 
 
 def forced_logits(engine, prompt, forced) -> np.ndarray:
-    """Prefill ``prompt``, then decode ``forced`` tokens one by one; the logits of every decode step."""
+    """Prefill ``prompt``, then decode ``forced`` tokens one by one; the logits of every decode step. Attention
+    reads the cache slots a generation reads at these positions (``attend_length``), so the prefill is the program
+    ``engine.generate`` compiles for this prompt (compiled once for both)."""
     stepper = engine.stepper
     cache = stepper.new_cache(256)
+    attend = attend_length(16 + len(forced), 256)  # covers every position written
     padded = jnp.asarray(np.pad(np.asarray(prompt, np.int32), (0, 16 - len(prompt)))[None])
-    token, cache, _ = stepper.first(padded, jnp.int32(len(prompt)), cache, jax.random.PRNGKey(0), Sampler(), 256)
+    token, cache, _ = stepper.first(padded, jnp.int32(len(prompt)), cache, jax.random.PRNGKey(0), Sampler(), attend)
     out = []
     for t in forced:
-        step, cache = stepper.step_logits(jnp.asarray([t], jnp.int32), cache, 256)
+        step, cache = stepper.step_logits(jnp.asarray([t], jnp.int32), cache, attend)
         out.append(np.asarray(step[0]))
     return np.stack(out)
 

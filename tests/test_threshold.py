@@ -286,6 +286,7 @@ def test_input_sensitivity_is_the_derivative_of_the_window_loss():
         def __call__(self, i, layer, x, lam):  # lam per token and input dimension of this layer
             return transformer.ffn_dense(layer, x - lam * jnp.where(jnp.abs(x) <= thr[i, 1], x, 0), cfg), None
 
+    @jax.jit  # one program, as in test_profiler.py (op by op, jax.grad below compiled ~200 small programs)
     def window_losses(lam):
         cache = transformer.KVCache.create(cfg, 2, tokens.shape[1])
         h, _, _ = transformer.forward(engine.weights, jnp.asarray(tokens), cache, cfg, ScaledInput(), list(lam))

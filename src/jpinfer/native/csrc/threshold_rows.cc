@@ -1,7 +1,7 @@
 // Threshold sparsity (jpinfer.sparse.threshold) with the compaction inside the kernel:
 //   jpinfer_threshold_rows       y (T, M) = sum over rows j of M (N, M) of x'[t, j] * M[j], counts (T,)
 //   jpinfer_threshold_rows_int8  the same over an int8 matrix with one float32 scale per column
-//                                (jpinfer.models.int8 Int8Matrix, scale_axis 1: the input-major /
+//                                (jpinfer.quant.int8 Int8Matrix, scale_axis 1: the input-major /
 //                                neuron-major copies): x quantized per token whole
 //                                (quantize_tokens' rounding), the kept rows summed exactly in int32,
 //                                y = float(acc) * (token scale * column scale): threshold.py's int8 path.
@@ -139,7 +139,7 @@ ffi::Error ThresholdRowsInt8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> m, f
   int32_t* C = counts->typed_data();
   float* Y = y->typed_data();
 
-  // Per token: the scale of x whole (jpinfer.models.int8.quantize_tokens), kept entries quantized.
+  // Per token: the scale of x whole (jpinfer.quant.int8.quantize_tokens), kept entries quantized.
   float token_scale[kMaxTokens], inverse[kMaxTokens];
   for (int64_t t = 0; t < T; ++t) {
     float peak = 0.0f;
