@@ -24,8 +24,11 @@ setup: $(VENV)/.installed
 
 setup-test: $(VENV)/.installed-test
 
-bench: setup
-	$(PIP) install -q -e ".[bench]"
+$(VENV)/.installed-bench: $(VENV)/.installed
+	$(PIP) install -q -e '.[bench]'
+	touch $@
+
+bench: $(VENV)/.installed-bench
 	$(PY) -m jpinfer.bench
 
 # `make test` leaves out the tests marked slow (the default model, long runs): `make test-slow` runs them; CI runs both

@@ -82,7 +82,7 @@ def test_float32_gguf_is_cached_and_keyed_on_the_source(cache, quantized):
     mtime = first.stat().st_mtime_ns
     assert peer.float32_gguf(source) == first
     assert first.stat().st_mtime_ns == mtime  # not rewritten
-    assert sorted(p.name for p in first.parent.iterdir()) == [first.name]
+    assert sorted(p.name for p in first.parent.iterdir()) == [first.name, f"{first.stem}.json"]  # copy, record
 
     stat = source.stat()
     os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # the source changed: a new copy

@@ -48,6 +48,7 @@ class Damaged(ArtifactError):
 
     def __init__(self, path: os.PathLike | str, problem: str):
         super().__init__(f"{path}: {problem}")
+        self.path, self.problem = pathlib.Path(path), problem
 
 
 def hasher() -> Any:
@@ -161,18 +162,28 @@ def _newest_mtime(path: str) -> float:
     return newest
 
 
-def remove_stale_temps(directory: os.PathLike | str, name: str | None = None, max_age: float = STALE_SECONDS) -> None:
-    """Remove the temporaries in ``directory`` (of artifact ``name``, or of any artifact) in which
-    nothing changed for ``max_age`` seconds: what killed writers left."""
+def is_temp(name: str) -> bool:
+    """Whether a directory entry's name is one of ``temp_path``'s temporaries."""
+    return name.startswith(".") and TEMP_MARK in name
+
+
+def stale_temps(directory: os.PathLike | str, name: str | None = None, max_age: float = STALE_SECONDS
+                ) -> list[pathlib.Path]:
+    """The temporaries in ``directory`` (of artifact ``name``, or of any artifact) in which nothing
+    changed for ``max_age`` seconds: what killed writers left (a live writer touches its temporary)."""
     prefix = "." if name is None else f".{name}{TEMP_MARK}"
     try:
-        entries = [e for e in os.scandir(directory) if e.name.startswith(prefix) and TEMP_MARK in e.name]
+        entries = [e for e in os.scandir(directory) if e.name.startswith(prefix) and is_temp(e.name)]
     except OSError:  # no directory (yet), or one we cannot list: nothing to clean
-        return
+        return []
     now = time.time()
-    for entry in entries:
-        if now - _newest_mtime(entry.path) > max_age:
-            remove(entry.path)
+    return [pathlib.Path(e.path) for e in entries if now - _newest_mtime(e.path) > max_age]
+
+
+def remove_stale_temps(directory: os.PathLike | str, name: str | None = None, max_age: float = STALE_SECONDS) -> None:
+    """Remove ``stale_temps(directory, name, max_age)``."""
+    for path in stale_temps(directory, name, max_age):
+        remove(path)
 
 
 def temp_path(path: os.PathLike | str, directory: bool = False) -> pathlib.Path:

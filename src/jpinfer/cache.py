@@ -13,10 +13,14 @@ class CacheWarning(UserWarning):
     unwritable cache bypassed): the run goes on with correct results, only slower."""
 
 
+def cache_root() -> pathlib.Path:
+    """$JPINFER_CACHE, default ~/.cache/jpinfer (not created here)."""
+    return pathlib.Path(os.environ.get("JPINFER_CACHE") or pathlib.Path.home() / ".cache" / "jpinfer").expanduser()
+
+
 def cache_dir(*parts: str) -> pathlib.Path:
     """A directory under the cache root (created on demand); a CacheError when it cannot be."""
-    root = pathlib.Path(os.environ.get("JPINFER_CACHE") or pathlib.Path.home() / ".cache" / "jpinfer")
-    path = root.joinpath(*parts).expanduser()
+    path = cache_root().joinpath(*parts)
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as err:

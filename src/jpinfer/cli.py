@@ -28,6 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train-predictors": ("jpinfer.predictor.cli", "train per-layer activation predictors from a profile's samples"),
     "place": ("jpinfer.solver.cli", "place the hottest neurons on the accelerator under a memory budget"),
     "prepare": ("jpinfer.pack.cli", "profile, thresholds, predictors and placement of a model, as one pack"),
+    "cache": ("jpinfer.cache_cli", "what the cache directory holds; prune what no current key reaches"),
 }
 
 

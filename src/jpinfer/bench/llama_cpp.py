@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import importlib.util
+import json
 import os
 import pathlib
 import time
@@ -42,13 +43,38 @@ def float32_gguf(source: os.PathLike | str) -> pathlib.Path:
     """
     source = pathlib.Path(source).resolve()
     stat = source.stat()
-    key = hashlib.sha256(f"{source}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    target = cache_dir("peers") / f"{key}.gguf"
-    if target.is_file():
-        return target
-    with artifacts.atomic_write(target) as tmp:  # an interrupted write never leaves a complete-looking file
-        _write_float32(source, tmp)
+    record = {"path": str(source), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    target = cache_dir("peers") / f"{_peer_key(record)}.gguf"
+    if not target.is_file():
+        with artifacts.atomic_write(target) as tmp:  # an interrupted write never leaves a complete-looking file
+            _write_float32(source, tmp)
+    if not target.with_suffix(".json").is_file():  # also for a copy written before the records were
+        with artifacts.atomic_write(target.with_suffix(".json")) as tmp:
+            tmp.write_text(json.dumps({"source": record}))
     return target
+
+
+def _peer_key(source: dict) -> str:
+    """The peer files' name stem for a source GGUF (resolved path, size, modification time)."""
+    return hashlib.sha256(f"{source['path']}\0{source['size']}\0{source['mtime_ns']}".encode()).hexdigest()[:16]
+
+
+def peer_file_problem(path: pathlib.Path) -> str | None:
+    """Why no bench can reach the peer file ``path`` (a float32 copy KEY.gguf, llama.cpp's quantization
+    KEY-TYPE.gguf, or the record KEY.json naming their source) any more; None when it can. Files of a
+    source that is gone or changed are orphans, and so are copies without a record (older jpinfer)."""
+    key = path.name.split(".")[0].split("-")[0]
+    try:
+        source = json.loads((path.parent / f"{key}.json").read_text())["source"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return "no record of its source (written by an older jpinfer, or the record is damaged)"
+    try:
+        stat = os.stat(source["path"])
+    except (OSError, KeyError, TypeError):
+        return f"its source {source.get('path') if isinstance(source, dict) else source} is gone"
+    if _peer_key({**source, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}) != key:
+        return f"its source {source['path']} changed since"
+    return None
 
 
 def _write_float32(source: pathlib.Path, target: pathlib.Path) -> None:

@@ -138,8 +138,7 @@ def _load_gguf_cached(path: pathlib.Path) -> tuple[ModelConfig, dict[str, np.nda
         warnings.warn(f"{err}; loading {path} without the cache", CacheWarning, stacklevel=3)
         return gguf_loader.load_gguf(path)
     artifacts.remove_stale_temps(root)
-    key = hashlib.sha256(f"{GGUF_CACHE_VERSION}|{source['path']}|{stat.st_size}|{stat.st_mtime_ns}".encode())
-    entry = root / key.hexdigest()[:24]
+    entry = root / _gguf_cache_key(source)
     if entry.exists():
         try:
             return _read_cache_entry(entry, source)
@@ -156,6 +155,35 @@ def _load_gguf_cached(path: pathlib.Path) -> tuple[ModelConfig, dict[str, np.nda
                       "caching it: free space there or set JPINFER_CACHE to another directory", CacheWarning,
                       stacklevel=3)
     return cfg, tensors, tok
+
+
+def _gguf_cache_key(source: dict[str, Any]) -> str:
+    """The entry name for a GGUF file (its resolved path, size and modification time) in this cache version."""
+    text = f"{GGUF_CACHE_VERSION}|{source['path']}|{source['size']}|{source['mtime_ns']}"
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def gguf_cache_entry_problem(entry: pathlib.Path) -> str | None:
+    """Why no load can reach the GGUF cache entry ``entry`` any more (None: a load of its file would):
+    written by another cache version, its file changed or gone, or no readable manifest. The files'
+    digests are not checked here (a load does, and rebuilds a damaged entry)."""
+    try:
+        manifest = artifacts.read_json(entry / CACHE_MANIFEST)
+    except artifacts.Damaged as damage:
+        return f"no readable manifest ({damage.problem})"
+    version, source = manifest.get("version"), manifest.get("source")
+    if manifest.get("format") != CACHE_FORMAT or version != GGUF_CACHE_VERSION:
+        return f"cache version {version}, this jpinfer writes {GGUF_CACHE_VERSION}"
+    if not isinstance(source, dict) or not {"path", "size", "mtime_ns"} <= source.keys():
+        return "its manifest names no source file"
+    try:
+        stat = os.stat(source["path"])
+    except OSError:
+        return f"its source {source['path']} is gone"
+    changed = (stat.st_size, stat.st_mtime_ns) != (source["size"], source["mtime_ns"])
+    if changed or entry.name != _gguf_cache_key(source):
+        return f"its source {source['path']} changed since"
+    return None
 
 
 def _write_cache_entry(tmp: pathlib.Path, source: dict[str, Any], cfg: ModelConfig, tensors: dict[str, np.ndarray],

@@ -18,6 +18,7 @@ the next ``prepare`` resumes after the last finished stage.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import pathlib
 from typing import Any
@@ -72,6 +73,18 @@ def read_manifest(path: pathlib.Path) -> dict[str, Any]:
         missing = not (path / MANIFEST).exists()
         raise PackError(f"{path}: not a jpinfer pack (no {MANIFEST})" if missing else f"{damage}: {REMAKE}") from None
     return manifest
+
+
+def pack_problem(path: pathlib.Path) -> str | None:
+    """Why the pack directory ``path`` is of no use to this jpinfer (None: it may be; a damaged or
+    incomplete pack is not a problem here, since ``prepare`` finishes or redoes it): another format version."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("version") == VERSION:
+        return None
+    return f"pack format version {manifest.get('version')}, this jpinfer reads {VERSION}"
 
 
 def write_manifest(path: pathlib.Path, manifest: dict[str, Any]) -> None:
