@@ -15,8 +15,6 @@ from typing import Any
 import numpy as np
 
 from jpinfer.bench.engines import JaxEngine
-from jpinfer.bench.llama_cpp import LlamaCppEngine
-from jpinfer.bench.llama_cpp import perplexity as llama_cpp_perplexity
 from jpinfer.cache import cache_dir
 from jpinfer.data import WIKITEXT2_TEST
 from jpinfer.errors import ArtifactError
@@ -45,12 +43,13 @@ def wikitext_windows(tokenizer: Any, n_windows: int, window: int = WINDOW) -> np
     return token_windows(str(WIKITEXT2_TEST), tokenizer, window=window, n_tokens=n_windows * window).tokens
 
 
-def score(engine: Any, dense: LoadedModel, windows: np.ndarray, activity_thresholds: np.ndarray | None,
-          threads: int) -> Accuracy:
+def score(engine: Any, dense: LoadedModel, windows: np.ndarray, activity_thresholds: np.ndarray | None) -> Accuracy:
     """The engine's accuracy on ``windows`` (``dense``: the same model with its dense FFN;
-    ``activity_thresholds``: what "active" means for the clipped-active count, None: not counted)."""
-    if isinstance(engine, LlamaCppEngine):
-        return Accuracy(llama_cpp_perplexity(engine.model_path, windows, n_threads=threads))
+    ``activity_thresholds``: what "active" means for the clipped-active count, None: not counted).
+    A peer that measures its own (llama.cpp, from its own logits) has a ``perplexity(windows)``."""
+    own = getattr(engine, "perplexity", None)
+    if callable(own):
+        return Accuracy(own(windows))
     if not isinstance(engine, JaxEngine):
         return Accuracy(None)
     model, strategy = decode_equivalent(engine.engine, dense, activity_thresholds)

@@ -2,8 +2,9 @@
 
 Engines: jpinfer's modes (dense, sparse, hybrid, threshold; the sparse ones read a pack: the
 default model's is built into the cache on first use), then the peers that are installed:
-llama.cpp (extra ``peers``) on a float32 GGUF of the same weights and on the original file, and
-transformers' PyTorch eager model. Protocol (PowerInfer, Song et al., 2023): prompts of 8, 64
+llama.cpp (extra ``peers``) on a float32 GGUF of the same weights and on the original file, each in
+a process of its own (``child``: a peer that crashes or hangs is reported and dropped, the bench goes
+on), and transformers' PyTorch eager model. Protocol (PowerInfer, Song et al., 2023): prompts of 8, 64
 and 128 tokens sampled with a seed from the ChatGPT prompts and Alpaca (``prompts``), 128 greedy
 output tokens, batch 1, plus one long prompt. Each round draws new prompts and runs every engine
 on each (``protocol.interleaved_rounds``: the engine order rotating), so machine load hits all
@@ -26,6 +27,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from jpinfer.bench.child import ChildEngine, EngineFailed
 from jpinfer.bench.protocol import (
     AGREEMENT_LABELS,
     AGREEMENT_MEANINGS,
@@ -84,15 +86,19 @@ def _engines(args: argparse.Namespace, modes: list[str], pack: Any) -> list[tupl
     """(engine, resident MB it added) for the jpinfer engines, then the peers asked for and installed."""
     from jpinfer.api import load
     from jpinfer.bench.engines import JaxEngine, TransformersEager
-    from jpinfer.bench.llama_cpp import INSTALL_MESSAGE, LlamaCppEngine, float32_gguf
+    from jpinfer.bench.llama_cpp import INSTALL_MESSAGE, LlamaCppEngine, float32_gguf, peer_engine
 
     options = mode_options(args) | {"pack": pack}
     out = []
 
     def add(make) -> None:
         before = _rss_mb()
-        engine = make()
-        out.append((engine, _rss_mb() - before))
+        try:
+            engine = make()
+        except EngineFailed as failure:  # a peer that cannot even load is reported, and the bench goes on
+            print(f"skipping {failure}", file=sys.stderr)
+            return
+        out.append((engine, None if isinstance(engine, ChildEngine) else _rss_mb() - before))
 
     for mode in modes:
         for dtype in args.dtypes:
@@ -112,10 +118,10 @@ def _engines(args: argparse.Namespace, modes: list[str], pack: Any) -> list[tupl
         else:
             print("writing (once, cached) a float32 GGUF of the same weights for llama.cpp ...", file=sys.stderr)
             f32 = float32_gguf(source)
-            add(lambda: LlamaCppEngine(f32, n_threads=args.threads))
-            add(lambda: LlamaCppEngine(source, n_threads=args.threads))
-            if out[-1][0].name == out[-2][0].name:  # the file is float32 already
-                out.pop()
+            for path in (f32, source):  # each in its own process: a crash there is that peer's alone
+                add(lambda: peer_engine(path, n_threads=args.threads))
+            if len(out) > 1 and out[-1][0].name == out[-2][0].name:  # the file is float32 already
+                out.pop()[0].close()
     if "transformers" in args.peers:
         if TransformersEager.available():
             add(lambda: TransformersEager(str(source)))
@@ -154,11 +160,19 @@ def bench(args: argparse.Namespace) -> dict:
                     engine.warm(n, args.max_new_tokens)
             return call
 
+        failures: dict[int, str] = {}
+
+        def dropped(name: str, error: BaseException) -> None:  # a peer's failure is its own; jpinfer's are bugs
+            if not isinstance(error, EngineFailed):
+                raise error
+            failures[int(name)] = str(error)
+            print(f"dropping {error}", file=sys.stderr)
+
         measured = interleaved_rounds({str(e): run(engine) for e, engine in enumerate(engines)}, args.rounds,
                                       warm={str(e): warm(engine) for e, engine in enumerate(engines)},
-                                      after_run=lambda r, name, done: bar.update(len(lengths)))
-    runs = {e: {n: [res[n] for res in measured.results(str(e))] for n in lengths}  # engine -> length -> per round
-            for e in range(len(engines))}
+                                      after_run=lambda r, name, done: bar.update(len(lengths)), on_error=dropped)
+    kept = [e for e in range(len(engines)) if e not in failures]
+    runs = {e: {n: [res[n] for res in measured.results(str(e))] for n in lengths} for e in kept}  # length -> rounds
 
     scores = [None] * len(engines)
     window = min(accuracy.WINDOW, first.cfg.max_position)
@@ -166,10 +180,14 @@ def bench(args: argparse.Namespace) -> dict:
         dense = _dense_model(engines, args)
         windows = accuracy.wikitext_windows(first.tokenizer, args.ppl_windows, window)
         activity = _activity_thresholds(args, pack)
-        for e, engine in enumerate(tqdm(engines, desc="perplexity", unit="engine", disable=not args.progress)):
-            scores[e] = accuracy.score(engine, dense, windows, activity, args.threads)
+        for e in tqdm(kept, desc="perplexity", unit="engine", disable=not args.progress):
+            try:
+                scores[e] = accuracy.score(engines[e], dense, windows, activity)
+            except EngineFailed as failure:
+                failures[e] = f"perplexity: {failure}"
+                print(f"no perplexity for {failure}", file=sys.stderr)
     return _results(args, engines, [mb for _, mb in loaded], runs, lengths, scores, pack, load_before, window,
-                    measured)
+                    measured, failures)
 
 
 def _dense_model(engines: list, args: argparse.Namespace) -> Any:
@@ -196,13 +214,17 @@ def _e2e_rate(lengths: list[int]) -> Any:
     return lambda res: sum(len(res[n].tokens) for n in lengths) / sum(res[n].total_s for n in lengths)
 
 
-def _results(args, engines, resident_mb, runs, lengths, scores, pack, load_before, window, measured) -> dict:
+def _results(args, engines, resident_mb, runs, lengths, scores, pack, load_before, window, measured,
+             failures) -> dict:
+    """Everything measured, for the engines that finished the rounds (``runs``' keys); ``failures``:
+    engine index -> why it was dropped (or lost its perplexity)."""
     rounds = range(args.rounds)
     decode, e2e = _decode_rate(lengths), _e2e_rate(lengths)
     ref = "0"  # the first engine: dense
     reference = {n: [runs[0][n][r].tokens for r in rounds] for n in lengths}
     summary = []
-    for e, engine in enumerate(engines):
+    for e in runs:
+        engine = engines[e]
         every = [s for n in lengths for s in runs[e][n]]
         steps = np.concatenate([s.step_s for s in every])
         acc = scores[e]
@@ -231,7 +253,7 @@ def _results(args, engines, resident_mb, runs, lengths, scores, pack, load_befor
                        decode_tok_s=float(measured.median(str(e), _decode_rate([n]))),
                        e2e_tok_s=float(measured.median(str(e), _e2e_rate([n]))),
                        decode_vs_dense=float(measured.median_ratio(str(e), ref, _decode_rate([n]))))
-                  for n in lengths for e, engine in enumerate(engines)]
+                  for n in lengths for e in runs for engine in [engines[e]]]
     return {
         "date": m["date"],
         "command": "jpinfer bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]),
@@ -245,6 +267,7 @@ def _results(args, engines, resident_mb, runs, lengths, scores, pack, load_befor
         "machine": m,
         "engines": summary,
         "per_length": per_length,
+        "failures": [{"engine": engines[e].name, "error": error} for e, error in sorted(failures.items())],
         "runs": [{"engine": engines[e].name, "length": n, "round": r, "n_prompt": s.n_prompt, "tokens": s.tokens,
                   "prefill_s": s.prefill_s, "step_s": s.step_s}
                  for e in runs for n in lengths for r, s in enumerate(runs[e][n])],
@@ -293,7 +316,9 @@ def report(results: dict) -> str:
         ("TTFT ms", "ttft_ms", ".1f"), ("decode tok/s", "decode_tok_s", ".1f"), ("x dense", "decode_vs_dense", ".2f"),
         ("end-to-end tok/s", "e2e_tok_s", ".1f"),
     ])
-    return "\n".join(head) + "\n" + main + "\n\n## Per prompt length\n\n" + by_length + "\n"
+    failed = [f"Failed (left out above where it has no numbers): {f['engine']}: {f['error']}."
+              for f in results.get("failures", [])]
+    return "\n".join(head + failed) + "\n" + main + "\n\n## Per prompt length\n\n" + by_length + "\n"
 
 
 def add_arguments(parser: argparse.ArgumentParser, command: str = "bench") -> None:

@@ -8,20 +8,24 @@ ids with the same RunStats timings as the other bench engines.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import importlib.util
 import json
 import os
 import pathlib
+import sys
 import time
 import weakref
+from typing import Iterator
 
 import numpy as np
 from gguf import GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType
 from gguf.quants import dequantize
 
 from jpinfer import artifacts
+from jpinfer.bench.child import ChildEngine, EngineFailed
 from jpinfer.bench.engines import RunStats
 from jpinfer.cache import cache_dir
 
@@ -135,6 +139,32 @@ def _file_type_label(reader: GGUFReader) -> str:
         return f"file type {int(field.contents())}"
 
 
+@contextlib.contextmanager
+def _weight_repacking(on: bool) -> Iterator[None]:
+    """Models loaded in the block repack their weights for the CPU's extra buffer types (llama.cpp's
+    default) or not (``use_extra_bufts`` false: what its AMX repacking needs where it crashes).
+    llama-cpp-python's ``Llama`` takes no argument for it, so its default parameters are wrapped meanwhile."""
+    import llama_cpp.llama_cpp as low
+
+    if on:
+        yield
+        return
+    defaults = low.llama_model_default_params
+    if not hasattr(defaults(), "use_extra_bufts"):
+        raise RuntimeError("this llama-cpp-python cannot turn llama.cpp's weight repacking off (no use_extra_bufts)")
+
+    def without_repacking():
+        params = defaults()
+        params.use_extra_bufts = False
+        return params
+
+    low.llama_model_default_params = without_repacking
+    try:
+        yield
+    finally:
+        low.llama_model_default_params = defaults
+
+
 class LlamaCppEngine:
     """llama.cpp (llama-cpp-python) on CPU, greedy on token ids, timed like the other engines
     (exactly ``max_new_tokens`` tokens, end-of-sequence included, as every bench engine).
@@ -149,22 +179,26 @@ class LlamaCppEngine:
         n_threads: int = 2,
         label: str | None = None,
         n_ctx: int = 2048,
+        repack: bool = True,
     ) -> None:
         import llama_cpp
 
         self.model_path = pathlib.Path(model_path)
+        self.n_threads = n_threads
         reader = GGUFReader(self.model_path)
         self.weight_bytes_per_token = _weight_bytes_per_token(reader)
-        self.name = f"llama.cpp {label or _file_type_label(reader)} ({n_threads} threads)"
+        self.name = (f"llama.cpp {label or _file_type_label(reader)} ({n_threads} threads"
+                     f"{'' if repack else ', no weight repacking'})")
         del reader
         self._llama_cpp = llama_cpp
-        self.llm = llama_cpp.Llama(
-            model_path=str(self.model_path),
-            n_threads=n_threads,
-            n_threads_batch=n_threads,
-            n_ctx=n_ctx,
-            verbose=False,
-        )
+        with _weight_repacking(repack):
+            self.llm = llama_cpp.Llama(
+                model_path=str(self.model_path),
+                n_threads=n_threads,
+                n_threads_batch=n_threads,
+                n_ctx=n_ctx,
+                verbose=False,
+            )
         self.n_ctx = self.llm.n_ctx()
         self.n_vocab = self.llm.n_vocab()
         # Free the model when the engine goes, at the latest at interpreter exit: Llama.__del__
@@ -174,6 +208,10 @@ class LlamaCppEngine:
     @staticmethod
     def available() -> bool:
         return importlib.util.find_spec("llama_cpp") is not None
+
+    def perplexity(self, windows: np.ndarray) -> float:
+        """llama.cpp's own perplexity of this file on token ``windows`` (``perplexity``)."""
+        return perplexity(self.model_path, windows, self.n_threads)
 
     def _greedy(self) -> int:
         """Argmax of the logits of the last evaluated token.
@@ -207,6 +245,24 @@ class LlamaCppEngine:
 
     def warm(self, n_prompt: int, max_new_tokens: int) -> None:
         self.run([0] * n_prompt, 2)
+
+
+def peer_engine(model_path: os.PathLike | str, n_threads: int = 2, label: str | None = None) -> ChildEngine:
+    """A ``LlamaCppEngine`` in a process of its own (``child``), checked with one short decode. Where that
+    decode kills the process (llama.cpp's AMX weight repacking segfaulted on an Intel Xeon VM,
+    2026-12-02), it is tried once more without the repacking, and its name says so. ``EngineFailed``
+    when neither runs."""
+    try:
+        engine = ChildEngine(LlamaCppEngine, model_path, n_threads=n_threads, label=label)
+        engine.warm(8, 2)
+        return engine
+    except EngineFailed as failure:
+        if "process died" not in str(failure):
+            raise
+        print(f"{failure}; trying again without llama.cpp's weight repacking", file=sys.stderr)
+    engine = ChildEngine(LlamaCppEngine, model_path, n_threads=n_threads, label=label, repack=False)
+    engine.warm(8, 2)
+    return engine
 
 
 def quantized_gguf(source: os.PathLike | str, file_type: str) -> pathlib.Path:
