@@ -28,8 +28,9 @@ import statistics
 
 import jpinfer
 from jpinfer.bench.accuracy import parse_point
+from jpinfer.bench.child import EngineFailed
 from jpinfer.bench.engines import JaxEngine, decode_tok_s, e2e_tok_s, speed_rounds, weights_read_per_token
-from jpinfer.bench.llama_cpp import LlamaCppEngine, float32_gguf, perplexity, quantized_gguf
+from jpinfer.bench.llama_cpp import LlamaCppEngine, float32_gguf, peer_engine, quantized_gguf
 from jpinfer.bench.protocol import (
     AGREEMENT_LABELS,
     AGREEMENT_MEANINGS,
@@ -123,7 +124,7 @@ def main() -> None:
                                     - inputs_skipped * gate_up_bytes) / 1e6))
         engines[name] = JaxEngine(name, build_engine(int8_engine.model, "threshold", thresholds=th))
 
-    peers = {}
+    peers, peer_notes = {}, []
     if LlamaCppEngine.available():
         f32_file = float32_gguf(default_model_path())
         q4_0_file = quantized_gguf(f32_file, "Q4_0")
@@ -133,8 +134,16 @@ def main() -> None:
         for label, path in (("F32", f32_file), ("Q8_0", quantized_gguf(f32_file, "Q8_0")),
                             ("Q4_1", default_model_path()), ("Q4_0", q4_0_file)):
             name = f"llama.cpp {label}"
-            rows.append(dict(engine=name, ppl=perplexity(path, test, args.threads)))
-            peers[name] = LlamaCppEngine(path, n_threads=args.threads, label=label)
+            try:  # in a process of its own: a crash there is reported, never the end of this run
+                peer = peer_engine(path, n_threads=args.threads, label=label)
+                rows.append(dict(engine=name, ppl=peer.perplexity(test)))
+            except EngineFailed as failure:
+                peer_notes.append(f"{name} failed and is left out: {failure}.")
+                continue
+            peers[name] = peer
+            if "no weight repacking" in peer.name:
+                peer_notes.append(f"{name} ran without llama.cpp's weight repacking (its first decode crashed "
+                                  "with it).")
     engines |= peers
 
     attribution_windows = test[: args.attribution_windows]
@@ -149,7 +158,11 @@ def main() -> None:
                  for m, full in int8_forms]
         attribution.append(dict(kind=kind, plain=alone[0], migrated=alone[1]))
 
-    measured, loads = speed_rounds(engines, prompts, args.new_tokens, args.rounds)
+    measured, loads = speed_rounds(engines, prompts, args.new_tokens, args.rounds, drop=EngineFailed)
+    peer_notes += [f"{name} failed in the speed rounds and is left out there: {error}."
+                   for name, error in measured.errors.items()]
+    for name in measured.errors:
+        del engines[name]
     tps = {name: measured.values(name, decode_tok_s) for name in engines}
     e2e = {name: measured.values(name, e2e_tok_s) for name in engines}
     reference = "jpinfer float32"
@@ -186,6 +199,7 @@ def main() -> None:
         "first round. 'x llama.cpp': jpinfer's decode tok/s over llama.cpp's on the same weights in the same format "
         "(F32, Q8_0 for int8, the same Q4_1 / Q4_0 blocks for int4), median of same-round ratios, and the "
         "perplexity ratio to that llama.cpp row.",
+        *([""] + peer_notes if peer_notes else []),
         "",
         "| engine | perplexity | x float32 | neurons skipped | weight MB/token | decode tok/s | x float32 | range "
         f"| end to end tok/s | {AGREEMENT_LABELS[positions_agreement]} | x llama.cpp (speed) "
@@ -210,7 +224,7 @@ def main() -> None:
     ] + [f"| {a['kind']} | {a['plain']:.4f} | {a['migrated']:.4f} |" for a in attribution]
     publish("\n".join(lines) + "\n", args.out,
             {"rows": rows, "attribution": attribution, "loads": loads, "tok_s_rounds": tps, "e2e_rounds": e2e,
-             "greedy_agreement": "positions", "machine": machine(load_before)})
+             "greedy_agreement": "positions", "machine": machine(load_before), "peer_notes": peer_notes})
 
 
 if __name__ == "__main__":

@@ -134,6 +134,7 @@ def _engines(args: argparse.Namespace, modes: list[str], pack: Any) -> list[tupl
 def bench(args: argparse.Namespace) -> dict:
     """Run the protocol; returns everything measured (what --json writes)."""
     from jpinfer.bench import accuracy
+    from jpinfer.bench.engines import dropped
     from jpinfer.bench.prompts import sample_prompts
 
     modes = args.modes
@@ -160,17 +161,11 @@ def bench(args: argparse.Namespace) -> dict:
                     engine.warm(n, args.max_new_tokens)
             return call
 
-        failures: dict[int, str] = {}
-
-        def dropped(name: str, error: BaseException) -> None:  # a peer's failure is its own; jpinfer's are bugs
-            if not isinstance(error, EngineFailed):
-                raise error
-            failures[int(name)] = str(error)
-            print(f"dropping {error}", file=sys.stderr)
-
         measured = interleaved_rounds({str(e): run(engine) for e, engine in enumerate(engines)}, args.rounds,
                                       warm={str(e): warm(engine) for e, engine in enumerate(engines)},
-                                      after_run=lambda r, name, done: bar.update(len(lengths)), on_error=dropped)
+                                      after_run=lambda r, name, done: bar.update(len(lengths)),
+                                      on_error=dropped(EngineFailed))  # a peer's failure is its own
+    failures = {int(name): str(error) for name, error in measured.errors.items()}
     kept = [e for e in range(len(engines)) if e not in failures]
     runs = {e: {n: [res[n] for res in measured.results(str(e))] for n in lengths} for e in kept}  # length -> rounds
 

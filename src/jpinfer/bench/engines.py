@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import sys
 import time
 from typing import Callable, Mapping, Protocol
 
@@ -143,10 +144,11 @@ def prefill_tok_s(stats: list[RunStats]) -> float:
 
 
 def speed_rounds(engines: Mapping[str, BenchEngine], prompts: list[list[int]], max_new_tokens: int,
-                 rounds: int) -> tuple[Rounds[list[RunStats]], list[float]]:
+                 rounds: int, drop: type[BaseException] | None = None) -> tuple[Rounds[list[RunStats]], list[float]]:
     """The scripts' speed protocol: ``protocol.interleaved_rounds`` of ``run_prompts`` over the
     engines (each warmed for the prompts' lengths first, untimed), printing each round's decode
-    tok/s; returns the rounds and the 1-minute load average at the start of each round."""
+    tok/s; returns the rounds and the 1-minute load average at the start of each round. An engine
+    raising ``drop`` (a peer's ``child.EngineFailed``) is dropped, said so, and kept in ``Rounds.errors``."""
     loads: list[float] = []
 
     def start(r: int, so_far: Rounds) -> bool:
@@ -160,5 +162,14 @@ def speed_rounds(engines: Mapping[str, BenchEngine], prompts: list[list[int]], m
     measured = interleaved_rounds(
         {name: (lambda r, e=engine: run_prompts(e, prompts, max_new_tokens)) for name, engine in engines.items()},
         rounds, warm={name: warm_prompts(engine, prompts, max_new_tokens) for name, engine in engines.items()},
-        before_round=start, after_round=report)
+        before_round=start, after_round=report, on_error=None if drop is None else dropped(drop))
     return measured, loads
+
+
+def dropped(kind: type[BaseException]) -> Callable[[str, BaseException], None]:
+    """An ``interleaved_rounds`` ``on_error`` that drops the engines raising ``kind`` and re-raises the rest."""
+    def on_error(name: str, error: BaseException) -> None:
+        if not isinstance(error, kind):
+            raise error
+        print(f"dropping {error}", file=sys.stderr, flush=True)  # the error names the engine (EngineFailed does)
+    return on_error
