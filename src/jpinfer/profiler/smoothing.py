@@ -4,7 +4,7 @@ Per-token int8 activations lose most where a few input channels are much larger 
 quantization step is the token's peak / 127). Measured on the default model (scratch runs, WikiText-2
 test, 8 x 512 tokens): W8A8 without migration raised perplexity 3.9%, most of it in the q/k/v inputs
 (quantizing only them: +1.9%), then the down projection's (+1.0%) and the head's (+0.6%); the whole
-table with the migration is in bench/results/int8.md (bench/quantized.py remakes it as quantized.md).
+table with the migration is in bench/results/quantized.md (bench/quantized.py).
 The peaks are taken on the float model, before
 anything is quantized, on bundled text apart from the text the accuracy is measured on.
 """
