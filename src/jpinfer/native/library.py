@@ -30,6 +30,7 @@ LIBRARY_STEM = "_jpinfer_native"  # setup.py's extension jpinfer.native._jpinfer
 # FFI targets: the exported handler symbol, registered under the same name.
 TARGETS = (
     "jpinfer_sparse_ffn",
+    "jpinfer_sparse_ffn_int8",
     "jpinfer_sparse_activations",
     "jpinfer_listed_rows_sum",
     "jpinfer_threshold_rows",
