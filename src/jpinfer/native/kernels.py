@@ -182,7 +182,9 @@ def xla_sparse_ffn_int8(rows, scales, down_scales, b_up, x, ids, count, kind):
     """``sparse_ffn_int8`` in XLA ops (no b_down): the listed bundles gathered at once, the kernel's
     integers and scales (the full list: those of ``quant.int8.product`` on the dense matrices). The
     fallback here and the form ``sparse.op`` runs on accelerators."""
-    n, R = rows.shape[:2]
+    n, R, d = rows.shape
+    if ids.shape[0] == 0:  # an empty list (quantize_tokens needs at least one activation)
+        return jnp.zeros((x.shape[0], d), jnp.float32)
     valid = _valid(ids, count, n)
     safe = jnp.where(valid, ids, 0)
     picked = rows[safe]  # (K, R, d)
