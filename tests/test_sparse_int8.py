@@ -299,8 +299,34 @@ def test_int8_needs_its_own_profile_and_predictors():
         build_engine(float_engine.model, "sparse", predictors=predictors)
 
 
+def test_int4_sparse_runs_int8_copies_of_the_4bit_ffn():
+    """An int4 model's bundles are int8 requantizations of its dequantized 4-bit FFN weights (attention and head
+    stay as they are): all neurons listed, it decodes like the dense model whose FFN matrices are those int8
+    copies (the same integers, test_all_active_sparse_int8_decodes_like_dense_int8's tolerances)."""
+    from jpinfer.quant import int8
+    from jpinfer.quant.q4 import Q4Matrix
+
+    model = tiny_engine("swiglu").model
+    model4 = dataclasses.replace(model, weights=quantized.quantize_weights(model.weights, "int4"))
+    assert isinstance(model4.weights.layers[0].w_gate_up, Q4Matrix)
+    requantized = lambda w: int8.quantize(quantized.as_float(w)) if isinstance(w, Q4Matrix) else w
+    layers = [dataclasses.replace(layer, w_gate_up=requantized(layer.w_gate_up), w_down=requantized(layer.w_down))
+              for layer in model4.weights.layers]
+    reference = jpinfer.Engine(dataclasses.replace(model4, weights=dataclasses.replace(model4.weights, layers=layers)))
+    dense4 = jpinfer.Engine(model4)
+    sparse = build_engine(model4, "sparse", predictors=all_active(dense4), capacity=model.cfg.d_ff)
+    ffn = sparse.ffn.state[0].ffn
+    assert ffn.quantized and isinstance(sparse.weights.layers[0].w_qkv, Q4Matrix)
+    np.testing.assert_array_equal(np.asarray(ffn.rows[:, 2]), np.asarray(layers[0].w_down.values).T)
+    config = GenerationConfig(max_new_tokens=24)
+    tokens = reference.generate(PROMPT, config).token_ids
+    assert sparse.generate(PROMPT, config).token_ids == tokens
+    np.testing.assert_allclose(forced_logits(sparse, PROMPT, tokens[:8]), forced_logits(reference, PROMPT, tokens[:8]),
+                               rtol=KERNEL_RTOL, atol=max(KERNEL_ATOL, DECODER_ATOL))
+
+
 def test_modes_and_formats():
-    """The sparse mode runs int8 weights; the hybrid refuses them saying why."""
+    """The sparse mode runs int8 and int4 weights; the hybrid refuses them saying why."""
     dense = int8_engine("swiglu")
     with pytest.raises(JpinferError, match="mode 'hybrid' runs float weights \\(its hot and cold parts"):
         build_engine(dense.model, "hybrid", predictors=predictors_for(dense, []), placement=[])

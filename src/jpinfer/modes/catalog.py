@@ -192,8 +192,9 @@ class _Split(Mode):
 
 class Sparse(_Predicted):
     name = label = "sparse"
-    # int8 bundles (``sparse.neurons``); an int8 model's predictors are trained on its own FFN inputs
-    weight_formats = ("float", "int8")
+    # int8 bundles (``sparse.neurons``: an int4 model's are int8 copies of its 4-bit FFN weights); a
+    # quantized model's predictors are trained on its own FFN inputs
+    weight_formats = ("float", "int8", "int4")
 
     def build(self, model, inputs, *, devices=None, hardware=None):
         from jpinfer.modes.engines import sparse_engine
