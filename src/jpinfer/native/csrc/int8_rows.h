@@ -166,7 +166,7 @@ inline void Int8Dots(const int8_t* const* w, const int8_t* const* next, const in
 }
 
 // acc[t * ldy + j] += sum_b q[t * 4 + b] * rows[b][j] for j in [j0, j1), four int8 rows (a missing row
-// points at a zero row with weight 0), exact in int32. Rows are widened to int16 and interleaved in
+// points at any valid row with weight 0), exact in int32. Rows are widened to int16 and interleaved in
 // pairs so that one _mm256_madd_epi16 multiplies two rows by their two token weights and adds them.
 inline void AddRowsInt8(const int8_t* const* rows, const int16_t* q, int64_t T, int64_t j0, int64_t j1, int32_t* acc,
                         int64_t ldy, const int8_t* const* next, int n_next) {
