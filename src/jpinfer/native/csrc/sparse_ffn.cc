@@ -227,7 +227,8 @@ ffi::Error ListedRowsSumImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> m, ffi:
 //   3. the down slots summed exactly in int32 weighted by those integers (AddRowsInt8), then
 //      y = float(acc) * (activation scale * down scale[j]).
 // Step 2 needs every activation of a token before any down sum, so the list is walked twice (gate/up
-// rows, then down rows), not fused per block like the float kernel. Step 1 is cut into fixed pieces of
+// rows, then down rows), not fused per block like the float kernel. Step 1 takes up to four gate/up rows
+// a pass (two gated neurons at one or two tokens) sharing each chunk of x, like the dense int8 kernel. Step 1 is cut into fixed pieces of
 // the list, each writing its own activations; step 3 into up to one piece per thread with its own int32
 // partial sum: integer sums are exact, so the result does not depend on the split (deterministic).
 thread_local std::vector<int8_t> tl_xq;
@@ -236,27 +237,33 @@ thread_local std::vector<float> tl_act;
 thread_local std::vector<int16_t> tl_actq;
 thread_local std::vector<int32_t> tl_down;
 
-// Gate/up sums of one bundle: s[slot * T + t]. P = R - 1 rows (1 or 2), T tokens: both rows share each
-// chunk of x while P * T accumulators fit the registers (T <= 4), else one row at a time.
+// Gate/up rows a pass for T tokens (quantized.cc's RowsFor): the rows share each chunk of the quantized
+// x while their rb * T int32 accumulators fit the registers.
+inline int64_t DotRows(int64_t T) { return T <= 2 ? 4 : (T <= 4 ? 2 : 1); }
+
+// s[r * T + t] = exact int32 dot of rows[r] with token t, rb rows (rb <= DotRows(T)): one Int8Dots pass when
+// rb is 2 or 4, else one row at a time.
 template <int T>
-inline void BundleDots(int P, const int8_t* const* rows, const int8_t* const* next, const int8_t* q, int64_t d,
-                       int32_t* s) {
+inline void RowDots(int rb, const int8_t* const* rows, const int8_t* const* next, const int8_t* q, int64_t d,
+                    int32_t* s) {
+  if constexpr (T <= 2)
+    if (rb == 4) return Int8Dots<4, T>(rows, next, q, d, s);
   if constexpr (T <= 4)
-    if (P == 2) return Int8Dots<2, T>(rows, next, q, d, s);
-  for (int r = 0; r < P; ++r) Int8Dots<1, T>(rows + r, next + r, q, d, s + r * T);
+    if (rb == 2) return Int8Dots<2, T>(rows, next, q, d, s);
+  for (int r = 0; r < rb; ++r) Int8Dots<1, T>(rows + r, next + r, q, d, s + r * T);
 }
 
-inline void BundleDotsT(int64_t T, int P, const int8_t* const* rows, const int8_t* const* next, const int8_t* q,
-                        int64_t d, int32_t* s) {
+inline void RowDotsT(int64_t T, int rb, const int8_t* const* rows, const int8_t* const* next, const int8_t* q,
+                     int64_t d, int32_t* s) {
   switch (T) {
-    case 1: return BundleDots<1>(P, rows, next, q, d, s);
-    case 2: return BundleDots<2>(P, rows, next, q, d, s);
-    case 3: return BundleDots<3>(P, rows, next, q, d, s);
-    case 4: return BundleDots<4>(P, rows, next, q, d, s);
-    case 5: return BundleDots<5>(P, rows, next, q, d, s);
-    case 6: return BundleDots<6>(P, rows, next, q, d, s);
-    case 7: return BundleDots<7>(P, rows, next, q, d, s);
-    case 8: return BundleDots<8>(P, rows, next, q, d, s);
+    case 1: return RowDots<1>(rb, rows, next, q, d, s);
+    case 2: return RowDots<2>(rb, rows, next, q, d, s);
+    case 3: return RowDots<3>(rb, rows, next, q, d, s);
+    case 4: return RowDots<4>(rb, rows, next, q, d, s);
+    case 5: return RowDots<5>(rb, rows, next, q, d, s);
+    case 6: return RowDots<6>(rb, rows, next, q, d, s);
+    case 7: return RowDots<7>(rb, rows, next, q, d, s);
+    case 8: return RowDots<8>(rb, rows, next, q, d, s);
   }
 }
 
@@ -299,19 +306,28 @@ ffi::Error SparseFfnInt8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> rows, ff
   QuantizeTokens(x.typed_data(), T, d, q, qs);
   float* act = Scratch(tl_act, size_t(m * T));
   constexpr int64_t kActPiece = 32;
+  const int64_t per_pass = std::max<int64_t>(1, DotRows(T) / P);  // neurons a pass: 2 gated at one token
   ParallelFor(pool, CeilDiv(m, kActPiece), m * P * d, [&](int64_t i) {
     const int64_t k1 = std::min(m, (i + 1) * kActPiece);
-    for (int64_t k = i * kActPiece; k < k1; ++k) {
-      const int64_t id = listed[k], after = listed[std::min(k + 1, m - 1)];
-      const int8_t* r[2] = {row(id, 0), row(id, P - 1)};
-      const int8_t* next[2] = {row(after, 0), row(after, P - 1)};
-      int32_t s[2 * kMaxTokens];
-      BundleDotsT(T, int(P), r, next, q, d, s);
-      for (int64_t t = 0; t < T; ++t) {
-        const float g = P == 2 ? float(s[t]) * (qs[t] * RS[id * P]) : 0.0f;
-        float u = float(s[(P - 1) * T + t]) * (qs[t] * RS[id * P + P - 1]);
-        if (BU) u += BU[id];
-        act[k * T + t] = Activate(kind, g, u);
+    for (int64_t k = i * kActPiece; k < k1; k += per_pass) {
+      const int64_t B = std::min(per_pass, k1 - k);
+      const int8_t* r[4];
+      const int8_t* next[4];  // the next pass's bundles (the last listed one stands in at the end)
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t slot = 0; slot < P; ++slot) {
+          r[b * P + slot] = row(listed[k + b], slot);
+          next[b * P + slot] = row(listed[std::min(k + B + b, m - 1)], slot);
+        }
+      int32_t s[4 * kMaxTokens];
+      RowDotsT(T, int(B * P), r, next, q, d, s);
+      for (int64_t b = 0; b < B; ++b) {
+        const int64_t id = listed[k + b];
+        for (int64_t t = 0; t < T; ++t) {
+          const float g = P == 2 ? float(s[(b * P) * T + t]) * (qs[t] * RS[id * P]) : 0.0f;
+          float u = float(s[(b * P + P - 1) * T + t]) * (qs[t] * RS[id * P + P - 1]);
+          if (BU) u += BU[id];
+          act[(k + b) * T + t] = Activate(kind, g, u);
+        }
       }
     }
   });
