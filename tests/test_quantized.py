@@ -184,8 +184,9 @@ def test_int4_model_follows_the_float_model_it_stands_for(tmp_path):
             np.testing.assert_allclose(forced_logits(xla_engine, prompt, tokens), got, rtol=1e-5, atol=1e-5)
 
 
-def test_int4_runs_in_the_dense_mode_only():
-    with pytest.raises(JpinferError, match="int4 weights run in the modes dense; mode 'threshold'"):
+def test_int4_runs_in_the_dense_and_sparse_modes_only():
+    with pytest.raises(JpinferError, match="int4 weights run in the modes dense and sparse; mode 'threshold'"):
         jpinfer.load("/no/such/checkpoint", weights="int4", mode="threshold", thresholds="profile")
-    with pytest.raises(JpinferError, match="int4 weights run in the modes dense; mode 'sparse'"):
-        jpinfer.load("/no/such/checkpoint", weights="int4", mode="sparse", predictors="/no/such/predictors")
+    with pytest.raises(JpinferError, match="int4 weights run in the modes dense and sparse; mode 'hybrid'"):
+        jpinfer.load("/no/such/checkpoint", weights="int4", mode="hybrid", predictors="/no/such/predictors",
+                     placement=[])

@@ -58,9 +58,11 @@ def load(
 
     ``weights``: ``"float"`` (every tensor in ``dtype``), ``"int8"`` (W8A8: the projections and
     the head quantized at load, one scale per output, after SmoothQuant's migration calibrated on a
-    few thousand tokens of bundled text, ``profiler.smoothing``; modes ``dense`` and ``threshold``) or
+    few thousand tokens of bundled text, ``profiler.smoothing``; modes ``dense``, ``threshold`` and
+    ``sparse``, whose profile and predictors must be made on the int8 model itself) or
     ``"int4"`` (W4A8: the projections in llama.cpp's 4-bit blocks of 32, a GGUF's own Q4_0 / Q4_1 blocks
-    where it has them, else Q4_1 quantized at load; the head int8; mode ``dense``). On the CPU the
+    where it has them, else Q4_1 quantized at load; the head int8; modes ``dense`` and ``sparse``, the
+    latter over int8 copies of the 4-bit FFN weights). On the CPU the
     quantized products of a decode step run as native kernels (``jpinfer.native``).
     """
     chosen = get_mode(mode, thresholds=thresholds, weights=weights)  # before anything loads: fail fast

@@ -55,6 +55,7 @@ class Mode:
     name: str = ""
     label: str = ""  # how results name it (the name, or the variant)
     weight_formats: tuple[str, ...] = ("float",)  # the weights formats it runs (``models.quantized``)
+    formats_reason: str = ""  # why it runs no other format (said when one is refused)
     uses_pack: bool = True  # takes what it needs from a pack
     two_devices: bool = False  # runs over an accelerator and the host (two simulated CPU devices without a GPU)
 
@@ -191,6 +192,9 @@ class _Split(Mode):
 
 class Sparse(_Predicted):
     name = label = "sparse"
+    # int8 bundles (``sparse.neurons``: an int4 model's are int8 copies of its 4-bit FFN weights); a
+    # quantized model's predictors are trained on its own FFN inputs
+    weight_formats = ("float", "int8", "int4")
 
     def build(self, model, inputs, *, devices=None, hardware=None):
         from jpinfer.modes.engines import sparse_engine
@@ -199,9 +203,14 @@ class Sparse(_Predicted):
         return sparse_engine(model, predictors, ks)
 
 
+_HYBRID_FLOAT_ONLY = ("its hot and cold parts are moved and cast per device as float arrays, and the "
+                      "accelerator's Pallas kernels read float rows only")
+
+
 class HybridThreshold(_Split, _Thresholded):
     name, label = "hybrid", "hybrid (threshold)"
-    weight_formats = ("float",)  # its parts are moved and cast per device as float arrays
+    weight_formats = ("float",)
+    formats_reason = _HYBRID_FLOAT_ONLY
 
     def build(self, model, inputs, *, devices=None, hardware=None):
         from jpinfer.modes.engines import hybrid_engine
@@ -213,6 +222,7 @@ class HybridThreshold(_Split, _Thresholded):
 
 class Hybrid(_Split, _Predicted):
     name = label = "hybrid"
+    formats_reason = _HYBRID_FLOAT_ONLY
 
     def variant_for(self, thresholds):
         return HYBRID_THRESHOLD if thresholds is not None else self
@@ -257,6 +267,7 @@ def get_mode(name: str, *, thresholds: Any = None, weights: str = "float") -> Mo
         raise JpinferError(f"unknown weights format {weights!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
     mode = MODES[name].variant_for(thresholds)
     if weights not in mode.weight_formats:
+        reason = f" ({mode.formats_reason})" if mode.formats_reason else ""
         raise JpinferError(f"{weights} weights run in the modes {' and '.join(FORMAT_MODES[weights])}; mode "
-                           f"{mode.label!r} runs {' or '.join(mode.weight_formats)} weights")
+                           f"{mode.label!r} runs {' or '.join(mode.weight_formats)} weights{reason}")
     return mode

@@ -6,7 +6,8 @@ read a list of scattered rows (see jpinfer.sparse.cpu_backend), so this package 
 do exactly that, written in C++ against XLA's FFI (``csrc/``) and called from jitted JAX code:
 
 - ``kernels.sparse_ffn``: a layer's sparse FFN over listed neurons of the neuron-major layout,
-  gate/up, activation and down fused four neurons a pass (plus its two halves);
+  gate/up, activation and down fused four neurons a pass (plus its two halves); ``sparse_ffn_int8``
+  the same over int8 bundles (W8A8, the dense int8 model's integers);
 - ``kernels.threshold_rows_product`` (and ``_int8``): the threshold modes' products, compaction inside
   the kernel;
 - ``kernels.int8_matvec`` and ``kernels.q4_matvec``: dense W8A8 and llama.cpp-style 4-bit

@@ -159,6 +159,74 @@ def sparse_ffn(rows, x, ids, count, *, kind: str, b_up=None, b_down=None, native
     return y[0] if flat else y
 
 
+def _check_int8_ffn(rows, scales, down_scales, kind: str, b_up, b_down):
+    if kind not in KINDS:
+        raise ValueError(f"unknown FFN kind {kind!r}; supported: {', '.join(KINDS)}")
+    rows = jnp.asarray(rows)
+    R = 2 if kind == "relu" else 3
+    if rows.dtype != jnp.int8 or rows.ndim != 3 or rows.shape[1] != R:
+        raise ValueError(f"rows must be int8 (n, {R}, d) neuron-major bundles for kind {kind!r}, "
+                         f"got {rows.dtype} {tuple(rows.shape)}")
+    n, _, d = rows.shape
+    scales = _f32(scales, "scales", (n, R - 1))
+    down_scales = _f32(down_scales, "down_scales", (d,))
+    b_up = None if b_up is None else _f32(b_up, "b_up", (n,))
+    b_down = None if b_down is None else jnp.asarray(b_down)
+    if b_down is not None and tuple(b_down.shape) != (d,):
+        raise ValueError(f"b_down must have shape {(d,)}, got {tuple(b_down.shape)}")
+    return rows, scales, down_scales, b_up, b_down
+
+
+@functools.partial(jax.jit, static_argnames=("kind",))
+def xla_sparse_ffn_int8(rows, scales, down_scales, b_up, x, ids, count, kind):
+    """``sparse_ffn_int8`` in XLA ops (no b_down): the listed bundles gathered at once, the kernel's
+    integers and scales (the full list: those of ``quant.int8.product`` on the dense matrices). The
+    fallback here and the form ``sparse.op`` runs on accelerators."""
+    n, R, d = rows.shape
+    if ids.shape[0] == 0:  # an empty list (quantize_tokens needs at least one activation)
+        return jnp.zeros((x.shape[0], d), jnp.float32)
+    valid = _valid(ids, count, n)
+    safe = jnp.where(valid, ids, 0)
+    picked = rows[safe]  # (K, R, d)
+    q, token_scales = int8.quantize_tokens(x)
+    acc = jnp.einsum("td,krd->tkr", q, picked[:, : R - 1], preferred_element_type=jnp.int32)
+    h = acc.astype(jnp.float32) * (token_scales[:, None, None] * scales[safe][None])
+    up = h[..., -1] if b_up is None else h[..., -1] + b_up[safe]
+    a = jnp.where(valid[None, :], activate(kind, h[..., 0] if R == 3 else None, up), 0.0)
+    qa, act_scales = int8.quantize_tokens(a)
+    down = jnp.einsum("tk,kd->td", qa, picked[:, R - 1], preferred_element_type=jnp.int32)
+    return down.astype(jnp.float32) * (act_scales[:, None] * down_scales[None, :])
+
+
+def sparse_ffn_int8(rows, scales, down_scales, x, ids, count, *, kind: str, b_up=None, b_down=None,
+                    native: bool | None = None) -> jax.Array:
+    """``sparse_ffn`` over int8 bundles (W8A8), float32 (T, d) (or (d,)).
+
+    rows: (n, R, d) int8 bundles (``sparse.neurons.NeuronFFN`` of an int8 model: the gate/up slots rows of
+    the dense ``w_gate_up`` values, the down slot a column of ``w_down``'s); scales: (n, R - 1) float32,
+    each gate/up row's scale; down_scales: (d,) float32, ``w_down``'s scale per output. Arithmetic of
+    ``quant.int8.product`` on the dense matrices restricted to the list: x quantized per token, gate/up
+    h = exact int32 dot * (token scale * row scale) (+ b_up), float activations; the listed activations
+    quantized per token (the peak of the dense activation vector with the unlisted neurons at 0), the
+    listed down slots summed exactly in int32, y = acc * (activation scale * down scale) (+ b_down).
+    With every neuron listed the integers are those of the dense int8 FFN."""
+    rows, scales, down_scales, b_up, b_down = _check_int8_ffn(rows, scales, down_scales, kind, b_up, b_down)
+    d = rows.shape[2]
+    x2, flat = _tokens(x, d)
+    ids, count = _list(ids, count)
+    if _use_native(native):
+        empty = jnp.zeros((0,), jnp.float32) if b_up is None else b_up
+        call = lambda xt: jax.ffi.ffi_call("jpinfer_sparse_ffn_int8", jax.ShapeDtypeStruct(xt.shape, jnp.float32),
+                                           vmap_method="sequential")(rows, scales, down_scales, empty, xt, ids, count,
+                                                                     kind=np.int32(KINDS[kind]))
+        y = _per_group(call, x2)
+    else:
+        y = xla_sparse_ffn_int8(rows, scales, down_scales, b_up, x2, ids, count, kind)
+    if b_down is not None:
+        y = y + b_down.astype(jnp.float32)
+    return y[0] if flat else y
+
+
 def sparse_activations(rows, x, ids, count, *, kind: str, b_up=None, native: bool | None = None) -> jax.Array:
     """The activations act_i(x) of the listed neurons, float32 (T, K) by list position (0 at padding
     positions and skipped ids): the first half of ``sparse_ffn``."""
@@ -305,6 +373,6 @@ def q4_matvec(m: Q4Matrix, x, *, native: bool | None = None) -> jax.Array:
 
 
 __all__ = [
-    "MAX_TOKENS", "KINDS", "sparse_ffn", "sparse_activations", "listed_rows_sum", "threshold_rows_product",
-    "threshold_rows_product_int8", "int8_matvec", "q4_matvec",
+    "MAX_TOKENS", "KINDS", "sparse_ffn", "sparse_ffn_int8", "xla_sparse_ffn_int8", "sparse_activations",
+    "listed_rows_sum", "threshold_rows_product", "threshold_rows_product_int8", "int8_matvec", "q4_matvec",
 ]

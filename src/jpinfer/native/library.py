@@ -24,12 +24,13 @@ import warnings
 
 import jax
 
-ABI_VERSION = 2  # csrc/info.cc jpinfer_native_abi_version
+ABI_VERSION = 3  # 3: jpinfer_sparse_ffn_int8; csrc/info.cc jpinfer_native_abi_version
 LIBRARY_STEM = "_jpinfer_native"  # setup.py's extension jpinfer.native._jpinfer_native
 
 # FFI targets: the exported handler symbol, registered under the same name.
 TARGETS = (
     "jpinfer_sparse_ffn",
+    "jpinfer_sparse_ffn_int8",
     "jpinfer_sparse_activations",
     "jpinfer_listed_rows_sum",
     "jpinfer_threshold_rows",

@@ -154,6 +154,7 @@ def train_predictors(
         epochs.append(result.epochs)
     meta = {
         "model_name": cfg.name, "model_fingerprint": fingerprint, "profile_fingerprint": profile_fingerprint(profile),
+        "weights_format": quantized.weights_format(loaded.weights),
         "thresholds": np.asarray(profile.thresholds, np.float32).tolist(), "score": profile.meta.get("score"),
         "recall": config.recall, "strong_recall": config.strong_recall, "strong_quantile": STRONG_QUANTILE,
         "n_samples": n, "train_config": dataclasses.asdict(config), "ranks": ranks,

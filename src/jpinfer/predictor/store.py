@@ -29,6 +29,7 @@ import numpy as np
 
 from jpinfer import artifacts
 from jpinfer.errors import ArtifactError
+from jpinfer.models import quantized
 from jpinfer.models.identity import model_fingerprint
 from jpinfer.models.loading import ModelArg, resolve_model
 from jpinfer.predictor.mlp import PredictorWeights
@@ -83,11 +84,16 @@ class Predictors:
         loaded = resolve_model(model)
         fingerprint = model_fingerprint(loaded.cfg, loaded.weights)
         if fingerprint != self.meta["model_fingerprint"]:
+            fmt = quantized.weights_format(loaded.weights)
+            trained = self.meta.get("weights_format")  # absent in predictors trained before it was recorded
+            how = ("jpinfer train-predictors" if fmt == "float" else
+                   f"jpinfer profile --weights {fmt} --samples N, then jpinfer train-predictors --weights {fmt} "
+                   "--profile PROFILE: its FFN inputs are not the float model's")
             raise PredictorMismatchError(
-                f"these predictors were trained for model {self.meta.get('model_name')!r} (fingerprint "
-                f"{self.meta['model_fingerprint'][:12]}), not for {loaded.cfg.name!r} "
-                f"(fingerprint {fingerprint[:12]}): "
-                "train predictors for this model (jpinfer train-predictors)"
+                f"these predictors were trained for model {self.meta.get('model_name')!r}"
+                f"{f' with {trained} weights' if trained else ''} (fingerprint "
+                f"{self.meta['model_fingerprint'][:12]}), not for {loaded.cfg.name!r} with {fmt} weights "
+                f"(fingerprint {fingerprint[:12]}): train predictors for this model ({how})"
             )
 
     def check_profile(self, profile: ActivationProfile) -> None:

@@ -15,6 +15,11 @@ else the chunked XLA loop (``cpu_backend``). ``backend="pallas"`` forces the ker
 on the CPU: tests); ``backend="xla"`` forces the platform's XLA form (the chunked loop on the CPU)
 and ``backend="gather"`` the XLA gather on any platform.
 
+Int8 bundles (``NeuronFFN.quantized``, W8A8: the dense int8 FFN's integers over the list) run the
+native ``native.kernels.sparse_ffn_int8`` on the CPU (library loaded) and its XLA gather form
+(``native.kernels.xla_sparse_ffn_int8``) elsewhere and for ``backend="xla"`` / ``"gather"``: the
+Pallas kernels read float rows only, so ``backend="pallas"`` refuses int8 bundles.
+
 ``sparse_rows_product(matrix, x, ids, count)`` is the product x @ matrix over listed rows
 only: the input-sparse linear map of the threshold mode (``threshold_layout.py``).
 """
@@ -31,6 +36,8 @@ import numpy as np
 from jpinfer.activations import activate
 from jpinfer.native import kernels as native_kernels
 from jpinfer.native import native_available
+from jpinfer.quant import int8
+from jpinfer.quant.int8 import Int8Matrix
 from jpinfer.sparse.cpu_backend import sparse_ffn_chunked
 from jpinfer.sparse.cpu_backend import sparse_rows_product as sparse_rows_chunked
 from jpinfer.sparse.neurons import NeuronFFN
@@ -80,6 +87,8 @@ def sparse_ffn(
 
     if ids.shape[0] == 0:
         y = jnp.zeros(x2.shape, jnp.float32)
+    elif ffn.quantized:
+        y = _int8_ffn(ffn, x2, ids, count, backend)
     else:
         args = (ffn.rows, ffn.b_up, x2, ids, count)
         loop = lambda *a: sparse_ffn_chunked(*a, kind=ffn.kind)
@@ -99,6 +108,19 @@ def sparse_ffn(
     if ffn.b_down is not None:
         y = y + ffn.b_down.astype(jnp.float32)
     return y.astype(x.dtype).reshape(x.shape)
+
+
+def _int8_ffn(ffn: NeuronFFN, x: jax.Array, ids: jax.Array, count: jax.Array, backend: str) -> jax.Array:
+    """``sparse_ffn`` over int8 bundles, float32 (T, d) without ``b_down`` (module docstring)."""
+    if backend == "pallas":
+        raise ValueError("the Pallas kernels take float rows: int8 bundles run with backend 'auto', 'xla' or 'gather'")
+    args = (ffn.rows, ffn.scales, ffn.down_scales, ffn.b_up, x, ids, count)
+    gather = lambda *a: native_kernels.xla_sparse_ffn_int8(*a, kind=ffn.kind)
+    if backend != "auto" or not native_available():
+        return gather(*args)
+    native = lambda rows, scales, down_scales, b_up, x, ids, count: native_kernels.sparse_ffn_int8(
+        rows, scales, down_scales, x, ids, count, kind=ffn.kind, b_up=b_up, native=True)
+    return jax.lax.platform_dependent(*args, cpu=native, default=gather)
 
 
 def native_serves(matrix: jax.Array) -> bool:
@@ -139,10 +161,15 @@ def all_rows_ffn(ffn: NeuronFFN, x: jax.Array) -> jax.Array:
     (2.8 vs 2.5 ms), while an einsum over the (n, R, d) array's gate/up slice took twice as
     long (5.0 ms) (docs/architecture.md, "Engine modes").
 
+    Int8 bundles run the dense int8 FFN's products (``quant.int8.product``: W8A8, the XLA form) on
+    their column blocks.
+
     x: (d,) or (T, d); returns x's shape and dtype, ``b_down`` added when the layout has it.
     """
     if x.ndim not in (1, 2) or x.shape[-1] != ffn.d_model:
         raise ValueError(f"x must be (d_model,) or (T, d_model) with d_model={ffn.d_model}, got {x.shape}")
+    if ffn.quantized:
+        return _all_rows_int8(ffn, x)
     n, n_rows, d = ffn.rows.shape
     flat = ffn.rows.reshape(n, n_rows * d)
     x2 = x.reshape(-1, d).astype(flat.dtype)
@@ -153,6 +180,23 @@ def all_rows_ffn(ffn: NeuronFFN, x: jax.Array) -> jax.Array:
         up = up + ffn.b_up.astype(jnp.float32)
     act = activate(ffn.kind, project(0) if n_proj == 2 else None, up)
     y = jnp.einsum("tn,nd->td", act.astype(flat.dtype), flat[:, n_proj * d :], preferred_element_type=jnp.float32)
+    if ffn.b_down is not None:
+        y = y + ffn.b_down.astype(jnp.float32)
+    return y.astype(x.dtype).reshape(x.shape)
+
+
+def _all_rows_int8(ffn: NeuronFFN, x: jax.Array) -> jax.Array:
+    n, n_rows, d = ffn.rows.shape
+    flat = ffn.rows.reshape(n, n_rows * d)
+    x2 = x.reshape(-1, d).astype(jnp.float32)
+    n_proj = n_rows - 1
+    block = lambda j: flat[:, j * d : (j + 1) * d]
+    project = lambda j: int8.product(x2, Int8Matrix(block(j), ffn.scales[:, j], 0))
+    up = project(n_proj - 1)
+    if ffn.b_up is not None:
+        up = up + ffn.b_up.astype(jnp.float32)
+    act = activate(ffn.kind, project(0) if n_proj == 2 else None, up)
+    y = int8.product(act, Int8Matrix(block(n_proj), ffn.down_scales, 1))  # (n, d) input-major: a scale per column
     if ffn.b_down is not None:
         y = y + ffn.b_down.astype(jnp.float32)
     return y.astype(x.dtype).reshape(x.shape)

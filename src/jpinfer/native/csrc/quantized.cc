@@ -16,39 +16,20 @@
 // above per block): a block's 32 products are then exact int32 sums and only one float multiply-add
 // per block and token remains (Q4Rows does eight blocks' in one).
 //
-// Instructions: see DotBytes. int8 x int8 on AVX2 goes through the sign trick: |w| (unsigned) times
-// sign(w) * q (signed), which is w * q; |w| <= 128 and |q| <= 127, so a pair sum stays within +-32512
-// (no saturation, even for a weight of -128). With VNNI x is stored shifted to unsigned instead (see
-// Int8Rows). 4-bit nibbles are unsigned already; Q4_0's -8 is an exact integer correction per block.
+// Instructions: int8_rows.h (the sign trick on AVX2, vpdpbusd with VNNI). 4-bit nibbles are unsigned
+// already; Q4_0's -8 is an exact integer correction per block.
 // Rows are split in fixed pieces over the threads; each output is one row's sum in a fixed order.
 // Measured at 11008 x 4096 against the previous kernels (a float multiply-add per block and token
 // after two to four integer instructions, Q4_1's mins in scalar code, the sign trick for int8 with
 // VNNI too), same run, idle 2-core EPYC VM (AVX-512): Q4_0 / Q4_1 at 1 token 1.29 / 1.44 -> 0.88 /
 // 1.10 ms, at 8 tokens 4.54 / 5.58 -> 1.79 / 2.24 ms; int8 at 8 tokens 2.58 -> 1.60 ms; the
 // x86-64-v3 build: Q4_0 1.41 -> 0.85 ms and 4.22 -> 1.92 ms.
-#include "common.h"
-
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__) || defined(__AVXVNNI__)
-#define JPN_VNNI 1
-#else
-#define JPN_VNNI 0
-#endif
-// AVX-512 VNNI: Q4Rows and Int8Rows take two tokens a 512-bit vector
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
-#define JPN_ZMM 1
-#else
-#define JPN_ZMM 0
-#endif
+#include "int8_rows.h"
 
 namespace jpn {
 namespace {
 
 constexpr int64_t kRowsPerPiece = 64;
-// The token scale is max|x| * (1 / 127), not max|x| / 127: XLA rewrites a division by a constant into
-// a product with its float32 reciprocal, so this is what jpinfer.quant.int8.quantize_tokens computes
-// (about 5% of scales differ by one ulp from a true division). 127 / max|x| is a true division in both.
-constexpr float kInv127 = 1.0f / 127.0f;
-
 thread_local std::vector<int8_t> tl_q;
 thread_local std::vector<float> tl_scale;
 thread_local std::vector<int32_t> tl_corr;
@@ -57,71 +38,6 @@ thread_local std::vector<float> tl_msum;
 // Rows a pass for T tokens: a row's bytes feed every token, an accumulator per (row, token) <= 8.
 template <int T>
 constexpr int RowsFor() { return T <= 2 ? 4 : (T <= 4 ? 2 : 1); }
-
-inline int8_t QuantizeOne(float v, float inverse) {
-  float q = std::nearbyint(v * inverse);  // round half to even (default rounding mode)
-  q = std::min(127.0f, std::max(-127.0f, q));
-  return int8_t(q);
-}
-
-// max |x[j]| over n floats; a NaN never wins, as in std::max(peak, |x|).
-inline float Peak(const float* x, int64_t n) {
-  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  __m256 m = _mm256_setzero_ps();
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8) m = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(x + j), magnitude), m);
-  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-  float peak = std::max(_mm_cvtss_f32(h), _mm_cvtss_f32(_mm_shuffle_ps(h, h, 1)));
-  for (; j < n; ++j) peak = std::max(peak, std::fabs(x[j]));
-  return peak;
-}
-
-// QuantizeOne on 32 floats, the same float operations (max_ps returns its second operand for a NaN,
-// so a NaN becomes -127 in both); int8 in order, and their sum. Measured for 8 tokens: QuantizeOctets
-// took 60 us a call over 4096 inputs and 8 us over 576 with the scalar loop, 10 and 1.5 us with this.
-inline __m256i Quantize32(const float* x, float inverse, int32_t* sum) {
-  __m256i v[4];
-  for (int k = 0; k < 4; ++k) {
-    __m256 q = _mm256_mul_ps(_mm256_loadu_ps(x + 8 * k), _mm256_set1_ps(inverse));
-    q = _mm256_round_ps(q, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    v[k] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(q, _mm256_set1_ps(-127.0f)), _mm256_set1_ps(127.0f)));
-  }
-  *sum = HSumI32(_mm256_add_epi32(_mm256_add_epi32(v[0], v[1]), _mm256_add_epi32(v[2], v[3])));
-  // packs work within 128-bit halves: 32-bit groups come out as 0, 2, 4, 6 | 1, 3, 5, 7 of the order
-  const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
-  return _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-}
-
-// Per token: q int8 in chunks of 32, chunk-major (chunk c of token t at (c T + t) 32: the tokens of a
-// chunk side by side, see Int8Rows); scale (T,). VNNI: stored as q + 128 (unsigned, see Int8Rows).
-void QuantizeTokens(const float* x, int64_t T, int64_t in, int8_t* q, float* scale) {
-  const int8_t shift = int8_t(JPN_VNNI << 7);
-  for (int64_t t = 0; t < T; ++t) {
-    const float* xt = x + t * in;
-    const float peak = Peak(xt, in);
-    const float inverse = peak > 0.0f ? 127.0f / peak : 0.0f;
-    int64_t j = 0;
-    for (int32_t sum; j + 32 <= in; j += 32)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + (j / 32 * T + t) * 32),
-                          _mm256_xor_si256(Quantize32(xt + j, inverse, &sum), _mm256_set1_epi8(shift)));
-    for (; j < in; ++j) q[(j / 32 * T + t) * 32 + j % 32] = int8_t(QuantizeOne(xt[j], inverse) ^ shift);
-    scale[t] = peak * kInv127;  // XLA's peak / 127 (a reciprocal product)
-  }
-}
-
-// acc + u * s with u unsigned and s signed bytes, the four products of each int32 lane summed into it.
-// VNNI does this in one instruction (vpdpbusd, exact); AVX2 takes three (maddubs to int16 pairs, madd
-// with ones to int32, add), and a pair's u * s + u * s must then fit int16.
-inline __m256i DotBytes(__m256i acc, __m256i u, __m256i s) {
-#if JPN_VNNI && defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(acc, u, s);
-#elif JPN_VNNI
-  return _mm256_dpbusd_avx_epi32(acc, u, s);
-#else
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
-#endif
-}
 
 // sum_k u[k] * s[k * stride] over N pairs of byte vectors, likewise (from zero). AVX2 adds the N maddubs
 // results in int16 and widens once: each int16 then sums 2N products, which must fit (4-bit weights and
@@ -138,73 +54,6 @@ inline __m256i DotBytesN(const __m256i* u, const __m256i* s, int64_t stride) {
     pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(u[k], _mm256_loadu_si256(s + k * stride)));
   return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
 #endif
-}
-
-template <int RB, int T>
-void Int8Rows(const int8_t* w, const float* ws, const int8_t* q, const float* qs, int64_t in, int64_t o, int64_t out,
-              float* y) {
-  const int64_t full = in & ~int64_t(31);
-  __m256i acc[RB][T];
-  [[maybe_unused]] __m256i wsum[RB];  // VNNI: each row's sum of weights
-  for (int r = 0; r < RB; ++r) {
-    wsum[r] = _mm256_setzero_si256();
-    for (int t = 0; t < T; ++t) acc[r][t] = _mm256_setzero_si256();
-  }
-#if JPN_ZMM
-  __m512i acc2[RB][T / 2 + 1];  // tokens 2i and 2i + 1 (see Q4Rows)
-  for (int r = 0; r < RB; ++r)
-    for (int i = 0; i <= T / 2; ++i) acc2[r][i] = _mm512_setzero_si512();
-#endif
-  for (int64_t j = 0; j < full; j += 32) {
-    const int8_t* qj = q + j * T;  // the chunk's tokens
-#pragma GCC unroll 4
-    for (int r = 0; r < RB; ++r) {
-      // the same bytes of the next pass's rows (RB rows further): one pass of prefetch distance, as the
-      // hardware prefetcher alone left single-thread streaming at about half of XLA's float32 rate
-      if ((j & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(w + (o + r + RB) * in + j), _MM_HINT_T0);
-      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (o + r) * in + j));
-      int t0 = 0;
-#if JPN_VNNI
-      // q + 128 (unsigned) times the signed weights: one vpdpbusd a token; the weights' sum (one more,
-      // shared by the tokens) takes the 128 * sum(w) back out below: one instruction a token, not two.
-      wsum[r] = DotBytes(wsum[r], _mm256_set1_epi8(1), wv);
-#if JPN_ZMM
-      if constexpr (T >= 2) {  // two tokens a 512-bit vector, as in Q4Rows
-        const __m512i wv2 = _mm512_maskz_broadcast_i64x4(0xFF, wv);
-        for (; t0 + 2 <= T; t0 += 2)
-          acc2[r][t0 / 2] = _mm512_dpbusd_epi32(acc2[r][t0 / 2], _mm512_loadu_si512(qj + t0 * 32), wv2);
-      }
-#endif
-#pragma GCC unroll 8
-      for (int t = t0; t < T; ++t)
-        acc[r][t] = DotBytes(acc[r][t], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qj + t * 32)), wv);
-#else
-      const __m256i aw = _mm256_abs_epi8(wv);
-#pragma GCC unroll 8
-      for (int t = t0; t < T; ++t) {
-        const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qj + t * 32));
-        acc[r][t] = DotBytes(acc[r][t], aw, _mm256_sign_epi8(qv, wv));
-      }
-#endif
-    }
-  }
-#if JPN_ZMM
-  for (int r = 0; r < RB; ++r)
-    for (int t = 0; t + 1 < T; t += 2) {
-      acc[r][t] = _mm512_maskz_extracti64x4_epi64(0xF, acc2[r][t / 2], 0);
-      acc[r][t + 1] = _mm512_maskz_extracti64x4_epi64(0xF, acc2[r][t / 2], 1);
-    }
-#endif
-  for (int r = 0; r < RB; ++r)
-    for (int t = 0; t < T; ++t) {
-#if JPN_VNNI  // per lane: no partial sum leaves the int32 range (sum (q + 128) w may, for in > 65k)
-      acc[r][t] = _mm256_sub_epi32(acc[r][t], _mm256_slli_epi32(wsum[r], 7));
-#endif
-      int32_t s = HSumI32(acc[r][t]);
-      for (int64_t j = full; j < in; ++j)
-        s += int32_t(w[(o + r) * in + j]) * int32_t(int8_t(q[(full * T + t * 32) + j - full] ^ (JPN_VNNI << 7)));
-      y[t * out + o + r] = float(s) * (qs[t] * ws[o + r]);
-    }
 }
 
 // x for the 4-bit products, per token, in blocks of 32 quantized like QuantizeTokens (llama.cpp's Q8_0),
@@ -296,7 +145,7 @@ void Q4Rows(const uint8_t* packed, const uint16_t* d, const uint16_t* m, const Q
       const uint8_t* src = packed + (o + r) * row_bytes + k * 128;
       const uint16_t* dr = d + (o + r) * nb + 8 * k;
       const uint16_t* mr = kQ41 ? m + (o + r) * nb + 8 * k : nullptr;
-      // the same bytes of the next pass's rows: one pass of prefetch distance (see Int8Rows)
+      // the same bytes of the next pass's rows: one pass of prefetch distance (see Int8Dots)
       _mm_prefetch(reinterpret_cast<const char*>(src + RB * row_bytes), _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(src + RB * row_bytes + 64), _MM_HINT_T0);
       alignas(32) uint8_t tail[128];
@@ -372,6 +221,18 @@ void RowRange(int64_t r0, int64_t r1, A... a) {
   int64_t o = r0;
   for (; o + RB <= r1; o += RB) Kernel<RB, T>::Run(o, a...);
   for (; o < r1; ++o) Kernel<1, T>::Run(o, a...);
+}
+
+template <int RB, int T>
+void Int8Rows(const int8_t* w, const float* ws, const int8_t* q, const float* qs, int64_t in, int64_t o, int64_t out,
+              float* y) {
+  const int8_t* rows[RB];
+  const int8_t* next[RB];  // the next pass's rows (RB further; past the end only prefetched, never read)
+  for (int r = 0; r < RB; ++r) rows[r] = w + (o + r) * in, next[r] = w + (o + r + RB) * in;
+  int32_t s[RB * T];
+  Int8Dots<RB, T>(rows, next, q, in, s);
+  for (int r = 0; r < RB; ++r)
+    for (int t = 0; t < T; ++t) y[t * out + o + r] = float(s[r * T + t]) * (qs[t] * ws[o + r]);
 }
 
 template <int RB, int T>

@@ -10,12 +10,17 @@
 //   jpinfer_listed_rows_sum     y (T, d) = sum over positions k of w[t, k] * M[ids[k], slot]
 //                               (M (n, S, d), slot an attribute: the down slot R-1 of a bundle, or 0
 //                               of a plain (n, 1, d) matrix)
+//   jpinfer_sparse_ffn_int8     jpinfer_sparse_ffn over int8 bundles (jpinfer.sparse.neurons, the dense int8
+//                               model's own integers): rows int8 (n, R, d), a float32 scale per gate/up
+//                               row (n, R-1) and per output (d,) for the down slots; W8A8 like
+//                               jpinfer.quant.int8 (below)
 //
 // The fused kernel walks the list four neurons a pass: the 4 x gate/up rows share every load of
 // x (Dots), the four activations are computed, and the four down rows are added to the piece's output
 // with its partial sums held in registers (AddRows): each weight is read once, right after the
 // previous ones of the same neuron (one contiguous bundle).
 #include "float_rows.h"
+#include "int8_rows.h"
 
 namespace jpn {
 namespace {
@@ -212,6 +217,161 @@ ffi::Error ListedRowsSumImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> m, ffi:
   return ffi::Error::Success();
 }
 
+// ---------------------------------------------------------------- int8 bundles (W8A8)
+//
+// The dense int8 FFN's arithmetic restricted to the listed neurons, so the full list gives its integers:
+//   1. x quantized per token (QuantizeTokens); gate/up of each listed neuron an exact int32 dot (Int8Dots),
+//      h = float(acc) * (token scale * row scale) (+ b_up), the activation in float32;
+//   2. the listed activations quantized per token (a (T, K) vector whose peak is that of the dense
+//      activation vector with the unlisted neurons at 0: the dense down product's input quantization);
+//   3. the down slots summed exactly in int32 weighted by those integers (AddRowsInt8), then
+//      y = float(acc) * (activation scale * down scale[j]).
+// Step 2 needs every activation of a token before any down sum, so the list is walked twice (gate/up
+// rows, then down rows), not fused per block like the float kernel. Step 1 takes up to four gate/up rows
+// a pass (two gated neurons at one or two tokens) sharing each chunk of x, like the dense int8 kernel. Step 1 is cut into fixed pieces of
+// the list, each writing its own activations; step 3 into up to one piece per thread with its own int32
+// partial sum: integer sums are exact, so the result does not depend on the split (deterministic).
+thread_local std::vector<int8_t> tl_xq;
+thread_local std::vector<int64_t> tl_listed;
+thread_local std::vector<float> tl_act;
+thread_local std::vector<int16_t> tl_actq;
+thread_local std::vector<int32_t> tl_down;
+
+// Gate/up rows a pass for T tokens (quantized.cc's RowsFor): the rows share each chunk of the quantized
+// x while their rb * T int32 accumulators fit the registers.
+inline int64_t DotRows(int64_t T) { return T <= 2 ? 4 : (T <= 4 ? 2 : 1); }
+
+// s[r * T + t] = exact int32 dot of rows[r] with token t, rb rows (rb <= DotRows(T)): one Int8Dots pass when
+// rb is 2 or 4, else one row at a time.
+template <int T>
+inline void RowDots(int rb, const int8_t* const* rows, const int8_t* const* next, const int8_t* q, int64_t d,
+                    int32_t* s) {
+  if constexpr (T <= 2)
+    if (rb == 4) return Int8Dots<4, T>(rows, next, q, d, s);
+  if constexpr (T <= 4)
+    if (rb == 2) return Int8Dots<2, T>(rows, next, q, d, s);
+  for (int r = 0; r < rb; ++r) Int8Dots<1, T>(rows + r, next + r, q, d, s + r * T);
+}
+
+inline void RowDotsT(int64_t T, int rb, const int8_t* const* rows, const int8_t* const* next, const int8_t* q,
+                     int64_t d, int32_t* s) {
+  switch (T) {
+    case 1: return RowDots<1>(rb, rows, next, q, d, s);
+    case 2: return RowDots<2>(rb, rows, next, q, d, s);
+    case 3: return RowDots<3>(rb, rows, next, q, d, s);
+    case 4: return RowDots<4>(rb, rows, next, q, d, s);
+    case 5: return RowDots<5>(rb, rows, next, q, d, s);
+    case 6: return RowDots<6>(rb, rows, next, q, d, s);
+    case 7: return RowDots<7>(rb, rows, next, q, d, s);
+    case 8: return RowDots<8>(rb, rows, next, q, d, s);
+  }
+}
+
+ffi::Error SparseFfnInt8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> rows, ffi::Buffer<ffi::F32> row_scales,
+                             ffi::Buffer<ffi::F32> down_scales, ffi::Buffer<ffi::F32> b_up, ffi::Buffer<ffi::F32> x,
+                             ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::S32> count, ffi::ResultBuffer<ffi::F32> y,
+                             int32_t kind) {
+  const auto rd = rows.dimensions(), xd = x.dimensions();
+  if (rd.size() != 3 || xd.size() != 2 || ids.dimensions().size() != 1)
+    return ffi::Error::InvalidArgument("jpinfer sparse ffn int8: rows (n, R, d), x (T, d), ids (K,) expected");
+  if (kind < 0 || kind > 3) return ffi::Error::InvalidArgument("jpinfer sparse ffn int8: unknown kind");
+  const int64_t n = rd[0], R = rd[1], d = rd[2], T = xd[0], P = R - 1;
+  if (R != (kind == kRelu ? 2 : 3))
+    return ffi::Error::InvalidArgument("jpinfer sparse ffn int8: R must be 3 (2 for relu)");
+  if (xd[1] != d || T < 1 || T > kMaxTokens)
+    return ffi::Error::InvalidArgument("jpinfer sparse ffn int8: x must be (T, d), 1 <= T <= 8");
+  if (int64_t(row_scales.element_count()) != n * P || int64_t(down_scales.element_count()) != d)
+    return ffi::Error::InvalidArgument("jpinfer sparse ffn int8: scales (n, R-1) and down scales (d,) expected");
+  if (b_up.element_count() != 0 && int64_t(b_up.element_count()) != n)
+    return ffi::Error::InvalidArgument("jpinfer sparse ffn int8: b_up must be (n,) or empty");
+  const int8_t* W = reinterpret_cast<const int8_t*>(rows.typed_data());
+  const float* RS = row_scales.typed_data();
+  const float* DS = down_scales.typed_data();
+  const float* BU = b_up.element_count() ? b_up.typed_data() : nullptr;
+  const int32_t* I = ids.typed_data();
+  float* Y = y->typed_data();
+  std::fill(Y, Y + T * d, 0.0f);
+  // the valid listed ids in list order (repeats kept: each counts)
+  const int64_t c = ListCount(count, ids.dimensions()[0]);
+  int64_t* listed = Scratch(tl_listed, size_t(c));
+  int64_t m = 0;
+  for (int64_t p = 0; p < c; ++p)
+    if (I[p] >= 0 && I[p] < n) listed[m++] = I[p];
+  if (m == 0) return ffi::Error::Success();
+  auto row = [&](int64_t id, int64_t slot) { return W + (id * R + slot) * d; };
+
+  // 1. activations act[k * T + t] of the listed neurons
+  int8_t* q = Scratch(tl_xq, size_t(T * RoundUp(d, 32)));
+  float qs[kMaxTokens];
+  QuantizeTokens(x.typed_data(), T, d, q, qs);
+  float* act = Scratch(tl_act, size_t(m * T));
+  constexpr int64_t kActPiece = 32;
+  const int64_t per_pass = std::max<int64_t>(1, DotRows(T) / P);  // neurons a pass: 2 gated at one token
+  ParallelFor(pool, CeilDiv(m, kActPiece), m * P * d, [&](int64_t i) {
+    const int64_t k1 = std::min(m, (i + 1) * kActPiece);
+    for (int64_t k = i * kActPiece; k < k1; k += per_pass) {
+      const int64_t B = std::min(per_pass, k1 - k);
+      const int8_t* r[4];
+      const int8_t* next[4];  // the next pass's bundles (the last listed one stands in at the end)
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t slot = 0; slot < P; ++slot) {
+          r[b * P + slot] = row(listed[k + b], slot);
+          next[b * P + slot] = row(listed[std::min(k + B + b, m - 1)], slot);
+        }
+      int32_t s[4 * kMaxTokens];
+      RowDotsT(T, int(B * P), r, next, q, d, s);
+      for (int64_t b = 0; b < B; ++b) {
+        const int64_t id = listed[k + b];
+        for (int64_t t = 0; t < T; ++t) {
+          const float g = P == 2 ? float(s[(b * P) * T + t]) * (qs[t] * RS[id * P]) : 0.0f;
+          float u = float(s[(b * P + P - 1) * T + t]) * (qs[t] * RS[id * P + P - 1]);
+          if (BU) u += BU[id];
+          act[(k + b) * T + t] = Activate(kind, g, u);
+        }
+      }
+    }
+  });
+
+  // 2. per token the activations as int8 (held in int16 for AddRowsInt8), as quantize_tokens would
+  int16_t* aq = Scratch(tl_actq, size_t(RoundUp(m, 4) * T));
+  float as[kMaxTokens];
+  for (int64_t t = 0; t < T; ++t) {
+    float peak = 0.0f;
+    for (int64_t k = 0; k < m; ++k) peak = std::max(peak, std::fabs(act[k * T + t]));
+    const float inverse = peak > 0.0f ? 127.0f / peak : 0.0f;
+    for (int64_t k = 0; k < m; ++k) aq[k * T + t] = QuantizeOne(act[k * T + t], inverse);
+    as[t] = peak * kInv127;
+  }
+
+  // 3. the down slots, four a pass, each piece into its own int32 (T, d) part; parts added, then scaled
+  const int64_t pieces = std::min<int64_t>(Workers(pool), CeilDiv(m, 16));
+  const int64_t len = RoundUp(CeilDiv(m, pieces), 4);
+  int32_t* acc = Scratch(tl_down, size_t(pieces * T * d));
+  ParallelFor(pool, pieces, m * d, [&](int64_t i) {
+    int32_t* part = acc + i * T * d;
+    std::fill(part, part + T * d, 0);
+    const int64_t k1 = std::min(m, (i + 1) * len);
+    for (int64_t k = i * len; k < k1; k += 4) {
+      const int B = int(std::min<int64_t>(4, k1 - k));
+      const int8_t* r[4];
+      int16_t qb[kMaxTokens * 4];
+      for (int b = 0; b < 4; ++b) {  // a short last block: its first row stands in, weight 0
+        r[b] = row(listed[k + (b < B ? b : 0)], P);
+        for (int64_t t = 0; t < T; ++t) qb[t * 4 + b] = b < B ? aq[(k + b) * T + t] : 0;
+      }
+      const int8_t* rn[4];
+      const int nb = int(std::clamp<int64_t>(k1 - k - 4, 0, 4));
+      for (int b = 0; b < nb; ++b) rn[b] = row(listed[k + 4 + b], P);
+      AddRowsInt8(r, qb, T, 0, d, part, d, rn, nb);
+    }
+  });
+  for (int64_t i = 1; i < pieces; ++i)
+    for (int64_t e = 0; e < T * d; ++e) acc[e] += acc[i * T * d + e];
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t j = 0; j < d; ++j) Y[t * d + j] = float(acc[t * d + j]) * (as[t] * DS[j]);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace jpn
 
@@ -248,3 +408,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jpinfer_listed_rows_sum, jpn::ListedRowsSumImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // count ()
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y (T, d)
                                   .Attr<int32_t>("slot"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jpinfer_sparse_ffn_int8, jpn::SparseFfnInt8Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()   // rows (n, R, d) int8
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // row scales (n, R-1): gate/up
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // down scales (d,)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // b_up (n,) or (0,)
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x (T, d)
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // ids (K,)
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // count ()
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y (T, d)
+                                  .Attr<int32_t>("kind"));

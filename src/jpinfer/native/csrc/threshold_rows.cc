@@ -17,6 +17,7 @@
 // rows a pass. A column's value is then a sum in list order that no split changes, and there are no
 // partial sums. (The int8 kernel splits the rows instead: see there.)
 #include "float_rows.h"
+#include "int8_rows.h"
 
 namespace jpn {
 namespace {
@@ -83,46 +84,6 @@ ffi::Error ThresholdRowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> m, ffi:
 thread_local std::vector<int16_t> tl_qweights;
 thread_local std::vector<int32_t> tl_acc;
 
-// acc[t * ldy + j] += sum_b q[t * 4 + b] * rows[b][j] for j in [j0, j1), four int8 rows (a missing row
-// points at a zero row with weight 0), exact in int32. Rows are widened to int16 and interleaved in
-// pairs so that one _mm256_madd_epi16 multiplies two rows by their two token weights and adds them.
-inline void AddRowsInt8(const int8_t* const* rows, const int16_t* q, int64_t T, int64_t j0, int64_t j1, int32_t* acc,
-                        int64_t ldy, const int8_t* const* next, int n_next) {
-  __m256i w01[kMaxTokens], w23[kMaxTokens];
-  for (int64_t t = 0; t < T; ++t) {
-    const uint32_t p01 = uint16_t(q[t * 4 + 0]) | uint32_t(uint16_t(q[t * 4 + 1])) << 16;
-    const uint32_t p23 = uint16_t(q[t * 4 + 2]) | uint32_t(uint16_t(q[t * 4 + 3])) << 16;
-    w01[t] = _mm256_set1_epi32(int32_t(p01));
-    w23[t] = _mm256_set1_epi32(int32_t(p23));
-  }
-  int64_t j = j0;
-  for (; j + 16 <= j1; j += 16) {
-    if (n_next && ((j - j0) & 63) == 0)
-      for (int b = 0; b < n_next; ++b) _mm_prefetch(reinterpret_cast<const char*>(next[b] + j), _MM_HINT_T0);
-    const __m256i r0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[0] + j)));
-    const __m256i r1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[1] + j)));
-    const __m256i r2 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[2] + j)));
-    const __m256i r3 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[3] + j)));
-    // unpack works within 128-bit lanes: lo holds columns 0-3 and 8-11, hi 4-7 and 12-15
-    const __m256i lo01 = _mm256_unpacklo_epi16(r0, r1), hi01 = _mm256_unpackhi_epi16(r0, r1);
-    const __m256i lo23 = _mm256_unpacklo_epi16(r2, r3), hi23 = _mm256_unpackhi_epi16(r2, r3);
-    for (int64_t t = 0; t < T; ++t) {
-      const __m256i lo = _mm256_add_epi32(_mm256_madd_epi16(lo01, w01[t]), _mm256_madd_epi16(lo23, w23[t]));
-      const __m256i hi = _mm256_add_epi32(_mm256_madd_epi16(hi01, w01[t]), _mm256_madd_epi16(hi23, w23[t]));
-      // back to column order: (0-3, 4-7) and (8-11, 12-15)
-      const __m256i c0 = _mm256_permute2x128_si256(lo, hi, 0x20), c1 = _mm256_permute2x128_si256(lo, hi, 0x31);
-      int32_t* a = acc + t * ldy + j;
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(a),
-                          _mm256_add_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a)), c0));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(a + 8),
-                          _mm256_add_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 8)), c1));
-    }
-  }
-  for (; j < j1; ++j)
-    for (int64_t t = 0; t < T; ++t)
-      for (int b = 0; b < 4; ++b) acc[t * ldy + j] += int32_t(q[t * 4 + b]) * int32_t(rows[b][j]);
-}
-
 ffi::Error ThresholdRowsInt8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> m, ffi::Buffer<ffi::F32> col_scales,
                                  ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> threshold,
                                  ffi::ResultBuffer<ffi::F32> y, ffi::ResultBuffer<ffi::S32> counts) {
@@ -145,7 +106,7 @@ ffi::Error ThresholdRowsInt8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> m, f
     float peak = 0.0f;
     for (int64_t j = 0; j < N; ++j) peak = std::max(peak, std::fabs(X[t * N + j]));
     inverse[t] = peak > 0.0f ? 127.0f / peak : 0.0f;
-    token_scale[t] = peak * (1.0f / 127.0f);  // XLA's peak / 127 (see quantized.cc)
+    token_scale[t] = peak * kInv127;  // XLA's peak / 127 (see int8_rows.h)
     C[t] = 0;
   }
   int64_t* kept = Scratch(tl_kept, size_t(N));
@@ -156,9 +117,7 @@ ffi::Error ThresholdRowsInt8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> m, f
     for (int64_t t = 0; t < T; ++t) {
       const float v = X[t * N + j];
       const bool keep = std::fabs(v) > thr;
-      float q = std::nearbyint(v * inverse[t]);
-      q = std::min(127.0f, std::max(-127.0f, q));
-      qw[nk * T + t] = keep ? int16_t(q) : 0;
+      qw[nk * T + t] = keep ? int16_t(QuantizeOne(v, inverse[t])) : 0;
       C[t] += keep;
       any |= keep;
     }

@@ -1,0 +1,208 @@
+// int8 pieces shared by the W8A8 kernels (quantized.cc's dense product, sparse_ffn.cc's int8 sparse FFN,
+// threshold_rows.cc's int8 rows): the per-token quantization of x exactly like jpinfer.quant.int8
+// (q = clip(rint(x * (127 / max|x|)), -127, 127), token scale max|x| * (1/127), float32 as XLA computes
+// them), the int8 x int8 dot products of rows with those tokens (Int8Dots), and exact int32 row sums
+// weighted by small integers (AddRowsInt8).
+//
+// Instructions: int8 x int8 on AVX2 goes through the sign trick: |w| (unsigned) times sign(w) * q
+// (signed), which is w * q; |w| <= 128 and |q| <= 127, so a pair sum stays within +-32512 (no
+// saturation, even for a weight of -128). With VNNI x is stored shifted to unsigned instead (see
+// Int8Dots).
+#pragma once
+
+#include "common.h"
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) || defined(__AVXVNNI__)
+#define JPN_VNNI 1
+#else
+#define JPN_VNNI 0
+#endif
+// AVX-512 VNNI: Q4Rows (quantized.cc) and Int8Dots take two tokens a 512-bit vector
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+#define JPN_ZMM 1
+#else
+#define JPN_ZMM 0
+#endif
+
+namespace jpn {
+
+// The token scale is max|x| * (1 / 127), not max|x| / 127: XLA rewrites a division by a constant into
+// a product with its float32 reciprocal, so this is what jpinfer.quant.int8.quantize_tokens computes
+// (about 5% of scales differ by one ulp from a true division). 127 / max|x| is a true division in both.
+constexpr float kInv127 = 1.0f / 127.0f;
+
+inline int8_t QuantizeOne(float v, float inverse) {
+  float q = std::nearbyint(v * inverse);  // round half to even (default rounding mode)
+  q = std::min(127.0f, std::max(-127.0f, q));
+  return int8_t(q);
+}
+
+// max |x[j]| over n floats; a NaN never wins, as in std::max(peak, |x|).
+inline float Peak(const float* x, int64_t n) {
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 m = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) m = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(x + j), magnitude), m);
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  float peak = std::max(_mm_cvtss_f32(h), _mm_cvtss_f32(_mm_shuffle_ps(h, h, 1)));
+  for (; j < n; ++j) peak = std::max(peak, std::fabs(x[j]));
+  return peak;
+}
+
+// QuantizeOne on 32 floats, the same float operations (max_ps returns its second operand for a NaN,
+// so a NaN becomes -127 in both); int8 in order, and their sum. Measured for 8 tokens: QuantizeOctets
+// took 60 us a call over 4096 inputs and 8 us over 576 with the scalar loop, 10 and 1.5 us with this.
+inline __m256i Quantize32(const float* x, float inverse, int32_t* sum) {
+  __m256i v[4];
+  for (int k = 0; k < 4; ++k) {
+    __m256 q = _mm256_mul_ps(_mm256_loadu_ps(x + 8 * k), _mm256_set1_ps(inverse));
+    q = _mm256_round_ps(q, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    v[k] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(q, _mm256_set1_ps(-127.0f)), _mm256_set1_ps(127.0f)));
+  }
+  *sum = HSumI32(_mm256_add_epi32(_mm256_add_epi32(v[0], v[1]), _mm256_add_epi32(v[2], v[3])));
+  // packs work within 128-bit halves: 32-bit groups come out as 0, 2, 4, 6 | 1, 3, 5, 7 of the order
+  const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+  return _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+// Per token: q int8 in chunks of 32, chunk-major (chunk c of token t at (c T + t) 32: the tokens of a
+// chunk side by side, see Int8Dots); scale (T,). VNNI: stored as q + 128 (unsigned, see Int8Dots).
+inline void QuantizeTokens(const float* x, int64_t T, int64_t in, int8_t* q, float* scale) {
+  const int8_t shift = int8_t(JPN_VNNI << 7);
+  for (int64_t t = 0; t < T; ++t) {
+    const float* xt = x + t * in;
+    const float peak = Peak(xt, in);
+    const float inverse = peak > 0.0f ? 127.0f / peak : 0.0f;
+    int64_t j = 0;
+    for (int32_t sum; j + 32 <= in; j += 32)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + (j / 32 * T + t) * 32),
+                          _mm256_xor_si256(Quantize32(xt + j, inverse, &sum), _mm256_set1_epi8(shift)));
+    for (; j < in; ++j) q[(j / 32 * T + t) * 32 + j % 32] = int8_t(QuantizeOne(xt[j], inverse) ^ shift);
+    scale[t] = peak * kInv127;  // XLA's peak / 127 (a reciprocal product)
+  }
+}
+
+// acc + u * s with u unsigned and s signed bytes, the four products of each int32 lane summed into it.
+// VNNI does this in one instruction (vpdpbusd, exact); AVX2 takes three (maddubs to int16 pairs, madd
+// with ones to int32, add), and a pair's u * s + u * s must then fit int16.
+inline __m256i DotBytes(__m256i acc, __m256i u, __m256i s) {
+#if JPN_VNNI && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, u, s);
+#elif JPN_VNNI
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+// s[r * T + t] = sum_j w[r][j] * q_t[j], exact in int32, for RB rows and T tokens (RB * T <= 8 keeps
+// the accumulators in registers): q from QuantizeTokens (chunk-major; VNNI: shifted). next: RB rows the
+// caller reads after these; the same bytes of them are prefetched while these stream.
+template <int RB, int T>
+inline void Int8Dots(const int8_t* const* w, const int8_t* const* next, const int8_t* q, int64_t in, int32_t* s) {
+  const int64_t full = in & ~int64_t(31);
+  __m256i acc[RB][T];
+  [[maybe_unused]] __m256i wsum[RB];  // VNNI: each row's sum of weights
+  for (int r = 0; r < RB; ++r) {
+    wsum[r] = _mm256_setzero_si256();
+    for (int t = 0; t < T; ++t) acc[r][t] = _mm256_setzero_si256();
+  }
+#if JPN_ZMM
+  __m512i acc2[RB][T / 2 + 1];  // tokens 2i and 2i + 1
+  for (int r = 0; r < RB; ++r)
+    for (int i = 0; i <= T / 2; ++i) acc2[r][i] = _mm512_setzero_si512();
+#endif
+  for (int64_t j = 0; j < full; j += 32) {
+    const int8_t* qj = q + j * T;  // the chunk's tokens
+#pragma GCC unroll 4
+    for (int r = 0; r < RB; ++r) {
+      // the same bytes of the next pass's rows: one pass of prefetch distance, as the hardware
+      // prefetcher alone left single-thread streaming at about half of XLA's float32 rate
+      if ((j & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(next[r] + j), _MM_HINT_T0);
+      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r] + j));
+      int t0 = 0;
+#if JPN_VNNI
+      // q + 128 (unsigned) times the signed weights: one vpdpbusd a token; the weights' sum (one more,
+      // shared by the tokens) takes the 128 * sum(w) back out below: one instruction a token, not two.
+      wsum[r] = DotBytes(wsum[r], _mm256_set1_epi8(1), wv);
+#if JPN_ZMM
+      if constexpr (T >= 2) {  // two tokens a 512-bit vector (quantized.cc's Q4Rows likewise)
+        const __m512i wv2 = _mm512_maskz_broadcast_i64x4(0xFF, wv);
+        for (; t0 + 2 <= T; t0 += 2)
+          acc2[r][t0 / 2] = _mm512_dpbusd_epi32(acc2[r][t0 / 2], _mm512_loadu_si512(qj + t0 * 32), wv2);
+      }
+#endif
+#pragma GCC unroll 8
+      for (int t = t0; t < T; ++t)
+        acc[r][t] = DotBytes(acc[r][t], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qj + t * 32)), wv);
+#else
+      const __m256i aw = _mm256_abs_epi8(wv);
+#pragma GCC unroll 8
+      for (int t = t0; t < T; ++t) {
+        const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qj + t * 32));
+        acc[r][t] = DotBytes(acc[r][t], aw, _mm256_sign_epi8(qv, wv));
+      }
+#endif
+    }
+  }
+#if JPN_ZMM
+  for (int r = 0; r < RB; ++r)
+    for (int t = 0; t + 1 < T; t += 2) {
+      acc[r][t] = _mm512_maskz_extracti64x4_epi64(0xF, acc2[r][t / 2], 0);
+      acc[r][t + 1] = _mm512_maskz_extracti64x4_epi64(0xF, acc2[r][t / 2], 1);
+    }
+#endif
+  for (int r = 0; r < RB; ++r)
+    for (int t = 0; t < T; ++t) {
+#if JPN_VNNI  // per lane: no partial sum leaves the int32 range (sum (q + 128) w may, for in > 65k)
+      acc[r][t] = _mm256_sub_epi32(acc[r][t], _mm256_slli_epi32(wsum[r], 7));
+#endif
+      int32_t sum = HSumI32(acc[r][t]);
+      for (int64_t j = full; j < in; ++j)
+        sum += int32_t(w[r][j]) * int32_t(int8_t(q[(full * T + t * 32) + j - full] ^ (JPN_VNNI << 7)));
+      s[r * T + t] = sum;
+    }
+}
+
+// acc[t * ldy + j] += sum_b q[t * 4 + b] * rows[b][j] for j in [j0, j1), four int8 rows (a missing row
+// points at any valid row with weight 0), exact in int32. Rows are widened to int16 and interleaved in
+// pairs so that one _mm256_madd_epi16 multiplies two rows by their two token weights and adds them.
+inline void AddRowsInt8(const int8_t* const* rows, const int16_t* q, int64_t T, int64_t j0, int64_t j1, int32_t* acc,
+                        int64_t ldy, const int8_t* const* next, int n_next) {
+  __m256i w01[kMaxTokens], w23[kMaxTokens];
+  for (int64_t t = 0; t < T; ++t) {
+    const uint32_t p01 = uint16_t(q[t * 4 + 0]) | uint32_t(uint16_t(q[t * 4 + 1])) << 16;
+    const uint32_t p23 = uint16_t(q[t * 4 + 2]) | uint32_t(uint16_t(q[t * 4 + 3])) << 16;
+    w01[t] = _mm256_set1_epi32(int32_t(p01));
+    w23[t] = _mm256_set1_epi32(int32_t(p23));
+  }
+  int64_t j = j0;
+  for (; j + 16 <= j1; j += 16) {
+    if (n_next && ((j - j0) & 63) == 0)
+      for (int b = 0; b < n_next; ++b) _mm_prefetch(reinterpret_cast<const char*>(next[b] + j), _MM_HINT_T0);
+    const __m256i r0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[0] + j)));
+    const __m256i r1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[1] + j)));
+    const __m256i r2 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[2] + j)));
+    const __m256i r3 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[3] + j)));
+    // unpack works within 128-bit lanes: lo holds columns 0-3 and 8-11, hi 4-7 and 12-15
+    const __m256i lo01 = _mm256_unpacklo_epi16(r0, r1), hi01 = _mm256_unpackhi_epi16(r0, r1);
+    const __m256i lo23 = _mm256_unpacklo_epi16(r2, r3), hi23 = _mm256_unpackhi_epi16(r2, r3);
+    for (int64_t t = 0; t < T; ++t) {
+      const __m256i lo = _mm256_add_epi32(_mm256_madd_epi16(lo01, w01[t]), _mm256_madd_epi16(lo23, w23[t]));
+      const __m256i hi = _mm256_add_epi32(_mm256_madd_epi16(hi01, w01[t]), _mm256_madd_epi16(hi23, w23[t]));
+      // back to column order: (0-3, 4-7) and (8-11, 12-15)
+      const __m256i c0 = _mm256_permute2x128_si256(lo, hi, 0x20), c1 = _mm256_permute2x128_si256(lo, hi, 0x31);
+      int32_t* a = acc + t * ldy + j;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(a),
+                          _mm256_add_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a)), c0));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(a + 8),
+                          _mm256_add_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 8)), c1));
+    }
+  }
+  for (; j < j1; ++j)
+    for (int64_t t = 0; t < T; ++t)
+      for (int b = 0; b < 4; ++b) acc[t * ldy + j] += int32_t(q[t * 4 + b]) * int32_t(rows[b][j]);
+}
+
+}  // namespace jpn
