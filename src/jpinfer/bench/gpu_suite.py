@@ -395,7 +395,10 @@ def add_arguments(ap: argparse.ArgumentParser, command: str = "bench-gpu") -> No
 
 def run(args: argparse.Namespace) -> int:
     """The suite; exit status 1 when a check failed (the timings still run and are written)."""
-    jax.config.update("jax_num_cpu_devices", 2)  # before JAX starts: without a GPU, CPU device 1 plays the host
+    try:  # before JAX starts: without a GPU, CPU device 1 plays the host
+        jax.config.update("jax_num_cpu_devices", 2)
+    except RuntimeError:  # JAX started with another count: default_devices says what to do
+        pass
     from jpinfer.bench.protocol import load_average, machine
     from jpinfer.modes.devices import default_devices
 
