@@ -227,7 +227,8 @@ def fixed_list_seconds(cfg: ModelConfig, dtype_bytes: int, kv_slots: int, hardwa
 
 def gpu_decode_comparisons(record: dict, source: str = "gpu_suite.json") -> tuple[list[Comparison], str]:
     """The GPU suite's fixed-list decode (``gpu_suite.json``'s ``fixed_list``: device, model, new_tokens, dtype,
-    median tok/s per engine "dense" or "sparse s=S (K=K)") as comparisons with the modelled step on the device's preset, and a note
+    median tok/s per engine "dense" or "sparse s=S (K=K)")
+    as comparisons with the modelled step on the device's preset, and a note
     (why nothing is compared, or the preset used)."""
     name = device_preset(record["device"])
     if name is None:

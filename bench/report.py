@@ -189,8 +189,9 @@ def speed() -> list[str]:
                          [[c["configuration"], c["source"], f"{c['measured_ms']:.3f}", f"{c['modelled_ms']:.3f}",
                            f"{c['error']:+.1%}"] for c in compared])
         else:
-            out += ["", "Measured against modelled: " + ("the recorded GPU suite run holds no fixed-list decode" if
-                                                          load("gpu_suite") else "no GPU run is recorded in bench/results")
+            recorded = ("the recorded GPU suite run holds no fixed-list decode" if load("gpu_suite") else
+                        "no GPU run is recorded in bench/results")
+            out += ["", f"Measured against modelled: {recorded}"
                     + f", so the model's error is not measured yet (`{COMMANDS['gpu_suite']}` on a GPU machine records "
                     "one, then `" + COMMANDS["modelled_speed"] + "`)."]
         out += ["", source("modelled_speed"), ""]
@@ -198,14 +199,14 @@ def speed() -> list[str]:
 
 
 def gpu() -> list[str]:
-    """The GPU suite's record (``jpinfer.bench.gpu_suite``): checks, kernel efficiency, fixed-list and hybrid decodes."""
+    """The GPU suite's record (``jpinfer.bench.gpu_suite``): checks, kernel efficiency, sparse and hybrid decodes."""
     out = ["## GPU (measured)", ""]
     suite = load("gpu_suite")
     if suite is None:
         return out + [f"No GPU run is recorded: `{COMMANDS['gpu_suite']}` on a GPU machine records one.", ""]
+    tiny = " --tiny (shrunk shapes on the CPU): a check of the suite, not a timing." if suite["tiny"] else ""
     out += [f"{machine_line(suite['machine'])} Command: `{suite['command']}`; {suite['elapsed_s']:.0f} s of "
-            f"--max-seconds {suite['max_seconds']:g}." + (" --tiny (shrunk shapes on the CPU): a check of the suite, not "
-                                                         "a timing." if suite["tiny"] else ""), ""]
+            f"--max-seconds {suite['max_seconds']:g}.{tiny}", ""]
     out += [f"- part {p['name']}: {p['status']}" + (f" ({p['reason']})" if p.get("reason") else "")
             for p in suite["parts"]]
     checks = suite.get("checks")
@@ -215,8 +216,8 @@ def gpu() -> list[str]:
                 f"{len(checks['rows'])} passed" + (f"; FAILED: {'; '.join(failed)}" if failed else "") + "."]
     kernels = suite.get("kernels")
     if kernels:
-        out += ["", f"Sparse FFN kernel efficiency (speedup over dense x (1 - s)), d_model {kernels['d_model']}, d_ff "
-                f"{kernels['d_ff']}, {kernels['layers']} layers chained, bfloat16:", ""]
+        out += ["", f"Sparse FFN kernel efficiency (speedup over dense x (1 - s)), d_model {kernels['d_model']}, "
+                f"d_ff {kernels['d_ff']}, {kernels['layers']} layers chained, bfloat16:", ""]
         rows = [[t["tokens"], r["op"], f"{r['s']:.2f}", fmt(r.get("ms"), ".3f"), fmt(r.get("speedup"), ".2f"),
                  fmt(r.get("efficiency"), ".2f")] for t in kernels["tables"] for r in t["rows"]]
         out += table(["tokens", "op", "s", "ms", "x dense", "efficiency"], rows)
@@ -230,8 +231,8 @@ def gpu() -> list[str]:
         out += ["", f"{title}, {part['model']}{weights}:", ""]
         out += [f"- {fact}" for fact in part.get("facts", [])]
         out += table(["engine", "decode tok/s", "x dense", "greedy agreement (prefix)", "note"],
-                     [[r["engine"], fmt(r.get("tok_s"), ".1f"), fmt(r.get("vs_dense"), ".2f"), r.get("agreement") or "-",
-                       r.get("note") or ""] for r in part["rows"]])
+                     [[r["engine"], fmt(r.get("tok_s"), ".1f"), fmt(r.get("vs_dense"), ".2f"),
+                       r.get("agreement") or "-", r.get("note") or ""] for r in part["rows"]])
     return out + ["", source("gpu_suite"),
                   ""]
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from jpinfer.bench import gpu_checks, gpu_suite
-from jpinfer.bench.layer_offload import TINY
 from jpinfer.bench.fixed_list import fixed_list_engine
+from jpinfer.bench.layer_offload import TINY
 from jpinfer.cli import main
 from jpinfer.sparse import sparse_ffn
 

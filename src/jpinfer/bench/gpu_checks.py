@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
