@@ -42,6 +42,7 @@ MARKDOWN, DATA = "gpu_suite.md", "gpu_suite.json"
 KERNEL_SPARSITIES = (0.5, 0.8, 0.9, 0.95)
 DECODE_SPARSITIES = (0.8, 0.9)
 HYBRID_BUDGET = 0.4  # of the model's bytes: the offload keeps ~11 of 32 7B layers, the hybrid ~30% of the neurons
+MODES = ("dense GPU", "sparse GPU", "hybrid")  # the default model's modes (layer offload is not one of jpinfer's)
 CHECK_BUDGET = 0.75  # the checks' 2-layer model is mostly embeddings: a larger share leaves room for hot neurons
 # SmolLM2-135M-Instruct's configuration (its GGUF's metadata), for random weights without the model package
 DEFAULT_MODEL_SHAPE = ModelConfig(vocab_size=49152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64,
@@ -58,6 +59,7 @@ class Sizes:
     default_model: ModelConfig  # the modes' random-weight stand-in
     kernel_shape: tuple[int, int]  # (d_model, d_ff) of the kernel table and checks
     kernel_layers: int
+    kernel_sparsities: tuple[float, ...]
     rounds: int
     kernel_rounds: int
     new_tokens: int
@@ -70,12 +72,14 @@ def sizes(tiny: bool) -> Sizes:
     from jpinfer.bench.layer_offload import LLAMA2_7B, TINY
 
     if tiny:
-        small_default = dataclasses.replace(DEFAULT_MODEL_SHAPE, vocab_size=512, d_model=64, n_layers=2, n_heads=2,
-                                            n_kv_heads=1, head_dim=32, d_ff=128, name="tiny default-model shapes")
-        return Sizes(TINY, dataclasses.replace(TINY, n_layers=2), small_default, (256, 512), 2, 2, 2, 8, 16,
+        small_default = dataclasses.replace(DEFAULT_MODEL_SHAPE, vocab_size=256, d_model=64, n_layers=2, n_heads=2,
+                                            n_kv_heads=1, head_dim=32, d_ff=256, name="tiny default-model shapes")
+        two_layers = dataclasses.replace(TINY, n_layers=2, name="tiny (2 layers), random weights")
+        return Sizes(two_layers, two_layers, small_default, (256, 512), 2, (0.5, 0.9), 2, 2, 8, 16,
                      CHECK_BUDGET, dict(checks=15, kernels=15, fixed_list=10, hybrid=15, modes=10))
     return Sizes(LLAMA2_7B, dataclasses.replace(LLAMA2_7B, n_layers=2, name="Llama-2-7B shapes, 2 layers"),
-                 DEFAULT_MODEL_SHAPE, (LLAMA2_7B.d_model, LLAMA2_7B.d_ff), 8, 3, 5, 32, 128, HYBRID_BUDGET,
+                 DEFAULT_MODEL_SHAPE, (LLAMA2_7B.d_model, LLAMA2_7B.d_ff), 8, KERNEL_SPARSITIES, 3, 5, 32, 128,
+                 HYBRID_BUDGET,
                  dict(checks=45, kernels=90, fixed_list=50, hybrid=120, modes=40))
 
 
@@ -250,11 +254,11 @@ def part_kernels(s: Sizes, args: argparse.Namespace, clock: Clock, interpret: bo
         if clock.part_left() <= 0:
             log(f"kernels, {tokens} tokens: skipped (time)")
             break
-        rows = chain_kernels.chain_rows(chain, KERNEL_SPARSITIES, tokens, s.kernel_rounds, bandwidth, interpret,
+        rows = chain_kernels.chain_rows(chain, s.kernel_sparsities, tokens, s.kernel_rounds, bandwidth, interpret,
                                         args.seed, log=log, stop=lambda: clock.part_left() <= 0)
         tables.append(dict(tokens=tokens, rows=rows))
     return dict(d_model=d_model, d_ff=d_ff, layers=s.kernel_layers, dtype="bfloat16", copy_bandwidth=bandwidth,
-                sparsities=list(KERNEL_SPARSITIES), tables=tables)
+                sparsities=list(s.kernel_sparsities), tables=tables)
 
 
 def part_fixed_list(s: Sizes, args: argparse.Namespace, clock: Clock, devices: tuple[Any, Any]) -> dict:
@@ -274,16 +278,17 @@ def part_fixed_list(s: Sizes, args: argparse.Namespace, clock: Clock, devices: t
 
 
 def budget_rows(model: Any, s: Sizes, args: argparse.Namespace, clock: Clock, devices: tuple[Any, Any],
-                fraction: float) -> dict:
-    """The engines of ``synthetic.budget_setup`` timed side by side (sparse GPU skipped without room)."""
+                fraction: float, engines: tuple[str, ...] | None = None) -> dict:
+    """The engines (default: all) of ``synthetic.budget_setup`` timed side by side (sparse GPU skipped without
+    room)."""
     from jpinfer.bench import synthetic
 
     setup = synthetic.budget_setup(model, fraction, devices, new_tokens=s.new_tokens, rank=s.rank, seed=args.seed)
     stats = devices[0].memory_stats() or {}  # None on the CPU
     room = stats.get("bytes_limit", float("inf")) - stats.get("bytes_in_use", 0)
-    plans = dict(setup.plans)
+    plans = {name: plan for name, plan in setup.plans.items() if engines is None or name in engines}
     skipped = []
-    if room < 1.2 * setup.neuron_major_bytes:
+    if "sparse GPU" in plans and room < 1.2 * setup.neuron_major_bytes:
         del plans["sparse GPU"]
         skipped.append(dict(engine="sparse GPU", note="skipped: no room on the GPU for a neuron-major copy"))
     builds = {name: (p.build, dict(gpu_bytes=p.gpu_bytes, where=p.where)) for name, p in plans.items()}
@@ -318,7 +323,7 @@ def default_model(s: Sizes, args: argparse.Namespace, device: Any) -> tuple[Any,
 
 def part_modes(s: Sizes, args: argparse.Namespace, clock: Clock, devices: tuple[Any, Any]) -> dict:
     model, source = default_model(s, args, devices[0])
-    out = budget_rows(model, s, args, clock, devices, s.hybrid_budget)
+    out = budget_rows(model, s, args, clock, devices, s.hybrid_budget, engines=MODES)
     return dict(out, weights=source)
 
 

@@ -90,7 +90,6 @@ class Activity:
     predictors: list[PredictorWeights]
     capacity: tuple[int, ...]  # K per layer
     selected: np.ndarray  # (layers,) mean neurons selected per held-out token
-    held_out: list[np.ndarray]  # per layer held-out FFN inputs (tokens, d_model)
 
 
 def synthetic_predictors(freqs: list[np.ndarray], inputs: list[np.ndarray], rank: int, seed: int,
@@ -100,7 +99,7 @@ def synthetic_predictors(freqs: list[np.ndarray], inputs: list[np.ndarray], rank
     logit exceeds 0 on about its frequency of tokens. K: 0.99 quantile of the held-out counts."""
     rng = np.random.default_rng(seed)
     held = HELD_OUT * CALIBRATION[1]
-    predictors, ks, selected, held_out = [], [], [], []
+    predictors, ks, selected = [], [], []
     for f, x in zip(freqs, inputs):
         d_ff, d = f.size, x.shape[1]
         w_in = rng.standard_normal((rank, d), np.float32) / np.float32(math.sqrt(d))
@@ -114,8 +113,7 @@ def synthetic_predictors(freqs: list[np.ndarray], inputs: list[np.ndarray], rank
                                            jnp.asarray(b_out), jnp.float32(cutoff)))
         ks.append(k)
         selected.append(d_ff if all_active else counts.mean())
-        held_out.append(x[-held:])
-    return Activity(predictors, tuple(ks), np.asarray(selected), held_out)
+    return Activity(predictors, tuple(ks), np.asarray(selected))
 
 
 # ----- budget
