@@ -270,8 +270,10 @@ def kernels() -> list[str]:
                  [[r["shape"], f"{r['s']:.2f}", f"{r['dense_ms']:.2f}", f"{r['sparse_ms']:.2f}",
                    f"{r['efficiency']:.2f}", f"{r['efficiency_min']:.2f}-{r['efficiency_max']:.2f}"]
                   for r in eff["cpu"]])
-    gpu = eff.get("gpu")
-    out += ["", f"GPU: {'from ' + gpu['source'] if gpu else 'not measured yet (no GPU run recorded)'}.", "",
+    gpu, suite = eff.get("gpu"), load("gpu_suite")
+    measured = ("from " + gpu["source"] if gpu else "the GPU suite's table, in the GPU section" if suite and
+                suite.get("kernels") else "not measured yet (no GPU run recorded)")
+    out += ["", f"GPU: {measured}.", "",
             source("kernel_efficiency"), ""]
     return out
 
