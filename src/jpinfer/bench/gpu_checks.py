@@ -27,6 +27,7 @@ import numpy as np
 from jpinfer.bench.chain_kernels import sparse_ops
 from jpinfer.bench.fixed_list import fixed_list_engine
 from jpinfer.bench.layer_offload import cast_floats
+from jpinfer.bench.results import error_text
 from jpinfer.models.loading import LoadedModel
 from jpinfer.runtime.engine import CACHE_ROUNDING, MIN_PROMPT_BUCKET, Engine, GenerationConfig, attend_length
 from jpinfer.sparse import NeuronFFN
@@ -128,7 +129,7 @@ def kernel_checks(d_model: int, d_ff: int, sparsity: float, interpret: bool, see
             try:
                 got = np.asarray(op(ffn, jnp.asarray(x_np), jnp.asarray(ids)).astype(jnp.float32))
             except Exception as err:  # a variant that does not compile is a failed check, not a crash
-                out.append(Check(label, False, float("inf"), f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"))
+                out.append(Check(label, False, float("inf"), error_text(err)))
                 continue
             out.append(compare(label, got.reshape(ref.shape), ref, bound))
     return out
@@ -164,7 +165,7 @@ def decode_checks(model: LoadedModel, engines: dict[str, Callable[[], Engine]], 
         try:
             err = float(np.linalg.norm(next_logits(build(), prompt, token) - ref))
         except Exception as e:  # an engine that fails to build or run is a failed check
-            out.append(Check(name, False, float("inf"), f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"))
+            out.append(Check(name, False, float("inf"), error_text(e)))
             continue
         out.append(Check(name, err <= tol, err / tol, f"|logits - float32| {err:.4g}, dense bf16's {dense_err:.4g}, "
                                                        f"tolerance {tol:.4g}"))

@@ -34,8 +34,19 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
+from jpinfer.bench import chain_kernels, gpu_checks, synthetic
+from jpinfer.bench.fixed_list import fixed_list_engine, fixed_list_name, listed_count
+from jpinfer.bench.layer_offload import LLAMA2_7B, TINY, random_weights
+from jpinfer.bench.protocol import interleaved_rounds, load_average, log, machine, machine_line, matching_prefix
+from jpinfer.bench.results import error_text, markdown_table
+from jpinfer.bench.results import format_cell as fmt
 from jpinfer.config import ModelConfig
+from jpinfer.models.loading import LoadedModel
+from jpinfer.modes.devices import default_devices
+from jpinfer.runtime.engine import MIN_PROMPT_BUCKET, Engine, GenerationConfig
 
 SUITE_VERSION = 1
 MARKDOWN, DATA = "gpu_suite.md", "gpu_suite.json"
@@ -69,18 +80,20 @@ class Sizes:
 
 
 def sizes(tiny: bool) -> Sizes:
-    from jpinfer.bench.layer_offload import LLAMA2_7B, TINY
-
     if tiny:
         small_default = dataclasses.replace(DEFAULT_MODEL_SHAPE, vocab_size=256, d_model=64, n_layers=2, n_heads=2,
                                             n_kv_heads=1, head_dim=32, d_ff=256, name="tiny default-model shapes")
         two_layers = dataclasses.replace(TINY, n_layers=2, name="tiny (2 layers), random weights")
-        return Sizes(two_layers, two_layers, small_default, (256, 512), 2, (0.5, 0.9), 2, 2, 8, 16,
-                     CHECK_BUDGET, dict(checks=15, kernels=15, fixed_list=10, hybrid=15, modes=10))
-    return Sizes(LLAMA2_7B, dataclasses.replace(LLAMA2_7B, n_layers=2, name="Llama-2-7B shapes, 2 layers"),
-                 DEFAULT_MODEL_SHAPE, (LLAMA2_7B.d_model, LLAMA2_7B.d_ff), 8, KERNEL_SPARSITIES, 3, 5, 32, 128,
-                 HYBRID_BUDGET,
-                 dict(checks=45, kernels=90, fixed_list=50, hybrid=120, modes=40))
+        return Sizes(decoder=two_layers, check_decoder=two_layers, default_model=small_default, kernel_shape=(256, 512),
+                     kernel_layers=2, kernel_sparsities=(0.5, 0.9), rounds=2, kernel_rounds=2, new_tokens=8, rank=16,
+                     hybrid_budget=CHECK_BUDGET,
+                     priors=dict(checks=15, kernels=15, fixed_list=10, hybrid=15, modes=10))
+    return Sizes(decoder=LLAMA2_7B,
+                 check_decoder=dataclasses.replace(LLAMA2_7B, n_layers=2, name="Llama-2-7B shapes, 2 layers"),
+                 default_model=DEFAULT_MODEL_SHAPE, kernel_shape=(LLAMA2_7B.d_model, LLAMA2_7B.d_ff), kernel_layers=8,
+                 kernel_sparsities=KERNEL_SPARSITIES, rounds=3, kernel_rounds=5, new_tokens=32, rank=128,
+                 hybrid_budget=HYBRID_BUDGET,
+                 priors=dict(checks=45, kernels=90, fixed_list=50, hybrid=120, modes=40))
 
 
 class Clock:
@@ -127,30 +140,15 @@ class Clock:
         return self.deadline - time.perf_counter()
 
 
-def log(message: str) -> None:
-    from jpinfer.bench.protocol import log as protocol_log
-
-    protocol_log(message)
-
-
-def error_text(err: BaseException) -> str:
-    return f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}"
-
-
 # ----- decodes: engines built in turn, then interleaved rounds
 
 
-def decode_rows(builds: dict[str, tuple[Callable[[], Any], dict]], vocab_size: int, clock: Clock, rounds: int,
+def decode_rows(builds: dict[str, tuple[Callable[[], Engine], dict]], vocab_size: int, clock: Clock, rounds: int,
                 new_tokens: int, seed: int) -> list[dict]:
     """One row per engine (``builds``: name -> (build, extra fields of its row); "dense"-like first, the
     reference): decode tok/s per round and their median, the median of same-round ratios to the first
     engine, greedy agreement (prefix) with it. Engines not built in time, rounds not started in time and
     engines that fail are noted in their rows."""
-    import numpy as np
-
-    from jpinfer.bench.protocol import interleaved_rounds, matching_prefix
-    from jpinfer.runtime.engine import MIN_PROMPT_BUCKET, GenerationConfig
-
     config = GenerationConfig(max_new_tokens=new_tokens)
     prompt = np.random.default_rng(seed + 1).integers(0, vocab_size, MIN_PROMPT_BUCKET).tolist()
     rows = {name: dict(engine=name, **extra, tok_s=None, rounds=[], vs_dense=None, agreement=None, note="")
@@ -190,7 +188,7 @@ def decode_rows(builds: dict[str, tuple[Callable[[], Any], dict]], vocab_size: i
                                       for n, run in so_far.rounds[r].items())))
     rate = lambda result: result.decode_tokens_per_s
     reference = next(iter(builds))
-    ref_tokens = (measured.results(reference) or [None])[0]
+    ref_result = (measured.results(reference) or [None])[0]
     for name in engines:
         if not measured.values(name, rate):
             continue
@@ -199,18 +197,13 @@ def decode_rows(builds: dict[str, tuple[Callable[[], Any], dict]], vocab_size: i
         if measured.ratios(name, reference, rate):
             row["vs_dense"] = measured.median_ratio(name, reference, rate)
         tokens = measured.results(name)[0].token_ids
-        if ref_tokens is not None:
-            row["agreement"] = f"{matching_prefix(tokens, ref_tokens.token_ids)}/{len(ref_tokens.token_ids)}"
+        if ref_result is not None:
+            row["agreement"] = f"{matching_prefix(tokens, ref_result.token_ids)}/{len(ref_result.token_ids)}"
     return list(rows.values())
 
 
-def random_model(cfg: ModelConfig, device: Any, seed: int) -> Any:
+def random_model(cfg: ModelConfig, device: Any, seed: int) -> LoadedModel:
     """A LoadedModel of ``cfg``'s shapes with random bfloat16 weights on ``device`` (tied: no input embedding)."""
-    import jax.numpy as jnp
-
-    from jpinfer.bench.layer_offload import random_weights
-    from jpinfer.models.loading import LoadedModel
-
     weights = jax.block_until_ready(random_weights(cfg, jnp.bfloat16, device, seed))
     if cfg.tie_embeddings:
         weights = dataclasses.replace(weights, embed=None)
@@ -221,8 +214,6 @@ def random_model(cfg: ModelConfig, device: Any, seed: int) -> Any:
 
 
 def part_checks(s: Sizes, args: argparse.Namespace, devices: tuple[Any, Any], interpret: bool) -> dict:
-    from jpinfer.bench import gpu_checks, synthetic
-
     d_model, d_ff = s.kernel_shape
     checks = gpu_checks.kernel_checks(d_model, d_ff, 0.9, interpret, args.seed)
     for c in checks:
@@ -241,10 +232,6 @@ def part_checks(s: Sizes, args: argparse.Namespace, devices: tuple[Any, Any], in
 
 
 def part_kernels(s: Sizes, args: argparse.Namespace, clock: Clock, interpret: bool) -> dict:
-    import jax.numpy as jnp
-
-    from jpinfer.bench import chain_kernels
-
     device = jax.devices()[0]
     d_model, d_ff = s.kernel_shape
     bandwidth = chain_kernels.copy_bandwidth(device, n_bytes=(1 << 24) if args.tiny else (1 << 30))
@@ -262,9 +249,6 @@ def part_kernels(s: Sizes, args: argparse.Namespace, clock: Clock, interpret: bo
 
 
 def part_fixed_list(s: Sizes, args: argparse.Namespace, clock: Clock, devices: tuple[Any, Any]) -> dict:
-    from jpinfer.bench.fixed_list import fixed_list_engine, fixed_list_name, listed_count
-    from jpinfer.runtime.engine import Engine
-
     model = random_model(s.decoder, devices[0], args.seed)
     builds = {"dense": (lambda: Engine(model), {})}
     for sparsity in DECODE_SPARSITIES:
@@ -281,8 +265,6 @@ def budget_rows(model: Any, s: Sizes, args: argparse.Namespace, clock: Clock, de
                 fraction: float, engines: tuple[str, ...] | None = None) -> dict:
     """The engines (default: all) of ``synthetic.budget_setup`` timed side by side (sparse GPU skipped without
     room)."""
-    from jpinfer.bench import synthetic
-
     setup = synthetic.budget_setup(model, fraction, devices, new_tokens=s.new_tokens, rank=s.rank, seed=args.seed)
     stats = devices[0].memory_stats() or {}  # None on the CPU
     room = stats.get("bytes_limit", float("inf")) - stats.get("bytes_in_use", 0)
@@ -304,7 +286,7 @@ def part_hybrid(s: Sizes, args: argparse.Namespace, clock: Clock, devices: tuple
 def default_model(s: Sizes, args: argparse.Namespace, device: Any) -> tuple[Any, str]:
     """(the default model in bfloat16, where it came from): its weights when the package is installed (not with
     --tiny), else random weights of its shape."""
-    if not args.tiny:
+    if not args.tiny:  # imported here: loading a model needs packages (gguf, transformers) the suite does not
         from jpinfer.models.default_model import DefaultModelMissing, default_model_path
 
         try:
@@ -330,13 +312,7 @@ def part_modes(s: Sizes, args: argparse.Namespace, clock: Clock, devices: tuple[
 # ----- output
 
 
-def fmt(value: Any, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def decode_table(rows: list[dict]) -> list[str]:
-    from jpinfer.bench.results import markdown_table
-
     return markdown_table(
         ["engine", "on the GPU", "decode tok/s (median)", "rounds", "vs dense", "greedy agreement (prefix)", "note"],
         [[r["engine"], r.get("where", "everything"), fmt(r.get("tok_s"), ".1f"),
@@ -345,9 +321,6 @@ def decode_table(rows: list[dict]) -> list[str]:
 
 
 def markdown(data: dict) -> str:
-    from jpinfer.bench import chain_kernels
-    from jpinfer.bench.protocol import machine_line
-
     lines = ["# GPU suite", "", f"- {machine_line(data['machine'])}", f"- command: `{data['command']}`",
              f"- --max-seconds {data['max_seconds']:g}; elapsed {data['elapsed_s']:.0f} s"
              + ("; --tiny: shrunk shapes on the CPU, Pallas in interpret mode: a check of the suite, not a timing"
@@ -404,9 +377,6 @@ def run(args: argparse.Namespace) -> int:
         jax.config.update("jax_num_cpu_devices", 2)
     except RuntimeError:  # JAX started with another count: default_devices says what to do
         pass
-    from jpinfer.bench.protocol import load_average, machine
-    from jpinfer.modes.devices import default_devices
-
     if args.max_seconds <= 0:
         raise ValueError(f"--max-seconds must be positive, got {args.max_seconds}")
     load_before = load_average()
