@@ -229,7 +229,7 @@ def gpu() -> list[str]:
             continue
         weights = f"; weights: {part['weights']}" if "weights" in part else ""
         out += ["", f"{title}, {part['model']}{weights}:", ""]
-        out += [f"- {fact}" for fact in part.get("facts", [])]
+        out += [f"- {fact}" for fact in part.get("facts", [])] + ([""] if part.get("facts") else [])
         out += table(["engine", "decode tok/s", "x dense", "greedy agreement (prefix)", "note"],
                      [[r["engine"], fmt(r.get("tok_s"), ".1f"), fmt(r.get("vs_dense"), ".2f"),
                        r.get("agreement") or "-", r.get("note") or ""] for r in part["rows"]])
