@@ -140,3 +140,20 @@ def test_a_wrong_decode_fails_its_check():
                                               "half": lambda: fixed_list_engine(model, 0.5, 0)})
     assert [c.passed for c in checks] == [True, False]
     assert TINY.d_model == model.cfg.d_model
+
+
+def test_a_failed_check_fails_the_suite_and_is_recorded(tmp_path, monkeypatch):
+    """A kernel giving a wrong output: the suite exits with status 1, its JSON and markdown say which check failed."""
+    right = gpu_checks.kernel_checks
+
+    def wrong_ops(kind, count, interpret):
+        return {"off by 25%": lambda f, x, ids: sparse_ffn(f, x, ids, count, backend="gather") * 1.25}
+
+    monkeypatch.setattr(gpu_checks, "kernel_checks", lambda *a, **k: right(*a, **k, ops=wrong_ops))
+    monkeypatch.setattr(gpu_checks, "decode_checks", lambda *a, **k: [])  # covered above; here only the verdict
+    assert main(["bench-gpu", "--tiny", "--parts", "checks", "--out", str(tmp_path)]) == 1
+    data = json.loads((tmp_path / gpu_suite.DATA).read_text())
+    assert not data["checks"]["passed"] and all(not c["passed"] for c in data["checks"]["rows"])
+    assert [p["name"] for p in data["parts"]] == ["checks"]
+    text = (tmp_path / gpu_suite.MARKDOWN).read_text()
+    assert "All passed: NO." in text and "- FAIL off by 25%, 1 token(s)" in text
