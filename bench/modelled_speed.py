@@ -15,9 +15,9 @@ by ``jpinfer.bench.modelled.transplant``) and a ReLU model's skew (80% of activa
 PowerInfer's OPT-30B figure, Song et al., 2023; 10% active per token ASSUMED), as in
 bench/placement_share.py. Dense policy strict, 2048-token KV cache. A figure: modelled tok/s against
 the GPU budget for 7B fp16 on the ``rtx4090`` preset (both skews), and against activation sparsity at
-a 12 GiB budget (ReLU skew). Where a GPU run of bench/gpu_decode.py is recorded
-(bench/results/gpu_decode.json), its measured speeds sit next to the modelled ones with the model's
-error.
+a 12 GiB budget (ReLU skew). Where a GPU suite run is recorded (bench/results/gpu_suite.json, from
+``python -m jpinfer.bench gpu --out bench/results``), its fixed-list decode speeds sit next to the modelled
+ones with the model's error.
 
     python bench/modelled_speed.py --out bench/results/modelled_speed.md
 """
@@ -34,7 +34,7 @@ import time
 
 import numpy as np
 
-from jpinfer.bench.layer_offload import LLAMA2_7B, TINY  # the shapes bench/gpu_decode.py measures
+from jpinfer.bench.layer_offload import LLAMA2_7B, TINY  # the shapes the GPU suite's fixed-list decode measures
 from jpinfer.bench.modelled import (
     RELU_MEAN_ACTIVE,
     GiB,
@@ -225,9 +225,10 @@ def fixed_list_seconds(cfg: ModelConfig, dtype_bytes: int, kv_slots: int, hardwa
                            dense_policy="strict").per_token_time
 
 
-def gpu_decode_comparisons(record: dict, source: str = "gpu_decode.json") -> tuple[list[Comparison], str]:
-    """bench/gpu_decode.py's record (``publish`` data: device, model, new_tokens, median tok/s per engine
-    "dense" or "sparse s=S (K=K)") as comparisons with the modelled step on the device's preset, and a note
+def gpu_decode_comparisons(record: dict, source: str = "gpu_suite.json") -> tuple[list[Comparison], str]:
+    """The GPU suite's fixed-list decode (``gpu_suite.json``'s ``fixed_list``: device, model, new_tokens, dtype,
+    median tok/s per engine "dense" or "sparse s=S (K=K)")
+    as comparisons with the modelled step on the device's preset, and a note
     (why nothing is compared, or the preset used)."""
     name = device_preset(record["device"])
     if name is None:
@@ -235,7 +236,7 @@ def gpu_decode_comparisons(record: dict, source: str = "gpu_decode.json") -> tup
     cfg = {c.name: c for c in (LLAMA2_7B, TINY)}.get(record["model"])
     if cfg is None:
         return [], f"{source}: unknown model {record['model']!r}; not compared"
-    dtype_bytes = 4 if cfg is TINY else 2  # gpu_decode.py: float32 with --tiny, else bfloat16
+    dtype_bytes = {"bfloat16": 2, "float32": 4}[record.get("dtype", "float32" if cfg is TINY else "bfloat16")]
     kv_slots = -(-(MIN_PROMPT_BUCKET + record["new_tokens"]) // CACHE_ROUNDING) * CACHE_ROUNDING
     out = []
     for engine, tps in record["median"].items():
@@ -252,19 +253,19 @@ def gpu_decode_comparisons(record: dict, source: str = "gpu_decode.json") -> tup
 
 def measured_section(results: pathlib.Path) -> tuple[list[str], list[dict]]:
     lines = ["## Measured against modelled", ""]
-    record = results / "gpu_decode.json"
+    record = results / "gpu_suite.json"
+    fixed = json.loads(record.read_text()).get("fixed_list") if record.is_file() else None
     rows: list[Comparison] = []
-    if record.is_file():
-        rows, note = gpu_decode_comparisons(json.loads(record.read_text()), record.name)
+    if fixed:
+        rows, note = gpu_decode_comparisons(fixed, record.name)
         lines += [f"- {note}"]
     else:
         where = record.relative_to(ROOT) if record.is_relative_to(ROOT) else record
-        lines += [f"- No GPU run is recorded ({where} is absent): on a GPU machine run "
-                  "`python bench/gpu_decode.py --out bench/results/gpu_decode.md`, then this script again."]
-    hybrid = results / "hybrid_gpu.json"
-    lines += [f"- {hybrid.name} " + ("exists but its layout is not read here; not compared" if hybrid.is_file() else
-              "is absent: bench/hybrid_gpu.py writes its table as markdown only; a hybrid comparison also needs the "
-              "GPU host's measured CPU bandwidth (`jpinfer.solver.measure_hardware`), which no preset has")]
+        state = "holds no fixed-list decode" if record.is_file() else "is absent"
+        lines += [f"- No GPU run is recorded ({where} {state}): on a GPU machine run "
+                  "`PYTHONPATH=src python -m jpinfer.bench gpu --out bench/results`, then this script again."]
+    lines += ["- The GPU suite's hybrid rows are not compared: a hybrid comparison also needs the GPU host's measured "
+              "CPU bandwidth (`jpinfer.solver.measure_hardware`), which no preset has"]
     if rows:
         lines += ["", "| configuration | measured ms/token | modelled ms/token | model error (time) |",
                   "|---|---:|---:|---:|"]
@@ -323,7 +324,7 @@ def main() -> None:
     ap.add_argument("--time-limit", type=float, default=20.0, help="seconds per MILP solve")
     ap.add_argument("--points", type=int, default=8, help="budgets in the figure's budget sweep")
     ap.add_argument("--results", type=pathlib.Path, default=RESULTS,
-                    help="directory holding recorded GPU runs (gpu_decode.json)")
+                    help="directory holding a recorded GPU suite run (gpu_suite.json)")
     ap.add_argument("--out", help="markdown file; its .json and modelled_speed.png are written beside it")
     args = ap.parse_args()
     start = time.perf_counter()

@@ -40,7 +40,18 @@ COMMANDS = {
     "power_law": "python bench/power_law.py --pack --out-dir bench/results",
     "predictor_sizes": "python bench/predictor_sizes.py --out bench/results/predictor_sizes.md",
     "quantized": "python bench/quantized.py --out bench/results/quantized.md",
+    "gpu_suite": "PYTHONPATH=src python -m jpinfer.bench gpu --out bench/results",  # on a GPU machine
 }
+
+
+def gpu_note() -> str:
+    """Whether any number here was measured on a GPU, from the files: the GPU suite's record or its absence."""
+    suite = load("gpu_suite")
+    if suite is None:
+        return ("No GPU run is recorded in bench/results (gpu_suite.json is absent): every number here is from this "
+                "CPU, and GPU figures are modelled and say so.")
+    return (f"GPU figures measured on {suite['machine']['device']} ({suite['machine']['date']}) are in the GPU "
+            "section; other GPU figures are modelled and say so.")
 
 
 def source(name: str) -> str:
@@ -54,12 +65,10 @@ def setup() -> list[str]:
         return out + missing(COMMANDS["bench"])
     m = bench["machine"]
     if "cores" in m:  # jpinfer.bench.protocol.machine's dict
-        out += [f"- {machine_line(m)} The main bench ran {bench['date']}. No GPU was used for any number here; GPU "
-                "figures are modelled and say so."]
+        out += [f"- {machine_line(m)} The main bench ran {bench['date']}. {gpu_note()}"]
     else:  # recorded before the protocol module: load averages as text
         out += [f"- Machine: {m['cpus']} CPUs, jax {m['jax']} on {m['platform']}; the main bench ran {bench['date']} "
-                f"(load average before {m['load_before']}, after {m['load_after']}). No GPU was used for any number "
-                "here; GPU figures are modelled and say so."]
+                f"(load average before {m['load_before']}, after {m['load_after']}). {gpu_note()}"]
     out += [
             f"- Model: {bench['model']}, float32."]
     pack = bench.get("pack")
@@ -151,13 +160,15 @@ def speed() -> list[str]:
                      [[r["kind"], r["setting"], fmt(r["bytes"], ".3f"), f"{r['decode_tok_s']:.1f}",
                        f"{r['vs_dense']:.2f}"] for r in decode["rows"]])
         out += ["", source("decode_speed"), ""]
-    out += ["### On GPUs this machine lacks (MODELLED, not measured)", ""]
+    out += ["### On GPUs this machine lacks (MODELLED, not measured; oracle predictor, upper bound)", ""]
     modelled = load("modelled_speed")
     if modelled is None:
         out += missing(COMMANDS["modelled_speed"])
     else:
         out += ["The placement solver's cost model (batch 1, memory-bound, datasheet bandwidths, no launch costs) "
-                "for jpinfer's placement (MILP, latency objective), the greedy placement and layer offload.", "",
+                "for jpinfer's placement (MILP, latency objective), the greedy placement and layer offload. It "
+                "assumes each token computes exactly the profile's active neurons (an oracle predictor), so its "
+                "speeds are upper bounds.", "",
                 "![modelled speed](modelled_speed.png)", ""]
         rows = []
         for case in modelled["cases"]:
@@ -169,8 +180,8 @@ def speed() -> list[str]:
                 ms = lambda run: r["runs"][run]["per_token_time_ms"]
                 rows.append(title + [f"{1e3 / ms('latency'):.0f}", f"{1e3 / ms('greedy'):.0f}",
                                      f"{1e3 / ms('layers'):.0f}", f"{ms('layers') / ms('latency'):.2f}x"])
-        out += table(["model", "skew", "preset", "fits", "jpinfer tok/s", "greedy tok/s", "layer offload tok/s",
-                      "jpinfer / offload"], rows)
+        out += table(["model", "skew", "preset", "fits", "jpinfer tok/s (upper bound)", "greedy tok/s (upper bound)",
+                      "layer offload tok/s", "jpinfer / offload"], rows)
         compared = modelled.get("measured_vs_modelled") or []
         if compared:
             out += ["", "Measured against modelled:", ""]
@@ -178,11 +189,52 @@ def speed() -> list[str]:
                          [[c["configuration"], c["source"], f"{c['measured_ms']:.3f}", f"{c['modelled_ms']:.3f}",
                            f"{c['error']:+.1%}"] for c in compared])
         else:
-            out += ["", "Measured against modelled: no GPU run is recorded in bench/results, so the model's error is "
-                        "not measured yet (`python bench/gpu_decode.py --out bench/results/gpu_decode.md` on a GPU "
-                        "machine records one)."]
+            recorded = ("the recorded GPU suite run holds no fixed-list decode" if load("gpu_suite") else
+                        "no GPU run is recorded in bench/results")
+            out += ["", f"Measured against modelled: {recorded}"
+                    + f", so the model's error is not measured yet (`{COMMANDS['gpu_suite']}` on a GPU machine records "
+                    "one, then `" + COMMANDS["modelled_speed"] + "`)."]
         out += ["", source("modelled_speed"), ""]
     return out
+
+
+def gpu() -> list[str]:
+    """The GPU suite's record (``jpinfer.bench.gpu_suite``): checks, kernel efficiency, sparse and hybrid decodes."""
+    out = ["## GPU (measured)", ""]
+    suite = load("gpu_suite")
+    if suite is None:
+        return out + [f"No GPU run is recorded: `{COMMANDS['gpu_suite']}` on a GPU machine records one.", ""]
+    tiny = " --tiny (shrunk shapes on the CPU): a check of the suite, not a timing." if suite["tiny"] else ""
+    out += [f"{machine_line(suite['machine'])} Command: `{suite['command']}`; {suite['elapsed_s']:.0f} s of "
+            f"--max-seconds {suite['max_seconds']:g}.{tiny}", ""]
+    out += [f"- part {p['name']}: {p['status']}" + (f" ({p['reason']})" if p.get("reason") else "")
+            for p in suite["parts"]]
+    checks = suite.get("checks")
+    if checks:
+        failed = [c["name"] for c in checks["rows"] if not c["passed"]]
+        out += [f"- checks (bfloat16, against float64 / float32 references): {len(checks['rows']) - len(failed)} of "
+                f"{len(checks['rows'])} passed" + (f"; FAILED: {'; '.join(failed)}" if failed else "") + "."]
+    kernels = suite.get("kernels")
+    if kernels:
+        out += ["", f"Sparse FFN kernel efficiency (speedup over dense x (1 - s)), d_model {kernels['d_model']}, "
+                f"d_ff {kernels['d_ff']}, {kernels['layers']} layers chained, bfloat16:", ""]
+        rows = [[t["tokens"], r["op"], f"{r['s']:.2f}", fmt(r.get("ms"), ".3f"), fmt(r.get("speedup"), ".2f"),
+                 fmt(r.get("efficiency"), ".2f")] for t in kernels["tables"] for r in t["rows"]]
+        out += table(["tokens", "op", "s", "ms", "x dense", "efficiency"], rows)
+    for key, title in (("fixed_list", "Fixed-list sparse decode (no predictor)"),
+                       ("hybrid", "Hybrid against layer offload (synthetic activity, oracle predictor, upper bound)"),
+                       ("modes", "The default model's engines (synthetic activity, oracle predictor, upper bound)")):
+        part = suite.get(key)
+        if not part:
+            continue
+        weights = f"; weights: {part['weights']}" if "weights" in part else ""
+        out += ["", f"{title}, {part['model']}{weights}:", ""]
+        out += [f"- {fact}" for fact in part.get("facts", [])] + ([""] if part.get("facts") else [])
+        out += table(["engine", "decode tok/s", "x dense", "greedy agreement (prefix)", "note"],
+                     [[r["engine"], fmt(r.get("tok_s"), ".1f"), fmt(r.get("vs_dense"), ".2f"),
+                       r.get("agreement") or "-", r.get("note") or ""] for r in part["rows"]])
+    return out + ["", source("gpu_suite"),
+                  ""]
 
 
 def placement() -> list[str]:
@@ -218,8 +270,10 @@ def kernels() -> list[str]:
                  [[r["shape"], f"{r['s']:.2f}", f"{r['dense_ms']:.2f}", f"{r['sparse_ms']:.2f}",
                    f"{r['efficiency']:.2f}", f"{r['efficiency_min']:.2f}-{r['efficiency_max']:.2f}"]
                   for r in eff["cpu"]])
-    gpu = eff.get("gpu")
-    out += ["", f"GPU: {'from ' + gpu['source'] if gpu else 'not measured yet (no GPU run recorded)'}.", "",
+    gpu, suite = eff.get("gpu"), load("gpu_suite")
+    measured = ("from " + gpu["source"] if gpu else "the GPU suite's table, in the GPU section" if suite and
+                suite.get("kernels") else "not measured yet (no GPU run recorded)")
+    out += ["", f"GPU: {measured}.", "",
             source("kernel_efficiency"), ""]
     return out
 
@@ -268,16 +322,21 @@ def activity() -> list[str]:
     return out
 
 
-SECTIONS: list[Callable[[], list[str]]] = [setup, accuracy, speed, quantized_weights, placement, kernels, activity]
+SECTIONS: list[Callable[[], list[str]]] = [setup, accuracy, speed, gpu, quantized_weights, placement, kernels, activity]
 
 
-def main() -> None:
+def render() -> str:
+    """REPORT.md's text from the files in ``RESULTS``."""
     lines = ["# jpinfer: report", "",
              "Generated by `python bench/report.py` from the files the scripts in `bench/` wrote into "
              "`bench/results/`: every number below is copied from one of them (named in each section).", ""]
     for section in SECTIONS:
         lines += section()
-    (RESULTS / "REPORT.md").write_text("\n".join(lines).rstrip() + "\n")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def main() -> None:
+    (RESULTS / "REPORT.md").write_text(render())
     print(RESULTS / "REPORT.md")
 
 

@@ -26,6 +26,7 @@ from jpinfer.cli import COMMANDS, main
         (["bench", "--modes", "sparse", "dense"], "--modes must start with dense"),
         (["bench", "--lengths", "0"], "--lengths must be >= 1"),
         (["bench-kernels", "--sparsity", "1.5"], "--sparsity values must lie in [0, 1)"),
+        (["bench-gpu", "--max-seconds", "0"], "--max-seconds must be positive"),
         (["train-predictors", "--recall", "1.5"], "recall must lie in (0, 1]"),
         (["train-predictors", "--profile", "/nonexistent/prof.npz"], "no such profile file"),
         (["generate", "hi", "--mode", "sparse", "--model", "m.gguf"], "needs predictors"),

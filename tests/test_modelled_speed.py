@@ -1,4 +1,4 @@
-"""bench/modelled_speed.py's measured-against-modelled rows: a recorded bench/gpu_decode.py run turned into
+"""bench/modelled_speed.py's measured-against-modelled rows: a recorded GPU suite run's fixed-list decode turned into
 (measured, modelled, error), checked against the cost model worked out by hand (no solving, no GPU)."""
 
 import json
@@ -13,9 +13,9 @@ from modelled_speed import LLAMA2_7B, Comparison, device_preset, gpu_decode_comp
 
 H200_BANDWIDTH = 4800e9  # the h200 preset's bytes/s
 
-# bench/gpu_decode.py's publish data on one H200: Llama-2-7B shapes in bfloat16, 64 new tokens
+# the GPU suite's fixed_list data on one H200: Llama-2-7B shapes in bfloat16, 64 new tokens
 RECORD = {
-    "device": "NVIDIA H200", "jax": "0.11.2", "model": LLAMA2_7B.name, "new_tokens": 64,
+    "device": "NVIDIA H200", "model": LLAMA2_7B.name, "dtype": "bfloat16", "new_tokens": 64,
     "speeds": {"dense": [199.0, 200.0, 201.0], "sparse s=0.9 (K=1101)": [400.0, 400.0, 401.0]},
     "median": {"dense": 200.0, "sparse s=0.9 (K=1101)": 400.0},
 }
@@ -64,7 +64,10 @@ def test_devices_without_a_preset_are_not_compared():
 def test_measured_section_with_and_without_a_record(tmp_path):
     lines, data = measured_section(tmp_path)
     assert data == [] and any("No GPU run is recorded" in line for line in lines)
-    (tmp_path / "gpu_decode.json").write_text(json.dumps(RECORD))
+    (tmp_path / "gpu_suite.json").write_text(json.dumps({"suite": "gpu"}))  # a run whose fixed-list part was skipped
+    lines, data = measured_section(tmp_path)
+    assert data == [] and any("holds no fixed-list decode" in line for line in lines)
+    (tmp_path / "gpu_suite.json").write_text(json.dumps({"suite": "gpu", "fixed_list": RECORD}))
     lines, data = measured_section(tmp_path)
     assert [round(d["error"], 3) for d in data] == [round(hand_seconds(11008) * 200 - 1, 3),
                                                     round(hand_seconds(1101) * 400 - 1, 3)]

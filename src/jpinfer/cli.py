@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "info": ("jpinfer.cli", "print the model's configuration"),
     "bench": ("jpinfer.bench.compare", "engines side by side on real prompts (decode speed, accuracy)"),
     "bench-kernels": ("jpinfer.bench.kernels", "sparse FFN kernels against the dense FFN"),
+    "bench-gpu": ("jpinfer.bench.gpu_suite", "the GPU suite: checks, kernel table, sparse and hybrid decodes"),
     "profile": ("jpinfer.profiler.cli", "count how often each FFN neuron fires over a corpus"),
     "train-predictors": ("jpinfer.predictor.cli", "train per-layer activation predictors from a profile's samples"),
     "place": ("jpinfer.solver.cli", "place the hottest neurons on the accelerator under a memory budget"),

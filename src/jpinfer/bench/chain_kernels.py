@@ -94,8 +94,10 @@ def sparse_ops(kind: str, k: int, interpret: bool) -> dict[str, Callable]:
 
 
 def chain_rows(chain: Chain, sparsities, tokens: int, rounds: int, bandwidth: float, interpret: bool = False,
-               seed: int = 0, log: Callable[[str], None] = print) -> list[dict]:
-    """Dense vs every sparse op over the chain, per sparsity; one dict per (sparsity, op)."""
+               seed: int = 0, log: Callable[[str], None] = print,
+               stop: Callable[[], bool] = lambda: False) -> list[dict]:
+    """Dense vs every sparse op over the chain, per sparsity; one dict per (sparsity, op). ``stop()`` true
+    before a sparsity leaves it and the later ones out (a time bound)."""
     cfg = chain.cfg
     rng = np.random.default_rng(seed)
     x = jnp.asarray(rng.standard_normal((tokens, cfg.d_model)), chain.ffns[0].rows.dtype)
@@ -107,6 +109,9 @@ def chain_rows(chain: Chain, sparsities, tokens: int, rounds: int, bandwidth: fl
                 gbs=chain.dense_bytes / t_dense / 1e9, copy_share=chain.dense_bytes / t_dense / bandwidth)]
     log(f"dense: {t_dense * 1e3:.3f} ms")
     for s in sparsities:
+        if stop():
+            log(f"s={s} and later: skipped (time)")
+            break
         k = max(1, int(round(cfg.d_ff * (1 - s))))
         lists = [jnp.asarray(rng.permutation(cfg.d_ff)[:k].astype(np.int32)) for _ in range(cfg.n_layers)]
         listed_bytes = cfg.n_layers * k * n_rows * cfg.d_model * itemsize

@@ -4,10 +4,10 @@ accelerator benches run it on.
 ``offload_engine(model, n_gpu, devices, host_dtype)``: the first ``n_gpu`` whole layers (weights
 and KV cache) on the accelerator, the others dense on the host, embeddings, head and sampling on
 the accelerator; the hidden state crosses to the host and back once per token. It is the
-baseline bench/hybrid_gpu.py measures the hybrid mode against under the same GPU budget.
+baseline the GPU suite (``gpu_suite``, ``synthetic``) measures the hybrid mode against under the same GPU budget.
 
-``LLAMA2_7B`` / ``TINY`` and ``random_weights``: the shapes bench/gpu_decode.py and
-bench/hybrid_gpu.py decode with (bench/modelled_speed.py models the same shapes), with weights
+``LLAMA2_7B`` / ``TINY`` and ``random_weights``: the shapes the GPU suite's fixed-list and hybrid
+parts decode with (bench/modelled_speed.py models the same shapes), with weights
 drawn per tensor on the device.
 """
 

@@ -28,3 +28,8 @@ def markdown_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> list
 def format_cell(value: Any, spec: str) -> str:
     """``value`` formatted by ``spec``; "-" for None (a number the run does not have)."""
     return "-" if value is None else format(value, spec)
+
+
+def error_text(err: BaseException) -> str:
+    """An error as one short table cell: its type and the first line of its message."""
+    return f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}".replace("|", "/")

@@ -12,7 +12,7 @@ from jpinfer.sparse.pallas_kernels.triton import triton_available
 
 KERNELS = {"rows": sparse_rows_ffn} | {v: functools.partial(listed_ffn, variant=v) for v in VARIANTS}
 # The one form measured on a GPU (the two-phase form, H200: 3.5x over dense at 90%; docs/architecture.md,
-# "GPU kernels"); the atomic and fused variants await a GPU run of bench/gpu_kernels.py.
+# "GPU kernels"); the atomic and fused variants await a GPU run of the GPU suite (python -m jpinfer.bench gpu).
 DEFAULT_KERNEL = "split"
 
 __all__ = ["KERNELS", "DEFAULT_KERNEL", "MAX_TOKENS", "listed_ffn", "sparse_rows_ffn", "triton_available"]
