@@ -130,7 +130,9 @@ class _Predicted(Mode):
 class _Thresholded(Mode):
     """A mode whose neurons and input dimensions calibrated thresholds choose (no predictors)."""
 
-    weight_formats = ("float", "int8")  # its layouts hold float or int8 rows (``sparse.threshold_layout``)
+    # its layouts hold float or int8 rows (``sparse.threshold_layout``; int4: int8 copies of the two matrices
+    # it reads by rows, made from the 4-bit blocks, which cannot be read by input rows)
+    weight_formats = ("float", "int8", "int4")
 
     def check(self, inputs):
         if inputs.predictors is not None:
