@@ -405,7 +405,9 @@ def test_the_int8_model_is_profiled_on_its_own():
     so a float model's profile is refused with the command that makes the right one."""
     dense, int8_form = tiny_engine("swiglu"), int8_engine("swiglu")
     tokens = windows(4, 16, seed=8)
-    with pytest.raises(ProfileMismatchError, match=r"with int8 weights \(jpinfer profile --weights int8\)"):
+    with pytest.raises(ProfileMismatchError, match=r"differs in weights format float there, int8 here: make one for "
+                                                   r"this model \(jpinfer profile --out PATH --model tiny-swiglu "
+                                                   r"--weights int8\)"):
         build_engine(int8_form.model, "threshold", profile=profile(dense, tokens, activation_sparsity=0.4,
                                                                     progress=False))
     prof = profile(int8_form, tokens, activation_sparsity=0.4, progress=False)
