@@ -178,7 +178,7 @@ def test_a_missing_manifest_or_directory_is_refused(model, pack_dir, tmp_path):
 def test_a_foreign_pack_is_refused_and_not_overwritten(made, model, pack_dir):
     other = tiny_engine("swiglu", seed=1).model
     with pytest.raises(PackMismatchError, match="prepared for model 'tiny-swiglu'.*the same name and format with "
-                                                "other weight values.*jpinfer prepare --model tiny-swiglu\)"):
+                                                r"other weight values.*jpinfer prepare --model tiny-swiglu\)"):
         Pack.load(pack_dir, other)
     with pytest.raises(PackMismatchError, match="not for model 'tiny-relu'.*: another model: .*jpinfer prepare"):
         Pack.load(pack_dir, tiny_engine("relu").model)

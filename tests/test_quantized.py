@@ -13,8 +13,8 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from test_int8 import reference_quantize, reference_tokens, rounding_margin
 from test_modes import PROMPT, forced_logits
-from test_threshold import given
 from test_native_kernels import BACKENDS, assert_within, q4_reference
+from test_threshold import given
 
 import jpinfer
 from jpinfer import GenerationConfig, JpinferError
@@ -281,8 +281,8 @@ def test_int4_threshold_layout_keeps_a_matrix_it_reads_densely_4bit():
     x = jnp.asarray(np.random.default_rng(3).standard_normal((4, engine.cfg.d_model)), jnp.float32)
     copy = dataclasses.replace(layer, w_down=int8_copy(layer.w_down))
     # zero threshold: every non-zero activation kept, the same products in the same order as the dense FFN
-    np.testing.assert_allclose(np.asarray(threshold_ffn(ffn, x)[0]), np.asarray(transformer.ffn_dense(copy, x, engine.cfg)),
-                               rtol=KERNEL_RTOL, atol=KERNEL_ATOL)
+    expected = np.asarray(transformer.ffn_dense(copy, x, engine.cfg))
+    np.testing.assert_allclose(np.asarray(threshold_ffn(ffn, x)[0]), expected, rtol=KERNEL_RTOL, atol=KERNEL_ATOL)
 
 
 def int8_copies_engine(engine: jpinfer.Engine) -> jpinfer.Engine:

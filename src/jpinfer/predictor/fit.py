@@ -157,7 +157,8 @@ def train_predictors(
         scores.append(dataclasses.asdict(result.scores))
         epochs.append(result.epochs)
     meta = {
-        "model_name": cfg.name, "model": model_record(loaded), "model_fingerprint": fingerprint, "profile_fingerprint": profile_fingerprint(profile),
+        "model_name": cfg.name, "model": model_record(loaded), "model_fingerprint": fingerprint,
+        "profile_fingerprint": profile_fingerprint(profile),
         "thresholds": np.asarray(profile.thresholds, np.float32).tolist(), "score": profile.meta.get("score"),
         "recall": config.recall, "strong_recall": config.strong_recall, "strong_quantile": STRONG_QUANTILE,
         "n_samples": n, "train_config": dataclasses.asdict(config), "ranks": ranks,
