@@ -211,7 +211,7 @@ def gguf_dequantized(m: Q4Matrix) -> np.ndarray:
     """The (out, in) float matrix of 4-bit blocks by gguf's own dequantizer (written apart from quant/q4.py)."""
     from gguf.quants import dequantize
 
-    return dequantize(np.asarray(q4.to_gguf(m)), Q[m.kind.upper()]).astype(np.float64)
+    return dequantize(np.asarray(q4.to_gguf(m)), Q[m.kind.upper()]).reshape(m.shape).astype(np.float64)
 
 
 def int8_copy(m: Q4Matrix) -> Int8Matrix:
@@ -304,4 +304,4 @@ def test_int4_threshold_engine_at_zero_thresholds_decodes_like_the_int8_copies()
     np.testing.assert_allclose(forced_logits(threshold, PROMPT, tokens[:8]), forced_logits(copies, PROMPT, tokens[:8]),
                                rtol=KERNEL_RTOL, atol=KERNEL_ATOL)
     sparse = build_engine(engine.model, "threshold", thresholds=given(engine.cfg, 0.05, 0.1))
-    assert len(sparse.generate(PROMPT, config).token_ids) == 16
+    assert len(sparse.generate(PROMPT, GenerationConfig(max_new_tokens=16, ignore_eos=True)).token_ids) == 16
