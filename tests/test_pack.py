@@ -282,7 +282,6 @@ def quantized_packs(cache, settings, model):
     return {fmt: (m, prepare(m, None, settings, progress=False)) for fmt, m in forms.items()}
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_a_quantized_model_gets_a_pack_of_its_own(quantized_packs, made, model, fmt):
     """Every stage runs on the quantized model: its profile and predictors are its own (the float model's are
