@@ -377,7 +377,7 @@ def test_the_mode_catalog_names_each_mode_once_and_picks_the_threshold_variant_o
 
     assert MODE_NAMES == ("dense", "sparse", "hybrid", "threshold")
     assert all(MODES[name].name == name for name in MODE_NAMES)
-    assert FORMAT_MODES == {"float": MODE_NAMES, "int8": ("dense", "threshold"), "int4": ("dense",)}
+    assert FORMAT_MODES == {"float": MODE_NAMES, "int8": ("dense", "threshold"), "int4": ("dense", "threshold")}
     assert get_mode("hybrid").label == "hybrid"
     assert get_mode("hybrid", thresholds="profile").label == "hybrid (threshold)"
     assert get_mode("sparse", thresholds="profile") is get_mode("sparse")  # no variant: its check refuses thresholds
@@ -388,7 +388,8 @@ def test_the_mode_catalog_names_each_mode_once_and_picks_the_threshold_variant_o
             get_mode(name, thresholds=thresholds, weights="int8")
     with pytest.raises(JpinferError, match="unknown weights format"):
         get_mode("dense", weights="int2")
-    with pytest.raises(JpinferError, match="int4 weights run in the modes dense; mode 'threshold' runs float or int8"):
-        get_mode("threshold", weights="int4")
+    with pytest.raises(JpinferError, match="int4 weights run in the modes dense and threshold; mode 'hybrid "
+                                           r"\(threshold\)' runs float weights"):
+        get_mode("hybrid", thresholds="profile", weights="int4")
     with pytest.raises(JpinferError, match="needs no predictors"):
         get_mode("hybrid", thresholds="profile").check(ModeInputs(predictors="p", profile="q"))
