@@ -1,10 +1,10 @@
 """Where the hybrid's neurons live: a GPU budget read, checked and solved into a placement.
 
 ``parse_budget`` reads "6GB", "512MiB", bytes or a fraction of the model's weights (of its float weights:
-for an int8 or 4-bit model, of the float weights it stands for, so that one budget means the same memory
-for every weights format of a model; its quantized neurons take fewer bytes of it, and a fraction of its
-own bytes could not even hold a small model's KV cache: the default model's int8 weights are 136 MB, its
-2048-token float32 KV cache 94 MB);
+for an int8 or 4-bit model, of the float weights it stands for, so that one budget means about the same
+memory for every weights format of a model; its quantized neurons take fewer bytes of it, and a fraction of
+its own bytes could not even hold a small model's KV cache: the default model's int4 weights are 95 MB,
+its 2048-token float32 KV cache 94 MB);
 ``check_gpu_budget`` refuses, before any long stage, a budget that cannot hold what must live on
 the accelerator before any neuron; ``choose_placement`` runs the solver; ``placement_masks`` turns
 a placement (or the solver's for a budget) into one boolean accelerator mask per layer.
