@@ -58,7 +58,8 @@ def bytes_per_weight(weights: Weights) -> float:
 
 def float_bytes(weights: Weights) -> int:
     """Bytes of the weights in their float dtype: the model's own for float weights, those of the float
-    weights an int8 or 4-bit model stands for otherwise (each quantized matrix at the norms' dtype)."""
+    weights an int8 or 4-bit model stands for otherwise (each quantized matrix at the norms' dtype; an int8
+    model's float copy of a tied embedding counts too)."""
     itemsize = jnp.dtype(weights.dtype).itemsize
     leaves = jax.tree_util.tree_leaves(weights, is_leaf=is_quantized)
     return sum(int(np.prod(m.shape)) * itemsize if is_quantized(m) else int(m.nbytes) for m in leaves)
