@@ -63,6 +63,22 @@ def test_load_with_a_pack_takes_its_artifacts(env):
         jpinfer.load(other, mode="sparse", pack=pack_dir)
 
 
+def test_prepare_weights_int4_makes_a_pack_of_the_int4_model(env, tmp_path, capsys):
+    """jpinfer prepare --weights int4: the pack of the model loaded as int4 (its own fingerprint), which the
+    int4 threshold mode reads and the float model is refused, the message naming the format that differs."""
+    model, _, argv = env
+    out = tmp_path / "int4"
+    argv = [str(out) if previous == "--out" else arg for previous, arg in zip([None, *argv], argv)]
+    assert main([*argv, "--weights", "int4"]) == 0
+    assert f"--mode threshold --weights int4 --pack {out}" in capsys.readouterr().out
+    assert Pack.load(out).weights == "int4"
+    engine = jpinfer.load(model, weights="int4", mode="threshold", pack=out)
+    assert len(engine.generate([1, 2, 3], max_new_tokens=3, ignore_eos=True).token_ids) == 3
+    with pytest.raises(jpinfer.ArtifactError, match="weights format int4 there, float here: make one for this "
+                                                    f"model \\(jpinfer prepare --model {model}\\)"):
+        jpinfer.load(model, mode="threshold", pack=out)
+
+
 def test_bench_runs_every_mode_from_the_pack(env, tmp_path, capsys):
     model, pack, argv = env
     if not (pack / "pack.json").exists():

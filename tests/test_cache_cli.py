@@ -13,6 +13,7 @@ from jpinfer import artifacts
 from jpinfer.bench import llama_cpp as peer
 from jpinfer.cli import main
 from jpinfer.models import loading
+from jpinfer.pack import store as pack_store
 
 import gguf_fixtures as fx
 
@@ -41,7 +42,9 @@ def cache(tmp_path, monkeypatch):
 
     packs = root / "packs"
     (packs / "old-model").mkdir(parents=True)
-    (packs / "old-model" / "pack.json").write_text(json.dumps({"format": "jpinfer-pack", "version": 0}))
+    (packs / "old-model" / "pack.json").write_text(json.dumps({"format": "jpinfer-pack", "version": 1}))  # float only
+    (packs / "current").mkdir()  # this format version (2: packs of int8 and int4 models too): kept
+    (packs / "current" / "pack.json").write_text(json.dumps({"format": "jpinfer-pack", "version": pack_store.VERSION}))
     (packs / "half-made").mkdir()  # an interrupted prepare: resumable, so kept
     stale = packs / f".model{artifacts.TEMP_MARK}dead"
     stale.mkdir()
@@ -57,7 +60,7 @@ def cache(tmp_path, monkeypatch):
 
     unreachable = {f"gguf/{orphan.name}", f"gguf/{old.name}", f"peers/{legacy.name}", "packs/old-model",
                    f"packs/{stale.name}"}
-    kept = {f"gguf/{current.name}", f"peers/{f32.name}", f"peers/{f32.stem}.json", "packs/half-made",
+    kept = {f"gguf/{current.name}", f"peers/{f32.name}", f"peers/{f32.stem}.json", "packs/current", "packs/half-made",
             f"packs/{live.name}", "xla", "notes.txt"}
     return root, source, unreachable, kept
 

@@ -45,9 +45,9 @@ from jpinfer.cli import COMMANDS, main
         (["prepare", "--gpu-budget", "lots"], "cannot read gpu_budget"),
         (["profile", "--out", "x.npz", "--input-sparsity", "1.2"], "input sparsity is the fraction skipped"),
         (["generate", "hi", "--weights", "int8", "--mode", "hybrid", "--predictors", "p"],
-         "int8 weights run in the modes dense and sparse and threshold; mode 'hybrid' runs float weights (its"),
+         "int8 weights run in the modes dense, sparse and threshold; mode 'hybrid' runs float weights (its"),
         (["bench", "--modes", "dense", "hybrid", "--weights", "int8", "--predictors", "p"],
-         "int8 weights run in the modes dense and sparse and threshold"),
+         "int8 weights run in the modes dense, sparse and threshold"),
     ],
 )
 def test_bad_arguments_exit_with_a_message(argv, message, capsys):

@@ -341,7 +341,7 @@ def test_migration_cuts_the_int8_error_of_outlier_channels():
 def test_bad_weights_arguments_fail_before_loading():
     with pytest.raises(JpinferError, match="unknown weights format 'int2'; choose one of float, int8, int4"):
         jpinfer.load("/no/such/checkpoint", weights="int2")
-    with pytest.raises(JpinferError, match="int8 weights run in the modes dense and sparse and threshold"):
+    with pytest.raises(JpinferError, match="int8 weights run in the modes dense, sparse and threshold"):
         build_engine(int8_engine("swiglu").model, "hybrid", predictors=object(), placement=[])
 
 
@@ -403,7 +403,9 @@ def test_the_int8_model_is_profiled_on_its_own():
     so a float model's profile is refused with the command that makes the right one."""
     dense, int8_form = tiny_engine("swiglu"), int8_engine("swiglu")
     tokens = windows(4, 16, seed=8)
-    with pytest.raises(ProfileMismatchError, match=r"with int8 weights \(jpinfer profile --weights int8\)"):
+    with pytest.raises(ProfileMismatchError, match=r"differs in weights format float there, int8 here: make one for "
+                                                   r"this model \(jpinfer profile --out PATH --model tiny-swiglu "
+                                                   r"--weights int8\)"):
         build_engine(int8_form.model, "threshold", profile=profile(dense, tokens, activation_sparsity=0.4,
                                                                     progress=False))
     prof = profile(int8_form, tokens, activation_sparsity=0.4, progress=False)

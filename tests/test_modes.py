@@ -378,19 +378,19 @@ def test_the_mode_catalog_names_each_mode_once_and_picks_the_threshold_variant_o
     assert MODE_NAMES == ("dense", "sparse", "hybrid", "threshold")
     assert all(MODES[name].name == name for name in MODE_NAMES)
     assert FORMAT_MODES == {"float": MODE_NAMES, "int8": ("dense", "sparse", "threshold"),
-                            "int4": ("dense", "sparse")}
+                            "int4": ("dense", "sparse", "threshold")}
     assert get_mode("hybrid").label == "hybrid"
     assert get_mode("hybrid", thresholds="profile").label == "hybrid (threshold)"
     assert get_mode("sparse", thresholds="profile") is get_mode("sparse")  # no variant: its check refuses thresholds
     assert [get_mode(name).two_devices for name in MODE_NAMES] == [False, False, True, False]
     assert get_mode("hybrid", thresholds="profile").two_devices and not get_mode("dense").uses_pack
     for name, thresholds in (("hybrid", None), ("hybrid", "profile")):
-        with pytest.raises(JpinferError, match="int8 weights run in the modes dense and sparse and threshold"):
+        with pytest.raises(JpinferError, match="int8 weights run in the modes dense, sparse and threshold"):
             get_mode(name, thresholds=thresholds, weights="int8")
     with pytest.raises(JpinferError, match="unknown weights format"):
         get_mode("dense", weights="int2")
-    with pytest.raises(JpinferError, match="int4 weights run in the modes dense and sparse; mode 'threshold' runs "
-                                           "float or int8"):
-        get_mode("threshold", weights="int4")
+    with pytest.raises(JpinferError, match="int4 weights run in the modes dense, sparse and threshold; mode 'hybrid "
+                                           r"\(threshold\)' runs float weights"):
+        get_mode("hybrid", thresholds="profile", weights="int4")
     with pytest.raises(JpinferError, match="needs no predictors"):
         get_mode("hybrid", thresholds="profile").check(ModeInputs(predictors="p", profile="q"))

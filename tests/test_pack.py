@@ -12,6 +12,8 @@ import pytest
 import jpinfer
 from jpinfer import JpinferError
 from jpinfer.cache import CacheWarning
+from jpinfer.models import quantized
+from jpinfer.models.identity import model_fingerprint
 from jpinfer.modes import ModeInputs, build_engine, get_mode
 from jpinfer.pack import (
     STAGES,
@@ -25,6 +27,8 @@ from jpinfer.pack import (
 )
 from jpinfer.pack import stages as stages_module
 from jpinfer.pack.store import MANIFEST
+from jpinfer.predictor import PredictorMismatchError
+from jpinfer.profiler import ProfileMismatchError, smoothing
 from jpinfer.solver import InfeasibleBudgetError
 
 from profiler_fixtures import tiny_engine
@@ -173,8 +177,11 @@ def test_a_missing_manifest_or_directory_is_refused(model, pack_dir, tmp_path):
 
 def test_a_foreign_pack_is_refused_and_not_overwritten(made, model, pack_dir):
     other = tiny_engine("swiglu", seed=1).model
-    with pytest.raises(PackMismatchError, match="prepared for model"):
+    with pytest.raises(PackMismatchError, match="prepared for model 'tiny-swiglu'.*the same name and format with "
+                                                r"other weight values.*jpinfer prepare --model tiny-swiglu\)"):
         Pack.load(pack_dir, other)
+    with pytest.raises(PackMismatchError, match="not for model 'tiny-relu'.*: another model: .*jpinfer prepare"):
+        Pack.load(pack_dir, tiny_engine("relu").model)
     with pytest.raises(PackMismatchError, match="prepared for model"):
         pack_for(other, pack_dir)
     assert pack_for(model, pack_dir).settings == made.settings
@@ -262,3 +269,41 @@ def test_what_a_mode_takes_from_a_pack_given_values_win(made):
     assert hybrid_threshold.predictors is None and hybrid_threshold.placement is made.placement
     assert from_pack("hybrid", "bfloat16").gpu_budget == made.settings.gpu_budget  # re-solved
     assert from_pack("dense", "float32") == ModeInputs()
+
+
+@pytest.fixture(scope="module")
+def quantized_packs(cache, settings, model):
+    """Packs of the int8 and int4 forms of the tiny model (int8 after SmoothQuant's migration, calibrated on a
+    few windows; int4: 4-bit gate/up, int8 down, since d_ff 48 is no multiple of 32), in the cache's default
+    place (``out`` None)."""
+    windows = np.random.default_rng(0).integers(0, 40, (4, 32)).astype(np.int32)
+    forms = {"int8": smoothing.int8_model(model, windows),
+             "int4": dataclasses.replace(model, weights=quantized.quantize_weights(model.weights, "int4"))}
+    return {fmt: (m, prepare(m, None, settings, progress=False)) for fmt, m in forms.items()}
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_a_quantized_model_gets_a_pack_of_its_own(quantized_packs, made, model, fmt):
+    """Every stage runs on the quantized model: its profile and predictors are its own (the float model's are
+    refused for it, saying the format differs), the threshold mode builds from the pack and decodes, and the
+    default place is per weights format."""
+    qmodel, pack = quantized_packs[fmt]
+    assert pack.ran == STAGES and pack.weights == fmt and made.weights == "float"
+    assert pack.path.name.startswith(f"tiny-swiglu-{fmt}-") and pack.path.parent.name == "packs"
+    assert pack.manifest["model"]["fingerprint"] == model_fingerprint(qmodel.cfg, qmodel.weights)
+    assert Pack.load(pack.path, qmodel).settings == made.settings
+    assert not np.array_equal(pack.profile.counts, made.profile.counts)  # the quantized model's own activity
+    differs = f"it differs in weights format {fmt} there, float here"
+    with pytest.raises(PackMismatchError, match=f"{differs}: make one for this model \\(jpinfer prepare "
+                                                "--model tiny-swiglu\\)"):
+        Pack.load(pack.path, model)
+    with pytest.raises(ProfileMismatchError, match=f"this profile was made for model 'tiny-swiglu' \\({fmt} weights"
+                                                   f".*{differs}.*jpinfer profile --out PATH --model tiny-swiglu\\)"):
+        pack.profile.check_model(model)
+    with pytest.raises(PredictorMismatchError, match=f"{differs}: make one for this model \\(jpinfer "
+                                                     "train-predictors --model tiny-swiglu\\)"):
+        pack.predictors.check_model(model)
+    with pytest.raises(PackMismatchError, match=f"weights format float there, {fmt} here.*--weights {fmt}\\)"):
+        Pack.load(made.path, qmodel)
+    engine = build_engine(qmodel, "threshold", profile=pack.profile)
+    assert engine.stepper.name == "threshold" and len(engine.generate([1, 5, 9], max_new_tokens=4).token_ids) == 4

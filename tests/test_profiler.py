@@ -283,9 +283,11 @@ def test_save_load_round_trip_and_model_check(tmp_path):
     # the same weights at another precision are the same model
     ActivationProfile.load(path,
                            model=dataclasses.replace(engine.model, weights=params.cast(engine.weights, jnp.bfloat16)))
-    with pytest.raises(ProfileMismatchError, match="profile this model"):
+    with pytest.raises(ProfileMismatchError, match="the same name and format with other weight values .*: make "
+                                                   r"one for this model \(jpinfer profile --out PATH --model "
+                                                   r"tiny-swiglu\)"):
         ActivationProfile.load(path, model=tiny_engine("swiglu", seed=1))
-    with pytest.raises(ProfileMismatchError):
+    with pytest.raises(ProfileMismatchError, match="not for model 'tiny-reglu' .*: another model: "):
         ActivationProfile.load(path, model=tiny_engine("reglu"))
     (tmp_path / "junk.npz").write_bytes(b"not a profile")
     with pytest.raises(ProfileError, match="not a jpinfer"):

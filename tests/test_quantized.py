@@ -1,7 +1,8 @@
 """Quantized decoder weights (models/quantized.py): the one product of int8 and 4-bit matrices (native kernel on
 the CPU for up to 8 tokens, XLA otherwise) against float64 references written in the kernel tests, its dispatch,
 its straight-through derivative; int4 weights quantized at load and read straight from a GGUF's Q4_0 / Q4_1
-blocks (checked against gguf's own dequantizer); int4 engines decoding like the float model they stand for."""
+blocks (checked against gguf's own dequantizer); int4 engines decoding like the float model they stand for; the
+threshold mode in int4 (int8 copies of the matrices it reads by rows) against float64 references."""
 
 import dataclasses
 
@@ -10,22 +11,25 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
-from test_int8 import reference_quantize, reference_tokens
-from test_modes import forced_logits
+from test_int8 import reference_quantize, reference_tokens, rounding_margin
+from test_modes import PROMPT, forced_logits
 from test_native_kernels import BACKENDS, assert_within, q4_reference
+from test_threshold import given
 
 import jpinfer
 from jpinfer import GenerationConfig, JpinferError
-from jpinfer.models import gguf_loader, loading, params, quantized
+from jpinfer.models import gguf_loader, loading, params, quantized, transformer
+from jpinfer.modes import build_engine, get_mode
 from jpinfer.native import kernels as native_kernels
 from jpinfer.native import library
 from jpinfer.quant import int8, q4
 from jpinfer.quant.int8 import Int8Matrix
 from jpinfer.quant.q4 import Q4Matrix
+from jpinfer.sparse import ROWS_BACKENDS, threshold_ffn, threshold_layout
 
 import gguf_fixtures as fx
-from profiler_fixtures import tiny_engine
-from tolerances import U32
+from profiler_fixtures import thresholds_in_gaps, tiny_engine
+from tolerances import KERNEL_ATOL, KERNEL_RTOL, U32
 
 U = U32
 
@@ -184,9 +188,122 @@ def test_int4_model_follows_the_float_model_it_stands_for(tmp_path):
             np.testing.assert_allclose(forced_logits(xla_engine, prompt, tokens), got, rtol=1e-5, atol=1e-5)
 
 
-def test_int4_runs_in_the_dense_and_sparse_modes_only():
-    with pytest.raises(JpinferError, match="int4 weights run in the modes dense and sparse; mode 'threshold'"):
-        jpinfer.load("/no/such/checkpoint", weights="int4", mode="threshold", thresholds="profile")
-    with pytest.raises(JpinferError, match="int4 weights run in the modes dense and sparse; mode 'hybrid'"):
+def test_int4_runs_in_every_mode_but_the_hybrid():
+    assert get_mode("threshold", weights="int4").name == "threshold"
+    assert get_mode("sparse", weights="int4").name == "sparse"
+    with pytest.raises(JpinferError, match="int4 weights run in the modes dense, sparse and threshold; mode 'hybrid"):
+        get_mode("hybrid", thresholds="profile", weights="int4")
+    with pytest.raises(JpinferError, match="int4 weights run in the modes dense, sparse and threshold; mode 'hybrid'"):
         jpinfer.load("/no/such/checkpoint", weights="int4", mode="hybrid", predictors="/no/such/predictors",
                      placement=[])
+
+
+# ----- the threshold mode in int4: int8 copies of the matrices it reads by rows
+
+def int4_engine(kind: str) -> jpinfer.Engine:
+    """tiny_engine's decoder with d_ff 64, so that gate/up and down both take multiples of 32 inputs: int4 weights
+    with every FFN matrix 4-bit (Q4_1, quantized at load)."""
+    tiny = tiny_engine(kind)
+    cfg = dataclasses.replace(tiny.cfg, d_ff=64)
+    weights = quantized.quantize_weights(params.build_weights(cfg, params.init_random(cfg, seed=0, scale=0.2)), "int4")
+    return jpinfer.Engine(dataclasses.replace(tiny.model, cfg=cfg, weights=weights))
+
+
+def gguf_dequantized(m: Q4Matrix) -> np.ndarray:
+    """The (out, in) float matrix of 4-bit blocks by gguf's own dequantizer (written apart from quant/q4.py)."""
+    from gguf.quants import dequantize
+
+    return dequantize(np.asarray(q4.to_gguf(m)), Q[m.kind.upper()]).reshape(m.shape).astype(np.float64)
+
+
+def int8_copy(m: Q4Matrix) -> Int8Matrix:
+    """The int8 copy (one scale per output) of a 4-bit matrix, by the float64 reference quantizer of test_int8."""
+    q, s = reference_quantize(gguf_dequantized(m), 0)
+    return Int8Matrix(jnp.asarray(q.astype(np.int8)), jnp.asarray(s, jnp.float32))
+
+
+def w8a8_reference(v: np.ndarray, m: Int8Matrix) -> np.ndarray:
+    """float64: v (T, in) quantized per token as the decoder does (test_int8.reference_tokens), exact integer sums
+    with the (out, in) int8 matrix, scaled by both scales."""
+    q_v, s_v = reference_tokens(v)
+    q_w, s_w = np.asarray(m.values, np.int64), np.asarray(m.scales, np.float64)
+    return (q_v @ q_w.T) * s_v[:, None].astype(np.float64) * s_w[None, :]
+
+
+def int4_threshold_reference(layer, kind: str, x: np.ndarray, input_thr: float, act_thr: float | None):
+    """float64 threshold FFN over the int8 copies of the layer's 4-bit gate/up and down: x's entries at most
+    ``input_thr`` zeroed, then a's at most ``act_thr`` (None: none); (y, a before its zeroing)."""
+    n = layer.w_down.inputs
+    h = w8a8_reference(np.where(np.abs(x) > input_thr, x, 0), int8_copy(layer.w_gate_up))
+    up = h[:, -n:] + (0 if layer.b_up is None else np.asarray(layer.b_up, np.float64))
+    a = np.maximum(up, 0) if kind == "relu" else h[:, :n] / (1 + np.exp(-h[:, :n])) * up
+    a_kept = a if act_thr is None else np.where(np.abs(a) > act_thr, a, 0)
+    y = w8a8_reference(a_kept, int8_copy(layer.w_down))
+    return y + (0 if layer.b_down is None else np.asarray(layer.b_down, np.float64)), a
+
+
+@pytest.mark.parametrize("kind", ["swiglu", "relu"])
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_int4_threshold_ffn_equals_the_zeroed_reference_over_int8_copies(kind, tokens):
+    """Both kinds on: the layout holds the int8 copies of the dequantized 4-bit gate/up and down (exactly the
+    reference's integers and scales) and computes the float64 reference that zeroes the same entries. The
+    thresholds sit in gaps of the scores and every quantized value lies > 8 u * 127 from a rounding boundary
+    (test_int8.rounding_margin), so both sides keep and round alike: the same integer sums, float parts within
+    KERNEL_RTOL / KERNEL_ATOL (tolerances.py)."""
+    engine = int4_engine(kind)
+    layer = engine.weights.layers[1]
+    assert isinstance(layer.w_gate_up, Q4Matrix) and isinstance(layer.w_down, Q4Matrix)
+    x = np.random.default_rng(tokens).standard_normal((tokens, engine.cfg.d_model)).astype(np.float32)
+    input_thr = float(thresholds_in_gaps([np.abs(x)], 0.3)[0])
+    _, a = int4_threshold_reference(layer, kind, x, input_thr, None)
+    act_thr = float(thresholds_in_gaps([np.abs(a)[a != 0]], 0.5)[0])
+    expected, _ = int4_threshold_reference(layer, kind, x, input_thr, act_thr)
+    x_kept, a_kept = np.where(np.abs(x) > input_thr, x, 0), np.where(np.abs(a) > act_thr, a, 0)
+    assert min(rounding_margin(x_kept), rounding_margin(a_kept)) > 8 * U * 127
+    ffn = threshold_layout.from_layer(layer, kind, input_threshold=input_thr, activation_threshold=act_thr)
+    for got, matrix in ((ffn.gate_up, layer.w_gate_up), (ffn.down, layer.w_down)):
+        want = int8_copy(matrix)
+        assert isinstance(got, Int8Matrix) and got.scale_axis == 1  # input-major / neuron-major, one scale per output
+        np.testing.assert_array_equal(np.asarray(got.values), np.asarray(want.values).T)
+        np.testing.assert_array_equal(np.asarray(got.scales), np.asarray(want.scales))
+    for backend in ROWS_BACKENDS:
+        y, kept = threshold_ffn(ffn, jnp.asarray(x), backend=backend)
+        np.testing.assert_allclose(np.asarray(y), expected, rtol=KERNEL_RTOL, atol=KERNEL_ATOL, err_msg=backend)
+        np.testing.assert_array_equal(np.asarray(kept["neurons"]), (np.abs(a) > act_thr).sum(-1))
+        np.testing.assert_array_equal(np.asarray(kept["inputs"]), (np.abs(x) > input_thr).sum(-1))
+
+
+def test_int4_threshold_layout_keeps_a_matrix_it_reads_densely_4bit():
+    """Activation sparsity alone reads only down by rows: gate/up stays the layer's 4-bit matrix (its product the
+    decoder's W4A8 one), so the layout's FFN equals the decoder's FFN with down's int8 copy and a zeroed."""
+    engine = int4_engine("swiglu")
+    layer = engine.weights.layers[0]
+    ffn = threshold_layout.from_layer(layer, "swiglu", input_threshold=None, activation_threshold=0.0)
+    assert ffn.gate_up is layer.w_gate_up and isinstance(ffn.down, Int8Matrix)
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((4, engine.cfg.d_model)), jnp.float32)
+    copy = dataclasses.replace(layer, w_down=int8_copy(layer.w_down))
+    # zero threshold: every non-zero activation kept, the same products in the same order as the dense FFN
+    expected = np.asarray(transformer.ffn_dense(copy, x, engine.cfg))
+    np.testing.assert_allclose(np.asarray(threshold_ffn(ffn, x)[0]), expected, rtol=KERNEL_RTOL, atol=KERNEL_ATOL)
+
+
+def int8_copies_engine(engine: jpinfer.Engine) -> jpinfer.Engine:
+    """The dense engine of ``engine``'s int4 model with every FFN matrix replaced by its int8 copy."""
+    layers = [dataclasses.replace(layer, w_gate_up=int8_copy(layer.w_gate_up), w_down=int8_copy(layer.w_down))
+              for layer in engine.weights.layers]
+    return jpinfer.Engine(dataclasses.replace(engine.model, weights=dataclasses.replace(engine.weights, layers=layers)))
+
+
+def test_int4_threshold_engine_at_zero_thresholds_decodes_like_the_int8_copies():
+    """Zero thresholds skip nothing: the threshold engine of an int4 model is the dense decoder over the int8 copies
+    (the same W8A8 integers; logits within KERNEL tolerances as in test_int8), and positive thresholds decode."""
+    engine = int4_engine("swiglu")
+    copies = int8_copies_engine(engine)
+    threshold = build_engine(engine.model, "threshold", thresholds=given(engine.cfg, 0.0, 0.0))
+    config = GenerationConfig(max_new_tokens=16)
+    tokens = copies.generate(PROMPT, config).token_ids
+    assert threshold.generate(PROMPT, config).token_ids == tokens
+    np.testing.assert_allclose(forced_logits(threshold, PROMPT, tokens[:8]), forced_logits(copies, PROMPT, tokens[:8]),
+                               rtol=KERNEL_RTOL, atol=KERNEL_ATOL)
+    sparse = build_engine(engine.model, "threshold", thresholds=given(engine.cfg, 0.05, 0.1))
+    assert len(sparse.generate(PROMPT, GenerationConfig(max_new_tokens=16, ignore_eos=True)).token_ids) == 16

@@ -330,6 +330,6 @@ def test_modes_and_formats():
     dense = int8_engine("swiglu")
     with pytest.raises(JpinferError, match="mode 'hybrid' runs float weights \\(its hot and cold parts"):
         build_engine(dense.model, "hybrid", predictors=predictors_for(dense, []), placement=[])
-    with pytest.raises(JpinferError, match="int8 weights run in the modes dense and sparse and threshold"):
+    with pytest.raises(JpinferError, match="int8 weights run in the modes dense, sparse and threshold"):
         jpinfer.load("/no/such/checkpoint", weights="int8", mode="hybrid", predictors="/no/such/predictors",
                      placement=[])

@@ -54,15 +54,17 @@ def load(
     predictors, placement and thresholds a mode needs where they are not given (``dense`` ignores
     it). For the default model (``source`` None) the other modes use its default pack when none of
     ``pack``, ``predictors``, ``profile`` and ``placement`` is given (and ``thresholds`` is None or
-    "profile"): prepared into the cache on first use (about five minutes on two CPU cores), reused after.
+    "profile"): the pack of the model in the ``weights`` format asked for, prepared into the cache on
+    first use (about five minutes on two CPU cores), reused after.
 
     ``weights``: ``"float"`` (every tensor in ``dtype``), ``"int8"`` (W8A8: the projections and
     the head quantized at load, one scale per output, after SmoothQuant's migration calibrated on a
     few thousand tokens of bundled text, ``profiler.smoothing``; modes ``dense``, ``threshold`` and
     ``sparse``, whose profile and predictors must be made on the int8 model itself) or
     ``"int4"`` (W4A8: the projections in llama.cpp's 4-bit blocks of 32, a GGUF's own Q4_0 / Q4_1 blocks
-    where it has them, else Q4_1 quantized at load; the head int8; modes ``dense`` and ``sparse``, the
-    latter over int8 copies of the 4-bit FFN weights). On the CPU the
+    where it has them, else Q4_1 quantized at load; the head int8; modes ``dense``, ``sparse`` and
+    ``threshold``, the latter two over int8 copies of the 4-bit FFN matrices they read by rows: 4-bit blocks
+    run along the input and cannot be read by input rows or cut into neuron columns). On the CPU the
     quantized products of a decode step run as native kernels (``jpinfer.native``).
     """
     chosen = get_mode(mode, thresholds=thresholds, weights=weights)  # before anything loads: fail fast

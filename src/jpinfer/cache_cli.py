@@ -26,7 +26,7 @@ from jpinfer.cache import cache_root
 AREAS: dict[str, tuple[str, str | None]] = {
     "gguf": ("GGUF checkpoints dequantized to float32, one per source file",
              "jpinfer.models.loading:gguf_cache_entry_problem"),
-    "packs": ("prepared packs (profile, thresholds, predictors, placement), one per model",
+    "packs": ("prepared packs (profile, thresholds, predictors, placement), one per model and weights format",
               "jpinfer.pack.store:pack_problem"),
     "predictors": ("predictors trained without --out", None),
     "samples": ("the profiler's predictor training samples", None),

@@ -40,7 +40,7 @@ from jpinfer.bench.protocol import (
 from jpinfer.bench.results import format_cell, markdown_table
 from jpinfer.cli_args import add_mode_arguments, mode_options, prepare_devices
 from jpinfer.config import WEIGHT_FORMATS
-from jpinfer.modes import FORMAT_MODES, MODE_NAMES, REFERENCE_MODE, ModeInputs, get_mode
+from jpinfer.modes import FORMAT_MODES, MODE_NAMES, REFERENCE_MODE, ModeInputs, get_mode, listing
 
 PEERS = ("llama.cpp", "transformers")
 LENGTHS = (8, 64, 128)
@@ -56,19 +56,33 @@ def _rss_mb() -> float:
         return _peak_rss_mb()
 
 
-def _pack(args: argparse.Namespace, modes: list[str]) -> Any:
-    """The pack the sparse modes read (a ``pack.Pack``, or None when they need none or were given their
-    predictors and profile): --pack, or for the default model its pack (built on first use)."""
+def _packs(args: argparse.Namespace, modes: list[str]) -> dict[str, Any]:
+    """Per weights format, the pack its sparse modes read (a ``pack.Pack``; none where they need none or were
+    given their predictors and profile): --pack for every format (one prepared for another format is refused
+    with what differs), or for the default model its pack in each format (built on first use: an int8 or int4
+    model's from the quantized model itself, whose activations differ)."""
     from jpinfer.pack import Pack, default_pack
 
     if args.pack is not None:
-        return Pack.load(args.pack)
-    if not any(get_mode(mode).uses_pack for mode in modes) or args.predictors or args.profile or args.model is not None:
-        return None
-    from jpinfer.models.loading import load_model
+        pack = Pack.load(args.pack)
+        return {fmt: pack for fmt in args.weights}
+    formats = [fmt for fmt in args.weights
+               if any(get_mode(mode).uses_pack and fmt in get_mode(mode).weight_formats for mode in modes)]
+    if not formats or args.predictors or args.profile or args.model is not None:
+        return {}
+    from jpinfer.api import load
 
-    print("the sparse modes read the default model's pack (built once into the cache, reused after)", file=sys.stderr)
-    return default_pack(load_model(None, dtype=args.dtypes[0]))
+    packs = {}
+    for fmt in formats:
+        print(f"the sparse modes read the default model's pack of {fmt} weights (built once into the cache, "
+              "reused after)", file=sys.stderr)
+        packs[fmt] = default_pack(load(None, dtype=args.dtypes[0], weights=fmt).model)
+    return packs
+
+
+def _main_pack(packs: dict[str, Any]) -> Any:
+    """The pack results describe first and whose thresholds say what "active" means: the float one if any."""
+    return packs.get("float", next(iter(packs.values()), None))
 
 
 def _activity_thresholds(args: argparse.Namespace, pack: Any) -> np.ndarray | None:
@@ -82,13 +96,13 @@ def _activity_thresholds(args: argparse.Namespace, pack: Any) -> np.ndarray | No
     return None
 
 
-def _engines(args: argparse.Namespace, modes: list[str], pack: Any) -> list[tuple[Any, float]]:
+def _engines(args: argparse.Namespace, modes: list[str], packs: dict[str, Any]) -> list[tuple[Any, float]]:
     """(engine, resident MB it added) for the jpinfer engines, then the peers asked for and installed."""
     from jpinfer.api import load
     from jpinfer.bench.engines import JaxEngine, TransformersEager
     from jpinfer.bench.llama_cpp import INSTALL_MESSAGE, LlamaCppEngine, float32_gguf, peer_engine
 
-    options = mode_options(args) | {"pack": pack}
+    options = mode_options(args)
     out = []
 
     def add(make) -> None:
@@ -108,7 +122,7 @@ def _engines(args: argparse.Namespace, modes: list[str], pack: Any) -> list[tupl
                 label = f"jpinfer {mode} {dtype}" + ("" if weights == "float" else f" {weights} weights")
                 print(f"loading {label} ...", file=sys.stderr)
                 add(lambda: JaxEngine(label, load(args.model, dtype=dtype, mode=mode, weights=weights,
-                                                          **options)))
+                                                          **options | {"pack": packs.get(weights)})))
     source = pathlib.Path(out[0][0].engine.source)
     if "llama.cpp" in args.peers:
         if not LlamaCppEngine.available():
@@ -138,9 +152,10 @@ def bench(args: argparse.Namespace) -> dict:
     from jpinfer.bench.prompts import sample_prompts
 
     modes = args.modes
-    pack = _pack(args, modes)
+    packs = _packs(args, modes)
+    pack = _main_pack(packs)
     load_before = load_average()
-    loaded = _engines(args, modes, pack)
+    loaded = _engines(args, modes, packs)
     engines = [engine for engine, _ in loaded]
     first = engines[0].engine
     lengths = list(args.lengths) + ([args.long_prompt] if args.long_prompt else [])
@@ -181,7 +196,7 @@ def bench(args: argparse.Namespace) -> dict:
             except EngineFailed as failure:
                 failures[e] = f"perplexity: {failure}"
                 print(f"no perplexity for {failure}", file=sys.stderr)
-    return _results(args, engines, [mb for _, mb in loaded], runs, lengths, scores, pack, load_before, window,
+    return _results(args, engines, [mb for _, mb in loaded], runs, lengths, scores, packs, load_before, window,
                     measured, failures)
 
 
@@ -209,10 +224,11 @@ def _e2e_rate(lengths: list[int]) -> Any:
     return lambda res: sum(len(res[n].tokens) for n in lengths) / sum(res[n].total_s for n in lengths)
 
 
-def _results(args, engines, resident_mb, runs, lengths, scores, pack, load_before, window, measured,
+def _results(args, engines, resident_mb, runs, lengths, scores, packs, load_before, window, measured,
              failures) -> dict:
     """Everything measured, for the engines that finished the rounds (``runs``' keys); ``failures``:
-    engine index -> why it was dropped (or lost its perplexity)."""
+    engine index -> why it was dropped (or lost its perplexity); ``packs``: weights format -> pack."""
+    pack = _main_pack(packs)
     rounds = range(args.rounds)
     decode, e2e = _decode_rate(lengths), _e2e_rate(lengths)
     ref = "0"  # the first engine: dense
@@ -256,6 +272,7 @@ def _results(args, engines, resident_mb, runs, lengths, scores, pack, load_befor
         "pack": None if pack is None else {
             "path": str(pack.path), "settings": pack.manifest["settings"],
             "stage_seconds": {stage: entry["seconds"] for stage, entry in pack.manifest["stages"].items()}},
+        "packs": {fmt: str(p.path) for fmt, p in packs.items()},
         "protocol": {"lengths": list(args.lengths), "long_prompt": args.long_prompt, "rounds": args.rounds,
                      "max_new_tokens": args.max_new_tokens, "seed": args.seed, "ppl_windows": args.ppl_windows,
                      "ppl_window_tokens": window, "greedy_agreement": "prefix"},
@@ -281,6 +298,14 @@ def _markdown(rows: list[dict], cols: list[tuple[str, str, str]]) -> str:
                                      [[format_cell(row[key], spec) for _, key, spec in cols] for row in rows]))
 
 
+def _pack_paths(results: dict) -> str:
+    """The packs read, by weights format where there are several (results of older runs name one)."""
+    packs = results.get("packs") or ({"": results["pack"]["path"]} if results["pack"] else {})
+    if len(set(packs.values())) <= 1:
+        return next(iter(packs.values()), "none")
+    return ", ".join(f"{path} ({fmt} weights)" for fmt, path in packs.items())
+
+
 def report(results: dict) -> str:
     """The bench's markdown: protocol, one row per engine, then the speeds per prompt length."""
     p, m = results["protocol"], results["machine"]
@@ -294,7 +319,7 @@ def report(results: dict) -> str:
         f"Accuracy: WikiText-2 test perplexity over {p['ppl_windows']} windows of {p['ppl_window_tokens']} tokens of "
         "what each engine decodes with; neurons / clipped: per token and layer (clipped active: of those, truly "
         f"active); {AGREEMENT_MEANINGS[prefix_agreement]} (dense's), mean over the prompts.",
-        f"Pack: {results['pack']['path'] if results['pack'] else 'none'}. Resident MB: memory the process gained "
+        f"Pack: {_pack_paths(results)}. Resident MB: memory the process gained "
         f"loading the engine; process peak {m['peak_rss_mb']:.0f} MB.", "",
     ]
     main = _markdown(results["engines"], [
@@ -323,7 +348,7 @@ def add_arguments(parser: argparse.ArgumentParser, command: str = "bench") -> No
         help="dtypes to run each mode in (default: float32 on a CPU, where bfloat16 decodes 5-8x slower; float32 and "
              "bfloat16 on an accelerator)",
     )
-    formats = "; ".join(f"{fmt}: {' and '.join(FORMAT_MODES[fmt])}" for fmt in WEIGHT_FORMATS if fmt != "float")
+    formats = "; ".join(f"{fmt}: {listing(FORMAT_MODES[fmt])}" for fmt in WEIGHT_FORMATS if fmt != "float")
     parser.add_argument("--weights", nargs="+", choices=WEIGHT_FORMATS, default=["float"],
                         help=f"weight formats to run each mode with ({formats})")
     add_mode_arguments(parser, modes=True)
@@ -363,7 +388,7 @@ def run(args: argparse.Namespace) -> int:
     for mode in args.modes:
         formats = get_mode(mode).weight_formats
         if not set(formats) & set(args.weights):
-            where = "; ".join(f"{w} weights run in the modes {' and '.join(FORMAT_MODES[w])}" for w in args.weights)
+            where = "; ".join(f"{w} weights run in the modes {listing(FORMAT_MODES[w])}" for w in args.weights)
             raise ValueError(f"mode {mode!r} runs {' or '.join(formats)} weights ({where}; --weights float int8 runs "
                              "both where both exist)")
     uses_pack = args.pack is not None or args.model is None

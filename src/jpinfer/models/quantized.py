@@ -48,6 +48,23 @@ def weights_format(weights: Weights) -> str:
     return "int8" if isinstance(layer.w_gate_up, Int8Matrix) else "float"
 
 
+def bytes_per_weight(weights: Weights) -> float:
+    """Bytes a stored FFN weight takes, its scales included (float32 4, bfloat16 2, int8 ~1, Q4_1 0.625): what
+    a placement sizes neurons at."""
+    layer = weights.layers[0]
+    matrices = (layer.w_gate_up, layer.w_down)
+    return sum(int(m.nbytes) for m in matrices) / sum(int(np.prod(m.shape)) for m in matrices)
+
+
+def float_bytes(weights: Weights) -> int:
+    """Bytes of the weights in their float dtype: the model's own for float weights, those of the float
+    weights an int8 or 4-bit model stands for otherwise (each quantized matrix at the norms' dtype; an int8
+    model's float copy of a tied embedding counts too)."""
+    itemsize = jnp.dtype(weights.dtype).itemsize
+    leaves = jax.tree_util.tree_leaves(weights, is_leaf=is_quantized)
+    return sum(int(np.prod(m.shape)) * itemsize if is_quantized(m) else int(m.nbytes) for m in leaves)
+
+
 def as_float(w: jax.Array | QuantizedMatrix, dtype=jnp.float32) -> jax.Array:
     """A weight as the float matrix it stands for, in its stored orientation (for the rare whole-matrix
     uses outside the products, e.g. a column norm); a float weight is cast to ``dtype``."""

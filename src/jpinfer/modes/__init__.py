@@ -13,10 +13,11 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from jpinfer.models.loading import LoadedModel
-from jpinfer.modes.catalog import FORMAT_MODES, MODE_NAMES, MODES, REFERENCE_MODE, Mode, ModeInputs, get_mode
+from jpinfer.modes.catalog import FORMAT_MODES, MODE_NAMES, MODES, REFERENCE_MODE, Mode, ModeInputs, get_mode, listing
 from jpinfer.runtime.engine import Engine
 
-__all__ = ["FORMAT_MODES", "MODE_NAMES", "MODES", "REFERENCE_MODE", "Mode", "ModeInputs", "build_engine", "get_mode"]
+__all__ = ["FORMAT_MODES", "MODE_NAMES", "MODES", "REFERENCE_MODE", "Mode", "ModeInputs", "build_engine", "get_mode",
+           "listing"]
 
 
 def build_engine(

@@ -131,7 +131,9 @@ class _Predicted(Mode):
 class _Thresholded(Mode):
     """A mode whose neurons and input dimensions calibrated thresholds choose (no predictors)."""
 
-    weight_formats = ("float", "int8")  # its layouts hold float or int8 rows (``sparse.threshold_layout``)
+    # its layouts hold float or int8 rows (``sparse.threshold_layout``; int4: int8 copies of the two matrices
+    # it reads by rows, made from the 4-bit blocks, which cannot be read by input rows)
+    weight_formats = ("float", "int8", "int4")
 
     def check(self, inputs):
         if inputs.predictors is not None:
@@ -258,6 +260,12 @@ FORMAT_MODES: dict[str, tuple[str, ...]] = {  # weights format -> the modes that
 REFERENCE_MODE = "dense"  # what benchmarks compare every other mode with
 
 
+def listing(names: tuple[str, ...] | list[str], last: str = "and") -> str:
+    """Names as a sentence lists them: "a", "a and b", "a, b and c"."""
+    names = list(names)
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} {last} {names[-1]}"
+
+
 def get_mode(name: str, *, thresholds: Any = None, weights: str = "float") -> Mode:
     """The mode called ``name`` (its variant for ``thresholds`` where it has one); a ``JpinferError``
     when the name is unknown or ``weights`` (``config.WEIGHT_FORMATS``) has no form in that mode."""
@@ -268,6 +276,6 @@ def get_mode(name: str, *, thresholds: Any = None, weights: str = "float") -> Mo
     mode = MODES[name].variant_for(thresholds)
     if weights not in mode.weight_formats:
         reason = f" ({mode.formats_reason})" if mode.formats_reason else ""
-        raise JpinferError(f"{weights} weights run in the modes {' and '.join(FORMAT_MODES[weights])}; mode "
-                           f"{mode.label!r} runs {' or '.join(mode.weight_formats)} weights{reason}")
+        raise JpinferError(f"{weights} weights run in the modes {listing(FORMAT_MODES[weights])}; mode "
+                           f"{mode.label!r} runs {listing(mode.weight_formats, 'or')} weights{reason}")
     return mode

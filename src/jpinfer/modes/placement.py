@@ -1,6 +1,10 @@
 """Where the hybrid's neurons live: a GPU budget read, checked and solved into a placement.
 
-``parse_budget`` reads "6GB", "512MiB", bytes or a fraction of the model's weights;
+``parse_budget`` reads "6GB", "512MiB", bytes or a fraction of the model's weights (of its float weights:
+for an int8 or 4-bit model, of the float weights it stands for, so that one budget means about the same
+memory for every weights format of a model; its quantized neurons take fewer bytes of it, and a fraction of
+its own bytes could not even hold a small model's KV cache: the default model's int4 weights are 95 MB,
+its 2048-token float32 KV cache 94 MB);
 ``check_gpu_budget`` refuses, before any long stage, a budget that cannot hold what must live on
 the accelerator before any neuron; ``choose_placement`` runs the solver; ``placement_masks`` turns
 a placement (or the solver's for a budget) into one boolean accelerator mask per layer.
@@ -16,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jpinfer.errors import JpinferError
+from jpinfer.models import quantized
 from jpinfer.models.loading import LoadedModel
-from jpinfer.models.params import nbytes
 from jpinfer.solver import HardwareProfile, ModelSizes, Placement, model_sizes, preset, solve_placement
 from jpinfer.solver.memory import split_dense
 
@@ -46,9 +50,10 @@ def parse_budget(budget: str | int | float, model_bytes: int) -> int:
 
 
 def _placement_sizes(model: LoadedModel, predictor_bytes: Sequence[int], context: int) -> ModelSizes:
-    """What the solver places for ``model``: weights and KV cache at the model's dtype, predictors as stored."""
-    dtype_bytes = jnp.dtype(model.weights.dtype).itemsize
-    return model_sizes(model.cfg, weight_bytes=dtype_bytes, kv_bytes=dtype_bytes,
+    """What the solver places for ``model``: weights at the bytes its FFN weights take (the dtype's, or an int8 or
+    4-bit format's with its scales), the KV cache at the model's dtype, predictors as stored."""
+    return model_sizes(model.cfg, weight_bytes=quantized.bytes_per_weight(model.weights),
+                       kv_bytes=jnp.dtype(model.weights.dtype).itemsize,
                        context=min(context, model.cfg.max_position), predictor_bytes=tuple(predictor_bytes))
 
 
@@ -56,7 +61,7 @@ def check_gpu_budget(model: LoadedModel, gpu_budget: str | int | float, *, conte
     """``gpu_budget`` in bytes (``parse_budget``); an ``InfeasibleBudgetError`` stating the minimum when it
     cannot hold even what must live on the accelerator before any neuron (predictors not counted), so
     that a run which ends by placing neurons fails before its long stages, not after them."""
-    budget = parse_budget(gpu_budget, nbytes(model.weights))
+    budget = parse_budget(gpu_budget, quantized.float_bytes(model.weights))
     split_dense(_placement_sizes(model, [0] * model.cfg.n_layers, context), budget, "strict")
     return budget
 
@@ -69,7 +74,7 @@ def choose_placement(model: LoadedModel, profile: Any, predictors: Any, gpu_budg
     default when a measured ``hardware`` is given, else ``mass`` on the rtx4090 preset's
     bandwidths). Embeddings, head, attention, predictors and a ``context``-token KV cache stay on
     the accelerator; a budget below them is an ``InfeasibleBudgetError`` that states the minimum."""
-    budget = parse_budget(gpu_budget, nbytes(model.weights))
+    budget = parse_budget(gpu_budget, quantized.float_bytes(model.weights))
     base = hardware or preset("rtx4090")
     hw = dataclasses.replace(base.replace(accel_memory=budget, reserved=0), name=f"{base.name}, budget {budget} B")
     n_layers = model.cfg.n_layers

@@ -11,10 +11,11 @@ DEFAULTS = PackSettings()
 
 
 def add_arguments(p: argparse.ArgumentParser, command: str = "prepare") -> None:
-    add_model_arguments(p, weights=False)
+    add_model_arguments(p)
     p.add_argument("--out", default=None,
-                   help="pack directory (default: $JPINFER_CACHE/packs/MODEL-FINGERPRINT, where jpinfer load and bench "
-                        "look for the default model's pack)")
+                   help="pack directory (default: $JPINFER_CACHE/packs/MODEL-WEIGHTS-FINGERPRINT, where jpinfer load "
+                        "and bench look for the default model's pack of each weights format); an int8 or int4 model "
+                        "is profiled, calibrated and given predictors and a placement as quantized")
     text = p.add_argument_group("text")
     text.add_argument("--corpus", default=DEFAULTS.corpus,
                       help="bundled name (wikitext2-valid, wikitext2-test, chatgpt-prompts), a local text/JSON/CSV "
@@ -66,7 +67,8 @@ def add_arguments(p: argparse.ArgumentParser, command: str = "prepare") -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jpinfer.models.loading import load_model
+    from jpinfer.api import load
+    from jpinfer.modes import FORMAT_MODES, REFERENCE_MODE
     from jpinfer.pack import prepare
 
     settings = PackSettings(  # checked before the model loads
@@ -78,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
         strong_recall=args.strong_recall, max_epochs=args.epochs, gpu_budget=args.gpu_budget,
         hardware=args.hardware, objective=args.objective, context=args.context,
     )
-    model = load_model(args.model, dtype=args.dtype)
+    model = load(args.model, dtype=args.dtype, weights=args.weights).model  # int8: SmoothQuant's migration first
     pack = prepare(model, args.out, settings, progress=args.progress)
     placement, scores = pack.placement, pack.predictors.meta["held_out_scores"]
     computed = sum(s["predicted"] for s in scores) / len(scores)
@@ -90,5 +92,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"placement: {sum(a.size for a in placement.accel_ids):,} of {model.cfg.n_layers * model.cfg.d_ff:,} neurons "
           f"on the accelerator, {placement.accel_share:.1%} of the activations, "
           f"{placement.memory_used / 2**20:.0f} MiB of {placement.budget_bytes / 2**20:.0f} MiB")
-    print(f"use it: jpinfer generate PROMPT --mode sparse|hybrid|threshold --pack {pack.path}")
+    modes = "|".join(m for m in FORMAT_MODES[args.weights] if m != REFERENCE_MODE)
+    weights = "" if args.weights == "float" else f" --weights {args.weights}"
+    print(f"use it: jpinfer generate PROMPT --mode {modes}{weights} --pack {pack.path}")
     return 0

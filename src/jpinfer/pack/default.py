@@ -12,8 +12,10 @@ from jpinfer.pack.store import Pack
 
 def default_pack(model: ModelArg = None, progress: bool = True) -> Pack:
     """The pack of ``model`` (default: the default model) with the default ``PackSettings``, in the
-    cache directory: prepared on first use (the default model's in about five minutes on two CPU
-    cores), then verified and reused."""
+    cache directory: one per model fingerprint, so one per weights format (an int8 or int4 model's is
+    made from the quantized model: its own activity, thresholds, predictors and placement); prepared on
+    first use (the default model's float pack in about five minutes on two CPU cores), then verified and
+    reused."""
     return prepare(model, None, PackSettings(), progress=progress)
 
 

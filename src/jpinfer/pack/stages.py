@@ -18,14 +18,12 @@ import time
 import warnings
 from typing import Any, Callable
 
-import jax.numpy as jnp
 import numpy as np
 
 from jpinfer import artifacts
 from jpinfer.cache import CacheWarning, cache_dir
 from jpinfer.errors import JpinferError
-from jpinfer.models import quantized
-from jpinfer.models.identity import model_fingerprint
+from jpinfer.models.identity import model_fingerprint, model_record
 from jpinfer.models.loading import LoadedModel, ModelArg, resolve_model
 from jpinfer.modes.placement import check_gpu_budget, choose_placement
 from jpinfer.pack import store
@@ -132,10 +130,12 @@ DOES = {"calibration": "histograms of activations and FFN inputs", "profile": "a
         "placement": "hot neurons under the GPU budget"}
 
 
-def default_pack_dir(model_name: str, fingerprint: str) -> pathlib.Path:
-    """Where ``prepare`` writes a pack when given no directory: under the cache, per model."""
+def default_pack_dir(model_name: str, weights: str, fingerprint: str) -> pathlib.Path:
+    """Where ``prepare`` writes a pack when given no directory: under the cache, one per model fingerprint
+    (so one per weights format of a model: its int8 and int4 forms are other weights), named with the
+    format so that a listing of the cache tells them apart."""
     slug = re.sub(r"[^a-z0-9.]+", "-", model_name.lower()).strip("-") or "model"
-    return cache_dir("packs") / f"{slug}-{fingerprint[:12]}"
+    return cache_dir("packs") / f"{slug}-{weights}-{fingerprint[:12]}"
 
 
 def prepare(model: ModelArg = None, out: str | os.PathLike | None = None, settings: PackSettings | None = None, *,
@@ -153,25 +153,22 @@ def prepare(model: ModelArg = None, out: str | os.PathLike | None = None, settin
     except TypeError as e:  # an unknown setting name
         raise JpinferError(f"prepare: {e}; the settings are the fields of jpinfer.pack.PackSettings") from None
     loaded = resolve_model(model)
-    if quantized.weights_format(loaded.weights) != "float":
-        raise JpinferError("packs hold float models' predictors and placements: prepare the float model "
-                           "(the int8 form's threshold mode profiles with jpinfer profile --weights int8)")
     cfg = loaded.cfg
     check_gpu_budget(loaded, settings.gpu_budget, context=settings.context)  # before minutes of profiling
     fingerprint = model_fingerprint(cfg, loaded.weights)
-    dtype = str(jnp.dtype(loaded.weights.dtype))
+    record = model_record(loaded)
+    dtype = record["dtype"]
     path = (pathlib.Path(out).expanduser().absolute() if out is not None
-            else default_pack_dir(cfg.name, fingerprint))
+            else default_pack_dir(cfg.name, record["weights"], fingerprint))
     keys = stage_keys(settings, cfg.ffn_kind, dtype, fingerprint)
     inputs = stage_inputs(settings, cfg.ffn_kind, dtype)
-    manifest = _existing_manifest(path, fingerprint, cfg.name)
+    manifest = _existing_manifest(path, loaded, fingerprint)
     run = _Run(loaded, path, settings, progress)
     reused = _reusable(run, manifest, keys)
     unchanged = manifest is not None and manifest.get("complete") and len(reused) == len(STAGES)
     if not unchanged:
         manifest = {"format": store.FORMAT, "version": store.VERSION,
-                    "model": {"name": cfg.name, "fingerprint": fingerprint, "ffn_kind": cfg.ffn_kind, "dtype": dtype,
-                              "source": str(loaded.source), "n_layers": cfg.n_layers, "d_ff": cfg.d_ff},
+                    "model": record | {"fingerprint": fingerprint, "n_layers": cfg.n_layers, "d_ff": cfg.d_ff},
                     "settings": settings.to_dict(), "complete": False,
                     "stages": {s: manifest["stages"][s] for s in reused}}
         path.mkdir(parents=True, exist_ok=True)
@@ -208,7 +205,7 @@ def _say(progress: bool, text: str) -> None:
         print(text, file=sys.stderr, flush=True)
 
 
-def _existing_manifest(path: pathlib.Path, fingerprint: str, name: str) -> dict[str, Any] | None:
+def _existing_manifest(path: pathlib.Path, model: LoadedModel, fingerprint: str) -> dict[str, Any] | None:
     """The manifest of a pack already at ``path`` (None: nothing there, or a damaged or other-version
     pack, which is remade with a warning); refuses another model's pack and non-pack files."""
     if not path.exists():
@@ -226,7 +223,7 @@ def _existing_manifest(path: pathlib.Path, fingerprint: str, name: str) -> dict[
         warnings.warn(f"{err}; preparing it anew", CacheWarning, stacklevel=3)
         return None
     try:
-        store.check_fingerprint(path, manifest, fingerprint, name)
+        store.check_fingerprint(path, manifest, model, fingerprint)
     except PackMismatchError as err:
         raise PackMismatchError(f"{err}; or give another directory (it is not overwritten)") from None
     return manifest

@@ -1,6 +1,7 @@
 """A pack on disk: one directory, a manifest and one artifact per stage, verified when read.
 
-    DIR/pack.json         the manifest: format, version, the model (name, fingerprint, FFN kind, dtype),
+    DIR/pack.json         the manifest: format, version, the model (name, fingerprint, weights format, FFN
+                          kind, dtype, source: ``models.identity.model_record``),
                           the settings, and per finished stage its key, inputs, files (size and digest),
                           seconds; ``complete`` once every stage is in; a checksum of itself
     DIR/calibration.npz   calibration histograms (|a| by neuron, |x| by FFN input dimension)
@@ -27,8 +28,8 @@ import numpy as np
 
 from jpinfer import artifacts
 from jpinfer.errors import ArtifactError
-from jpinfer.models.identity import model_fingerprint
-from jpinfer.models.loading import ModelArg, resolve_model
+from jpinfer.models.identity import mismatch_message, model_fingerprint
+from jpinfer.models.loading import LoadedModel, ModelArg, resolve_model
 from jpinfer.pack.settings import STAGES, PackSettings, stage_keys
 from jpinfer.predictor.store import Predictors
 from jpinfer.profiler import ActivationProfile, SparsityThresholds
@@ -36,7 +37,7 @@ from jpinfer.profiler.calibration import INPUT, ScoreHistogram
 from jpinfer.solver import Placement
 
 FORMAT = "jpinfer-pack"
-VERSION = 1
+VERSION = 2  # 2: packs of int8 and int4 models too; the manifest records the model's weights format
 MANIFEST = "pack.json"
 FILES = {"calibration": "calibration.npz", "profile": "profile.npz", "thresholds": "thresholds.json",
          "predictors": "predictors", "placement": "placement"}
@@ -155,6 +156,11 @@ class Pack:
         """The dtype the placement was sized for."""
         return self.manifest["model"]["dtype"]
 
+    @property
+    def weights(self) -> str:
+        """The weights format of the model it was prepared for ("float", "int8", "int4")."""
+        return self.manifest["model"]["weights"]
+
     def calibration_histograms(self) -> dict[str, ScoreHistogram]:
         """The calibration stage's histograms ("activation": |a|, "input": |x|), from which
         ``profiler.sparsity.from_histograms`` gives the threshold mode's thresholds for any target
@@ -195,17 +201,18 @@ class Pack:
 
 
 def check_model(path: pathlib.Path, manifest: dict[str, Any], model: ModelArg) -> None:
-    """PackMismatchError unless the pack at ``path`` was prepared for ``model`` (its weight fingerprint)."""
+    """PackMismatchError unless the pack at ``path`` was prepared for ``model`` (its weight fingerprint),
+    saying what differs (the model, or its weights format, ...) and what to run."""
     loaded = resolve_model(model)
-    check_fingerprint(path, manifest, model_fingerprint(loaded.cfg, loaded.weights), loaded.cfg.name)
+    check_fingerprint(path, manifest, loaded, model_fingerprint(loaded.cfg, loaded.weights))
 
 
-def check_fingerprint(path: pathlib.Path, manifest: dict[str, Any], fingerprint: str, name: str) -> None:
-    model = manifest["model"]
-    if model["fingerprint"] != fingerprint:
-        raise PackMismatchError(
-            f"{path}: a pack prepared for model {model['name']!r} (fingerprint {model['fingerprint'][:12]}), not for "
-            f"{name!r} (fingerprint {fingerprint[:12]}): prepare a pack for this model (jpinfer prepare --model ...)")
+def check_fingerprint(path: pathlib.Path, manifest: dict[str, Any], model: LoadedModel, fingerprint: str) -> None:
+    """``check_model`` with the model's fingerprint computed already."""
+    recorded = manifest["model"]
+    if recorded["fingerprint"] != fingerprint:
+        raise PackMismatchError(mismatch_message(f"{path}: a pack prepared", recorded, recorded["fingerprint"], model,
+                                                 "jpinfer prepare"))
 
 
 def check_keys(path: pathlib.Path, manifest: dict[str, Any]) -> None:

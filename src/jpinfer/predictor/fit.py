@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from jpinfer.config import ModelConfig
 from jpinfer.errors import JpinferError
 from jpinfer.models import quantized, transformer
+from jpinfer.models.identity import model_record
 from jpinfer.models.loading import LoadedModel, ModelArg, resolve_model
 from jpinfer.models.params import Layer
 from jpinfer.predictor import sizing
@@ -46,8 +47,11 @@ class SearchConfig:
 
 
 def model_params(model: ModelArg) -> int:
-    """Parameters of the model's weights (what the predictor budget is a fraction of)."""
-    return sum(int(np.prod(leaf.shape)) for leaf in jax.tree_util.tree_leaves(resolve_model(model).weights))
+    """Parameters of the model's weights (what the predictor budget is a fraction of): a quantized matrix
+    counts as the matrix it stands for, not as its stored bytes and scales, so every weights format of a
+    model gets the same budget."""
+    leaves = jax.tree_util.tree_leaves(resolve_model(model).weights, is_leaf=quantized.is_quantized)
+    return sum(int(np.prod(leaf.shape)) for leaf in leaves)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -153,8 +157,8 @@ def train_predictors(
         scores.append(dataclasses.asdict(result.scores))
         epochs.append(result.epochs)
     meta = {
-        "model_name": cfg.name, "model_fingerprint": fingerprint, "profile_fingerprint": profile_fingerprint(profile),
-        "weights_format": quantized.weights_format(loaded.weights),
+        "model_name": cfg.name, "model": model_record(loaded), "model_fingerprint": fingerprint,
+        "profile_fingerprint": profile_fingerprint(profile),
         "thresholds": np.asarray(profile.thresholds, np.float32).tolist(), "score": profile.meta.get("score"),
         "recall": config.recall, "strong_recall": config.strong_recall, "strong_quantile": STRONG_QUANTILE,
         "n_samples": n, "train_config": dataclasses.asdict(config), "ranks": ranks,

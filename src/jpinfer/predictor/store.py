@@ -29,8 +29,7 @@ import numpy as np
 
 from jpinfer import artifacts
 from jpinfer.errors import ArtifactError
-from jpinfer.models import quantized
-from jpinfer.models.identity import model_fingerprint
+from jpinfer.models.identity import mismatch_message, model_fingerprint
 from jpinfer.models.loading import ModelArg, resolve_model
 from jpinfer.predictor.mlp import PredictorWeights
 from jpinfer.profiler import ActivationProfile
@@ -80,21 +79,14 @@ class Predictors:
         return sum(p.n_params for p in self.layers)
 
     def check_model(self, model: ModelArg) -> None:
-        """Raise PredictorMismatchError unless these predictors were trained for ``model``."""
+        """Raise PredictorMismatchError unless these predictors were trained for ``model``, saying what
+        differs and what to run."""
         loaded = resolve_model(model)
-        fingerprint = model_fingerprint(loaded.cfg, loaded.weights)
-        if fingerprint != self.meta["model_fingerprint"]:
-            fmt = quantized.weights_format(loaded.weights)
-            trained = self.meta.get("weights_format")  # absent in predictors trained before it was recorded
-            how = ("jpinfer train-predictors" if fmt == "float" else
-                   f"jpinfer profile --weights {fmt} --samples N, then jpinfer train-predictors --weights {fmt} "
-                   "--profile PROFILE: its FFN inputs are not the float model's")
-            raise PredictorMismatchError(
-                f"these predictors were trained for model {self.meta.get('model_name')!r}"
-                f"{f' with {trained} weights' if trained else ''} (fingerprint "
-                f"{self.meta['model_fingerprint'][:12]}), not for {loaded.cfg.name!r} with {fmt} weights "
-                f"(fingerprint {fingerprint[:12]}): train predictors for this model ({how})"
-            )
+        if model_fingerprint(loaded.cfg, loaded.weights) != self.meta["model_fingerprint"]:
+            recorded = {"name": self.meta.get("model_name")} | self.meta.get("model", {})
+            raise PredictorMismatchError(mismatch_message("these predictors were trained", recorded,
+                                                          self.meta["model_fingerprint"], loaded,
+                                                          "jpinfer train-predictors"))
 
     def check_profile(self, profile: ActivationProfile) -> None:
         """Raise PredictorMismatchError unless these predictors were trained on ``profile``'s labels."""

@@ -17,7 +17,7 @@ from jpinfer import artifacts
 from jpinfer.cache import cache_dir
 from jpinfer.config import ModelConfig
 from jpinfer.models import transformer
-from jpinfer.models.identity import model_fingerprint
+from jpinfer.models.identity import model_fingerprint, model_record
 from jpinfer.models.loading import LoadedModel, ModelArg, resolve_model
 from jpinfer.models.params import Layer
 from jpinfer.profiler import calibration, passes, samples
@@ -181,6 +181,7 @@ def profile(
     t3 = time.perf_counter()
 
     meta = {
+        "model": model_record(loaded),
         "corpus": windows.origin,
         "score": score,
         "calibration": calibration_record,

@@ -2,8 +2,9 @@
 
 Everything here has a fixed size for a given model (counts per neuron, a histogram of
 active neurons per token, one threshold per layer), whatever the corpus length.
-A profile remembers a fingerprint of the model's weights; loading it for another model
-is a ``ProfileMismatchError``.
+A profile remembers a fingerprint of the model's weights and what it was (``meta["model"]``:
+``models.identity.model_record``); loading it for another model is a ``ProfileMismatchError``
+saying what differs.
 """
 
 from __future__ import annotations
@@ -20,8 +21,7 @@ import numpy as np
 
 from jpinfer import artifacts
 from jpinfer.errors import ArtifactError
-from jpinfer.models import quantized
-from jpinfer.models.identity import model_fingerprint
+from jpinfer.models.identity import mismatch_message, model_fingerprint
 from jpinfer.models.loading import ModelArg, resolve_model
 from jpinfer.profiler.samples import SAMPLES_REMAKE, PredictorSamples, SamplesError
 from jpinfer.profiler.sparsity import SparsityThresholds
@@ -198,17 +198,14 @@ class ActivationProfile:
         return found
 
     def check_model(self, model: ModelArg) -> None:
-        """Raise ProfileMismatchError unless this profile was made for ``model``."""
+        """Raise ProfileMismatchError unless this profile was made for ``model``, saying what differs (the
+        model, or its weights format: an int8 model's FFN inputs differ from the float one's after
+        SmoothQuant's migration, so each format is profiled on its own) and what to run."""
         model = resolve_model(model)
-        fingerprint = model_fingerprint(model.cfg, model.weights)
-        if fingerprint != self.model_fingerprint:
-            fmt = quantized.weights_format(model.weights)
-            weights = f" with {fmt} weights (jpinfer profile --weights {fmt})" if fmt != "float" else ""
-            raise ProfileMismatchError(
-                f"this profile was made for model {self.model_name!r} (fingerprint {self.model_fingerprint[:12]}), "
-                f"not for {model.cfg.name!r} (fingerprint {fingerprint[:12]}): profile this model{weights} first"
-            )
-
+        if model_fingerprint(model.cfg, model.weights) != self.model_fingerprint:
+            recorded = {"name": self.model_name, "ffn_kind": self.ffn_kind} | self.meta.get("model", {})
+            raise ProfileMismatchError(mismatch_message("this profile was made", recorded, self.model_fingerprint,
+                                                        model, "jpinfer profile --out PATH"))
 
 
 _DIGEST_MARK = b"jpinfer whole-file digest "
