@@ -13,7 +13,7 @@ import jpinfer
 from jpinfer import GenerationConfig, JpinferError
 from jpinfer.ffn import PredictorMaskFFN, layer_capacities, mask_states, part_capacities
 from jpinfer.models import transformer
-from jpinfer.models.identity import model_fingerprint
+from jpinfer.models.identity import model_fingerprint, model_record
 from jpinfer.modes import build_engine
 from jpinfer.modes.placement import parse_budget
 from jpinfer.predictor import Predictors, PredictorWeights, profile_fingerprint, select_neurons, selection_mask
@@ -34,7 +34,8 @@ def cache(tmp_path, monkeypatch):
 
 
 def predictors_for(engine, layers, prof=None) -> Predictors:
-    meta = {"model_fingerprint": model_fingerprint(engine.cfg, engine.weights)}
+    meta = {"model_fingerprint": model_fingerprint(engine.cfg, engine.weights), "model_name": engine.cfg.name,
+            "model": model_record(engine.model)}
     return Predictors(layers, meta | ({} if prof is None else {"profile_fingerprint": profile_fingerprint(prof)}))
 
 

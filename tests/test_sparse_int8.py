@@ -283,19 +283,19 @@ def test_int8_needs_its_own_profile_and_predictors():
     profile are refused with the commands that make the right ones; predictors trained on the int8 model's
     profile run."""
     float_engine, int8_form = tiny_engine("relu"), int8_engine("relu")
-    with pytest.raises(PredictorMismatchError, match=r"jpinfer profile --weights int8 --samples N, then jpinfer "
-                                                     r"train-predictors --weights int8"):
+    with pytest.raises(PredictorMismatchError, match=r"differs in weights format float there, int8 here: make one for "
+                                                     r"this model \(jpinfer train-predictors.* --weights int8"):
         build_engine(int8_form.model, "sparse", predictors=all_active(float_engine))
     tokens = np.random.default_rng(1).integers(0, 40, (48, 32)).astype(np.int32)
-    with pytest.raises(ProfileMismatchError, match=r"with int8 weights \(jpinfer profile --weights int8\)"):
+    with pytest.raises(ProfileMismatchError, match=r"make one for this model \(jpinfer profile.* --weights int8"):
         build_engine(int8_form.model, "sparse", predictors=all_active(int8_form),
                      profile=profile(float_engine, tokens[:4], progress=False))
     prof = profile(int8_form, tokens, n_samples=1024, progress=False)
     predictors = train_predictors(int8_form, prof, ranks=8, config=TrainConfig(max_epochs=1), progress=False)
-    assert predictors.meta["weights_format"] == "int8"
+    assert predictors.meta["model"]["weights"] == "int8"
     engine = build_engine(int8_form.model, "sparse", predictors=predictors, profile=prof)
     assert len(engine.generate(PROMPT, GenerationConfig(max_new_tokens=6)).token_ids) == 6
-    with pytest.raises(PredictorMismatchError, match="trained for model 'tiny-relu' with int8 weights"):
+    with pytest.raises(PredictorMismatchError, match=r"trained for model 'tiny-relu' \(int8 weights"):
         build_engine(float_engine.model, "sparse", predictors=predictors)
 
 

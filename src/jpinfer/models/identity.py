@@ -87,13 +87,18 @@ def mismatch_message(subject: str, recorded: dict[str, Any], recorded_fingerprin
                    if k != "name" and k in known and known[k] != given[k]]
         if changed and all(c.startswith("dtype") for c in changed):
             changed = []  # the fingerprint does not see the dtype: the weights themselves differ
-        differs = ("it differs in " + "; ".join(changed) if changed else
-                   "the same name and format with other weight values (another file, or int8 weights calibrated "
-                   "on other text)")
+        if changed:
+            differs = "it differs in " + "; ".join(changed)
+        elif {"name", "weights"} <= known.keys():
+            differs = ("the same name and format with other weight values (another file, or int8 weights "
+                       "calibrated on other text)")
+        else:
+            differs = "its record says no more of that model (made by an older jpinfer)"
 
     def who(record: dict[str, str], digest: str) -> str:
         fmt = f"{record['weights']} weights, " if "weights" in record else ""
-        return f"model {record.get('name', '?')!r} ({fmt}fingerprint {digest[:12]})"
+        name = f"model {record['name']!r}" if "name" in record else "a model"
+        return f"{name} ({fmt}fingerprint {digest[:12]})"
 
     flags = "".join(f" --{flag} {value}" for flag, value, plain in (
         ("model", given["source"], _default_source()), ("weights", given["weights"], "float"),
