@@ -343,32 +343,8 @@ ffi::Error SparseFfnInt8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> rows, ff
     as[t] = peak * kInv127;
   }
 
-  // 3. the down slots, four a pass, each piece into its own int32 (T, d) part; parts added, then scaled
-  const int64_t pieces = std::min<int64_t>(Workers(pool), CeilDiv(m, 16));
-  const int64_t len = RoundUp(CeilDiv(m, pieces), 4);
-  int32_t* acc = Scratch(tl_down, size_t(pieces * T * d));
-  ParallelFor(pool, pieces, m * d, [&](int64_t i) {
-    int32_t* part = acc + i * T * d;
-    std::fill(part, part + T * d, 0);
-    const int64_t k1 = std::min(m, (i + 1) * len);
-    for (int64_t k = i * len; k < k1; k += 4) {
-      const int B = int(std::min<int64_t>(4, k1 - k));
-      const int8_t* r[4];
-      int16_t qb[kMaxTokens * 4];
-      for (int b = 0; b < 4; ++b) {  // a short last block: its first row stands in, weight 0
-        r[b] = row(listed[k + (b < B ? b : 0)], P);
-        for (int64_t t = 0; t < T; ++t) qb[t * 4 + b] = b < B ? aq[(k + b) * T + t] : 0;
-      }
-      const int8_t* rn[4];
-      const int nb = int(std::clamp<int64_t>(k1 - k - 4, 0, 4));
-      for (int b = 0; b < nb; ++b) rn[b] = row(listed[k + 4 + b], P);
-      AddRowsInt8(r, qb, T, 0, d, part, d, rn, nb);
-    }
-  });
-  for (int64_t i = 1; i < pieces; ++i)
-    for (int64_t e = 0; e < T * d; ++e) acc[e] += acc[i * T * d + e];
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t j = 0; j < d; ++j) Y[t * d + j] = float(acc[t * d + j]) * (as[t] * DS[j]);
+  // 3. the listed down slots summed exactly, then scaled by the token's and each output's scale
+  ScaledRowsSum(pool, m, T, d, [&](int64_t k) { return row(listed[k], P); }, aq, as, DS, tl_down, Y);
   return ffi::Error::Success();
 }
 
