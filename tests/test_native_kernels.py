@@ -29,6 +29,8 @@ from jpinfer.native import kernels as K
 from jpinfer.native import library
 from jpinfer.quant import int8, q4
 
+from activation_reference import activation64
+
 U = 2.0 ** -24  # float32 unit roundoff
 
 
@@ -42,15 +44,6 @@ BACKENDS = [pytest.param(True, marks=needs_native, id="native"), pytest.param(Fa
 
 
 # ------------------------------------------------------------------ references (float64)
-
-def _act64(kind, g, u):
-    if kind == "swiglu":
-        return g / (1 + np.exp(-g)) * u
-    if kind == "reglu":
-        return np.maximum(g, 0) * u
-    if kind == "drelu":
-        return np.maximum(g, 0) * np.maximum(u, 0)
-    return np.maximum(u, 0)
 
 
 def _valid_positions(ids, count, n):
@@ -77,7 +70,7 @@ def ffn_reference(rows, b_up, x, ids, count, kind):
         up_row, down = rows[i, R - 2], rows[i, R - 1]
         u = x @ up_row + (0.0 if b_up is None else float(b_up[i]))
         g = x @ rows[i, 0] if R == 3 else np.zeros(T)
-        a[:, p] = _act64(kind, g, u)
+        a[:, p] = activation64(kind, g, u)
         y += a[:, p, None] * down
         G, Uu = np.abs(x) @ np.abs(rows[i, 0]) if R == 3 else np.zeros(T), np.abs(x) @ np.abs(up_row)
         s = 1.1 * np.abs(u) * G + np.maximum(np.abs(g), 1.0) * Uu

@@ -33,6 +33,7 @@ from jpinfer.predictor import PredictorMismatchError, TrainConfig, train_predict
 from jpinfer.profiler import ProfileMismatchError, profile
 from jpinfer.sparse import all_rows_ffn, neurons, sparse_ffn
 
+from activation_reference import activation64
 from profiler_fixtures import ffn_inputs, tiny_engine
 from tolerances import DECODER_ATOL, KERNEL_ATOL, KERNEL_RTOL
 
@@ -45,15 +46,6 @@ INV127 = np.float32(1 / 127)
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("JPINFER_CACHE", str(tmp_path / "cache"))
 
-
-def _act64(kind, g, u):
-    if kind == "swiglu":
-        return g / (1 + np.exp(-g)) * u
-    if kind == "reglu":
-        return np.maximum(g, 0) * u
-    if kind == "drelu":
-        return np.maximum(g, 0) * np.maximum(u, 0)
-    return np.maximum(u, 0)
 
 
 def tokens32(x):
@@ -81,7 +73,7 @@ def reference(rows, scales, down_scales, b_up, x, ids, count, kind, near=8 * U *
     w = rows.astype(np.int64)
     h = [np.float32(q @ w[listed, s].T) * (ts[:, None] * scales[listed, s][None]) for s in range(R - 1)]  # (T, m)
     up = h[-1].astype(np.float64) + (0 if b_up is None else b_up[listed].astype(np.float64))
-    a = _act64(kind, h[0].astype(np.float64) if R == 3 else None, up)
+    a = activation64(kind, h[0].astype(np.float64) if R == 3 else None, up)
     peak = np.abs(a).max(-1, keepdims=True)
     scaled = np.divide(a * 127, peak, out=np.zeros_like(a), where=peak > 0)
     qa = np.rint(scaled).astype(np.int64)
