@@ -6,7 +6,9 @@ prompt, and sums the profiler's per-operation times over the steps:
 matrix-vector products (``dot``) against everything else (norms, RoPE, cache update,
 attention, softmax, residuals), with the count of each operation kind per step.
 
-    python bench/decode_profile.py [--prompt-tokens 120] [--steps 24]
+    python bench/decode_profile.py [--prompt-tokens 120] [--steps 24] [--weights int8]
+
+With quantized weights the products are the native kernels' FFI calls (``custom-call``), not ``dot``.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import numpy as np
 
 import jpinfer
 from jpinfer.bench.protocol import machine, machine_line
+from jpinfer.config import WEIGHT_FORMATS
 from jpinfer.models import transformer
 from jpinfer.runtime.engine import attend_length
 
@@ -34,8 +37,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompt-tokens", type=int, default=120)
     ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--weights", choices=WEIGHT_FORMATS, default="float")
     args = ap.parse_args()
-    model = jpinfer.load_model()
+    model = jpinfer.load(weights=args.weights).model
     weights, cfg = model.weights, model.cfg
     prompt = np.array([[1000 + i for i in range(args.prompt_tokens)]], np.int32)
     capacity = 256 * -(-(args.prompt_tokens + args.steps + 8) // 256)
@@ -76,7 +80,7 @@ def main() -> None:
         count[kind] += 1
     dots = ms.pop("dot", 0.0)
     print(machine_line(machine()))
-    print(f"default model float32, decode positions {prompt.shape[1] + 4}-{position}")
+    print(f"default model, {args.weights} weights (float32), decode positions {prompt.shape[1] + 4}-{position}")
     print(f"step (under the profiler): {wall * 1e3:.2f} ms")
     print(f"  matrix-vector products: {dots:6.2f} ms  ({count['dot'] // args.steps} per step)")
     others = sum(count.values()) // args.steps - count["dot"] // args.steps
