@@ -1,7 +1,7 @@
 """A model's engines under one GPU budget, with synthetic activity: hot neurons on the accelerator and
 cold ones on the host (the hybrid mode) against offloading whole layers (llama.cpp's ``-ngl``).
 
-Moved here from bench/hybrid_gpu.py (the GPU suite, ``jpinfer.bench.gpu_suite``, runs it). Protocol:
+The GPU suite (``jpinfer.bench.gpu_suite``) runs it. Protocol:
 - activity: per layer a Zipf-like law (``jpinfer.solver.synthetic_frequencies``: neuron of rank r
   active with probability min(1, c r^-s), skew s = 1.5 puts ~80% of the activations in the hottest
   20% of neurons, mean active 10% of the neurons per token, both varied +-15% per layer). Predictors
