@@ -96,6 +96,10 @@ inline __m256i DotBytes(__m256i acc, __m256i u, __m256i s) {
 #endif
 }
 
+// Rows an Int8Dots pass takes for T tokens: a row's bytes feed every token, an accumulator per (row, token)
+// <= 8 (the dense int8 matvec and the int8 sparse FFN's gate/up rows).
+constexpr int Int8RowsPerPass(int64_t T) { return T <= 2 ? 4 : (T <= 4 ? 2 : 1); }
+
 // s[r * T + t] = sum_j w[r][j] * q_t[j], exact in int32, for RB rows and T tokens (RB * T <= 8 keeps
 // the accumulators in registers): q from QuantizeTokens (chunk-major; VNNI: shifted). next: RB rows the
 // caller reads after these; the same bytes of them are prefetched while these stream.

@@ -35,10 +35,6 @@ thread_local std::vector<float> tl_scale;
 thread_local std::vector<int32_t> tl_corr;
 thread_local std::vector<float> tl_msum;
 
-// Rows a pass for T tokens: a row's bytes feed every token, an accumulator per (row, token) <= 8.
-template <int T>
-constexpr int RowsFor() { return T <= 2 ? 4 : (T <= 4 ? 2 : 1); }
-
 // sum_k u[k] * s[k * stride] over N pairs of byte vectors, likewise (from zero). AVX2 adds the N maddubs
 // results in int16 and widens once: each int16 then sums 2N products, which must fit (4-bit weights and
 // N = 8: 16 * 15 * 127 = 30480 <= 32767).
@@ -217,7 +213,7 @@ void Q4Rows(const uint8_t* packed, const uint16_t* d, const uint16_t* m, const Q
 // Runs rows [r0, r1) through Kernel<RB, T> (RB rows a pass, then single rows for the rest).
 template <int T, template <int, int> class Kernel, class... A>
 void RowRange(int64_t r0, int64_t r1, A... a) {
-  constexpr int RB = RowsFor<T>();
+  constexpr int RB = Int8RowsPerPass(T);
   int64_t o = r0;
   for (; o + RB <= r1; o += RB) Kernel<RB, T>::Run(o, a...);
   for (; o < r1; ++o) Kernel<1, T>::Run(o, a...);

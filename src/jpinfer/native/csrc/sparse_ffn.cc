@@ -237,11 +237,7 @@ thread_local std::vector<float> tl_act;
 thread_local std::vector<int16_t> tl_actq;
 thread_local std::vector<int32_t> tl_down;
 
-// Gate/up rows a pass for T tokens (quantized.cc's RowsFor): the rows share each chunk of the quantized
-// x while their rb * T int32 accumulators fit the registers.
-inline int64_t DotRows(int64_t T) { return T <= 2 ? 4 : (T <= 4 ? 2 : 1); }
-
-// s[r * T + t] = exact int32 dot of rows[r] with token t, rb rows (rb <= DotRows(T)): one Int8Dots pass when
+// s[r * T + t] = exact int32 dot of rows[r] with token t, rb rows (rb <= Int8RowsPerPass(T)): one Int8Dots pass when
 // rb is 2 or 4, else one row at a time.
 template <int T>
 inline void RowDots(int rb, const int8_t* const* rows, const int8_t* const* next, const int8_t* q, int64_t d,
@@ -306,7 +302,7 @@ ffi::Error SparseFfnInt8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> rows, ff
   QuantizeTokens(x.typed_data(), T, d, q, qs);
   float* act = Scratch(tl_act, size_t(m * T));
   constexpr int64_t kActPiece = 32;
-  const int64_t per_pass = std::max<int64_t>(1, DotRows(T) / P);  // neurons a pass: 2 gated at one token
+  const int64_t per_pass = std::max<int64_t>(1, Int8RowsPerPass(T) / P);  // neurons a pass: 2 gated at one token
   ParallelFor(pool, CeilDiv(m, kActPiece), m * P * d, [&](int64_t i) {
     const int64_t k1 = std::min(m, (i + 1) * kActPiece);
     for (int64_t k = i * kActPiece; k < k1; k += per_pass) {
