@@ -75,6 +75,16 @@ def as_float(w: jax.Array | QuantizedMatrix, dtype=jnp.float32) -> jax.Array:
     return w.astype(dtype)
 
 
+def int8_copy(w: jax.Array | QuantizedMatrix) -> Int8Matrix:
+    """An (out, in) weight as int8 with one scale per output row: an int8 one as it is, another (a 4-bit
+    one: its blocks run along the input, so its rows across the input cannot be read or cut out) quantized
+    from the float matrix it stands for. The int8 copies the sparse and threshold layouts of an int4 model
+    read by rows."""
+    if isinstance(w, Int8Matrix) and w.scale_axis == 0:
+        return w
+    return int8.quantize(as_float(w))
+
+
 def rows(w: QuantizedMatrix, index: jax.Array, dtype=jnp.float32) -> jax.Array:
     """The dequantized rows at ``index`` (any shape) of an (out, in) quantized matrix: the embeddings of
     a tied quantized head."""

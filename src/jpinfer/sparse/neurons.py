@@ -33,8 +33,6 @@ import numpy as np
 from jpinfer.config import FFN_KINDS, FfnKind
 from jpinfer.models import quantized
 from jpinfer.models.params import Layer
-from jpinfer.quant import int8
-from jpinfer.quant.int8 import Int8Matrix
 
 
 @jax.tree_util.register_dataclass
@@ -149,16 +147,8 @@ def from_layer(layer: Layer, kind: FfnKind) -> NeuronFFN:
     return from_arrays(kind, gate, up, layer.w_down, layer.b_up, layer.b_down)
 
 
-def _as_int8(w) -> Int8Matrix:
-    """An (out, in) weight as int8 with one scale per row: an int8 one as it is, a 4-bit one requantized
-    from its dequantized values."""
-    if isinstance(w, Int8Matrix) and w.scale_axis == 0:
-        return w
-    return int8.quantize(quantized.as_float(w))
-
-
 def _int8_from_layer(layer: Layer, kind: FfnKind) -> NeuronFFN:
-    gate_up, down = _as_int8(layer.w_gate_up), _as_int8(layer.w_down)
+    gate_up, down = quantized.int8_copy(layer.w_gate_up), quantized.int8_copy(layer.w_down)
     d, n = down.shape
     slots = 2 if kind != "relu" else 1
     if gate_up.shape != (slots * n, d):

@@ -40,7 +40,7 @@ from jpinfer.models import quantized
 from jpinfer.models.params import Layer
 from jpinfer.native import kernels as native_kernels
 from jpinfer.native import native_available
-from jpinfer.quant import int8, q4
+from jpinfer.quant import int8
 from jpinfer.quant.int8 import Int8Matrix
 from jpinfer.quant.q4 import Q4Matrix
 from jpinfer.sparse.op import RowsBackend, sparse_rows_product
@@ -116,9 +116,7 @@ def from_layer(layer: Layer, kind: FfnKind, *, input_threshold: float | None, ac
 def _readable_by_rows(matrix: Matrix, by_rows: bool) -> Matrix:
     """``matrix``, or where it is read by rows (or cut into neurons) and 4-bit, the int8 copy of its
     dequantized form, one scale per output (module docstring: why not 4-bit rows)."""
-    if by_rows and isinstance(matrix, Q4Matrix):
-        return int8.quantize(q4.dequantize(matrix))
-    return matrix
+    return quantized.int8_copy(matrix) if by_rows and isinstance(matrix, Q4Matrix) else matrix
 
 
 def _take(matrix: jax.Array | Int8Matrix, index: jax.Array, axis: int) -> jax.Array | Int8Matrix:
