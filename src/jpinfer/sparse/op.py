@@ -168,35 +168,23 @@ def all_rows_ffn(ffn: NeuronFFN, x: jax.Array) -> jax.Array:
     """
     if x.ndim not in (1, 2) or x.shape[-1] != ffn.d_model:
         raise ValueError(f"x must be (d_model,) or (T, d_model) with d_model={ffn.d_model}, got {x.shape}")
-    if ffn.quantized:
-        return _all_rows_int8(ffn, x)
     n, n_rows, d = ffn.rows.shape
     flat = ffn.rows.reshape(n, n_rows * d)
-    x2 = x.reshape(-1, d).astype(flat.dtype)
-    n_proj = n_rows - 1
-    project = lambda j: jnp.einsum("td,nd->tn", x2, flat[:, j * d : (j + 1) * d], preferred_element_type=jnp.float32)
-    up = project(n_proj - 1)
-    if ffn.b_up is not None:
-        up = up + ffn.b_up.astype(jnp.float32)
-    act = activate(ffn.kind, project(0) if n_proj == 2 else None, up)
-    y = jnp.einsum("tn,nd->td", act.astype(flat.dtype), flat[:, n_proj * d :], preferred_element_type=jnp.float32)
-    if ffn.b_down is not None:
-        y = y + ffn.b_down.astype(jnp.float32)
-    return y.astype(x.dtype).reshape(x.shape)
-
-
-def _all_rows_int8(ffn: NeuronFFN, x: jax.Array) -> jax.Array:
-    n, n_rows, d = ffn.rows.shape
-    flat = ffn.rows.reshape(n, n_rows * d)
-    x2 = x.reshape(-1, d).astype(jnp.float32)
-    n_proj = n_rows - 1
     block = lambda j: flat[:, j * d : (j + 1) * d]
-    project = lambda j: int8.product(x2, Int8Matrix(block(j), ffn.scales[:, j], 0))
+    n_proj = n_rows - 1
+    x2 = x.reshape(-1, d).astype(jnp.float32 if ffn.quantized else flat.dtype)
+    if ffn.quantized:
+        project = lambda j: int8.product(x2, Int8Matrix(block(j), ffn.scales[:, j], 0))
+        # the down block is (n, d) input-major: a scale per column
+        down = lambda act: int8.product(act, Int8Matrix(block(n_proj), ffn.down_scales, 1))
+    else:
+        project = lambda j: jnp.einsum("td,nd->tn", x2, block(j), preferred_element_type=jnp.float32)
+        down = lambda act: jnp.einsum("tn,nd->td", act.astype(flat.dtype), block(n_proj),
+                                      preferred_element_type=jnp.float32)
     up = project(n_proj - 1)
     if ffn.b_up is not None:
         up = up + ffn.b_up.astype(jnp.float32)
-    act = activate(ffn.kind, project(0) if n_proj == 2 else None, up)
-    y = int8.product(act, Int8Matrix(block(n_proj), ffn.down_scales, 1))  # (n, d) input-major: a scale per column
+    y = down(activate(ffn.kind, project(0) if n_proj == 2 else None, up))
     if ffn.b_down is not None:
         y = y + ffn.b_down.astype(jnp.float32)
     return y.astype(x.dtype).reshape(x.shape)
