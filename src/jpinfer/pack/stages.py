@@ -162,7 +162,7 @@ def prepare(model: ModelArg = None, out: str | os.PathLike | None = None, settin
             else default_pack_dir(cfg.name, record["weights"], fingerprint))
     keys = stage_keys(settings, cfg.ffn_kind, dtype, fingerprint)
     inputs = stage_inputs(settings, cfg.ffn_kind, dtype)
-    manifest = _existing_manifest(path, loaded, fingerprint)
+    manifest = _existing_manifest(path, loaded)
     run = _Run(loaded, path, settings, progress)
     reused = _reusable(run, manifest, keys)
     unchanged = manifest is not None and manifest.get("complete") and len(reused) == len(STAGES)
@@ -205,7 +205,7 @@ def _say(progress: bool, text: str) -> None:
         print(text, file=sys.stderr, flush=True)
 
 
-def _existing_manifest(path: pathlib.Path, model: LoadedModel, fingerprint: str) -> dict[str, Any] | None:
+def _existing_manifest(path: pathlib.Path, model: LoadedModel) -> dict[str, Any] | None:
     """The manifest of a pack already at ``path`` (None: nothing there, or a damaged or other-version
     pack, which is remade with a warning); refuses another model's pack and non-pack files."""
     if not path.exists():
@@ -223,7 +223,7 @@ def _existing_manifest(path: pathlib.Path, model: LoadedModel, fingerprint: str)
         warnings.warn(f"{err}; preparing it anew", CacheWarning, stacklevel=3)
         return None
     try:
-        store.check_fingerprint(path, manifest, model, fingerprint)
+        store.check_model(path, manifest, model)
     except PackMismatchError as err:
         raise PackMismatchError(f"{err}; or give another directory (it is not overwritten)") from None
     return manifest

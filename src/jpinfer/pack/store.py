@@ -29,7 +29,7 @@ import numpy as np
 from jpinfer import artifacts
 from jpinfer.errors import ArtifactError
 from jpinfer.models.identity import mismatch_message, model_fingerprint
-from jpinfer.models.loading import LoadedModel, ModelArg, resolve_model
+from jpinfer.models.loading import ModelArg, resolve_model
 from jpinfer.pack.settings import STAGES, PackSettings, stage_keys
 from jpinfer.predictor.store import Predictors
 from jpinfer.profiler import ActivationProfile, SparsityThresholds
@@ -204,14 +204,9 @@ def check_model(path: pathlib.Path, manifest: dict[str, Any], model: ModelArg) -
     """PackMismatchError unless the pack at ``path`` was prepared for ``model`` (its weight fingerprint),
     saying what differs (the model, or its weights format, ...) and what to run."""
     loaded = resolve_model(model)
-    check_fingerprint(path, manifest, loaded, model_fingerprint(loaded.cfg, loaded.weights))
-
-
-def check_fingerprint(path: pathlib.Path, manifest: dict[str, Any], model: LoadedModel, fingerprint: str) -> None:
-    """``check_model`` with the model's fingerprint computed already."""
     recorded = manifest["model"]
-    if recorded["fingerprint"] != fingerprint:
-        raise PackMismatchError(mismatch_message(f"{path}: a pack prepared", recorded, recorded["fingerprint"], model,
+    if recorded["fingerprint"] != model_fingerprint(loaded.cfg, loaded.weights):
+        raise PackMismatchError(mismatch_message(f"{path}: a pack prepared", recorded, recorded["fingerprint"], loaded,
                                                  "jpinfer prepare"))
 
 
