@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_modes import PROMPT, forced_logits
+from test_modes import PROMPT, assert_decodes_like, forced_logits
 from test_threshold import given, windows
 
 import jpinfer
@@ -391,11 +391,7 @@ def test_int8_threshold_ffn_equals_the_zeroed_int8_ffn(kind, kinds, tokens):
 def test_int8_threshold_engine_at_zero_thresholds_decodes_like_int8_dense():
     dense = int8_engine("swiglu")
     engine = build_engine(dense.model, "threshold", thresholds=given(dense.cfg, 0.0, 0.0))
-    config = GenerationConfig(max_new_tokens=24)
-    tokens = dense.generate(PROMPT, config).token_ids
-    assert engine.generate(PROMPT, config).token_ids == tokens
-    np.testing.assert_allclose(forced_logits(engine, PROMPT, tokens[:8]), forced_logits(dense, PROMPT, tokens[:8]),
-                               rtol=KERNEL_RTOL, atol=KERNEL_ATOL)
+    assert_decodes_like(engine, dense, 24, rtol=KERNEL_RTOL, atol=KERNEL_ATOL)
 
 
 def test_the_int8_model_is_profiled_on_its_own():

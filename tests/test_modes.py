@@ -99,6 +99,16 @@ def forced_logits(engine, prompt, forced) -> np.ndarray:
     return np.stack(out)
 
 
+def assert_decodes_like(engine, reference, new_tokens: int, *, rtol: float, atol: float) -> None:
+    """``engine`` generates ``reference``'s greedy tokens for PROMPT over ``new_tokens`` steps, and the logits of
+    the first 8 of them, forced, agree within ``rtol`` / ``atol`` (the caller states where they come from)."""
+    config = GenerationConfig(max_new_tokens=new_tokens)
+    tokens = reference.generate(PROMPT, config).token_ids
+    assert engine.generate(PROMPT, config).token_ids == tokens
+    np.testing.assert_allclose(forced_logits(engine, PROMPT, tokens[:8]), forced_logits(reference, PROMPT, tokens[:8]),
+                               rtol=rtol, atol=atol)
+
+
 @pytest.mark.parametrize("kind", ["swiglu", "relu"])
 def test_all_active_sparse_and_hybrid_decode_like_dense(kind):
     dense = tiny_engine(kind)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 from test_int8 import reference_quantize, reference_tokens, rounding_margin
-from test_modes import PROMPT, forced_logits
+from test_modes import PROMPT, assert_decodes_like, forced_logits
 from test_native_kernels import BACKENDS, assert_within, q4_reference
 from test_threshold import given
 
@@ -300,10 +300,6 @@ def test_int4_threshold_engine_at_zero_thresholds_decodes_like_the_int8_copies()
     engine = int4_engine("swiglu")
     copies = int8_copies_engine(engine)
     threshold = build_engine(engine.model, "threshold", thresholds=given(engine.cfg, 0.0, 0.0))
-    config = GenerationConfig(max_new_tokens=16)
-    tokens = copies.generate(PROMPT, config).token_ids
-    assert threshold.generate(PROMPT, config).token_ids == tokens
-    np.testing.assert_allclose(forced_logits(threshold, PROMPT, tokens[:8]), forced_logits(copies, PROMPT, tokens[:8]),
-                               rtol=KERNEL_RTOL, atol=KERNEL_ATOL)
+    assert_decodes_like(threshold, copies, 16, rtol=KERNEL_RTOL, atol=KERNEL_ATOL)
     sparse = build_engine(engine.model, "threshold", thresholds=given(engine.cfg, 0.05, 0.1))
     assert len(sparse.generate(PROMPT, GenerationConfig(max_new_tokens=16, ignore_eos=True)).token_ids) == 16

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_modes import PROMPT, all_active, forced_logits, predictors_for
+from test_modes import PROMPT, all_active, assert_decodes_like, predictors_for
 from test_native_kernels import BACKENDS, list_cases
 
 import jpinfer
@@ -263,11 +263,7 @@ def test_all_active_sparse_int8_decodes_like_dense_int8():
     dense = int8_engine("swiglu")
     sparse = build_engine(dense.model, "sparse", predictors=all_active(dense), capacity=dense.cfg.d_ff)
     assert all(state.ffn.quantized for state in sparse.ffn.state)
-    config = GenerationConfig(max_new_tokens=24)
-    tokens = dense.generate(PROMPT, config).token_ids
-    assert sparse.generate(PROMPT, config).token_ids == tokens
-    np.testing.assert_allclose(forced_logits(sparse, PROMPT, tokens[:8]), forced_logits(dense, PROMPT, tokens[:8]),
-                               rtol=KERNEL_RTOL, atol=max(KERNEL_ATOL, DECODER_ATOL))
+    assert_decodes_like(sparse, dense, 24, rtol=KERNEL_RTOL, atol=max(KERNEL_ATOL, DECODER_ATOL))
 
 
 def test_int8_needs_its_own_profile_and_predictors():
@@ -310,11 +306,7 @@ def test_int4_sparse_runs_int8_copies_of_the_4bit_ffn():
     ffn = sparse.ffn.state[0].ffn
     assert ffn.quantized and isinstance(sparse.weights.layers[0].w_qkv, Q4Matrix)
     np.testing.assert_array_equal(np.asarray(ffn.rows[:, 2]), np.asarray(layers[0].w_down.values).T)
-    config = GenerationConfig(max_new_tokens=24)
-    tokens = reference.generate(PROMPT, config).token_ids
-    assert sparse.generate(PROMPT, config).token_ids == tokens
-    np.testing.assert_allclose(forced_logits(sparse, PROMPT, tokens[:8]), forced_logits(reference, PROMPT, tokens[:8]),
-                               rtol=KERNEL_RTOL, atol=max(KERNEL_ATOL, DECODER_ATOL))
+    assert_decodes_like(sparse, reference, 24, rtol=KERNEL_RTOL, atol=max(KERNEL_ATOL, DECODER_ATOL))
 
 
 def test_modes_and_formats():
