@@ -13,6 +13,11 @@ machine hits all of them; the table shows medians over rounds):
   3. dense int8 (W8A8) and 4-bit (Q4_0, Q4_1) matrix-vector products at 11008 x 4096, 1 and 8 tokens:
      GB/s of weight bytes against XLA's float32 W @ x and XLA's int8 product (int8 x int8 -> int32
      dot_general, one token padded to two columns: the form jpinfer.models.int8 runs);
+  5. attention over a KV cache at the default model's attention shape (9 query heads on 3 kv heads, head
+     dim 64, one token, 30 layers chained, each reading a 3.5 MB weight matrix first as a decode step
+     does, so the caches come from memory): the native kernel (jpinfer.models.transformer.cached_attention
+     on the CPU) against the model's XLA form (xla_cached_attention, over the engine's attention length),
+     at 128, 1024 and 4096 positions; per layer, the chain without attention subtracted;
   4. threshold products at 50% kept (input sparsity over the input-major gate/up matrix (4096, 22016),
      activation sparsity over the neuron-major down matrix (11008, 4096)) against XLA's dense x @ M, in
      float32 and int8 (one scale per column; XLA's int8 variant is the masked W8A8 product).
@@ -34,9 +39,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jpinfer.bench import protocol
+from jpinfer.config import ModelConfig
+from jpinfer.models import transformer
 from jpinfer.native import kernels as K
 from jpinfer.native import library
 from jpinfer.quant import int8, q4
+from jpinfer.runtime.engine import attend_length
 
 
 def interleaved_medians(calls: dict, rounds: int) -> dict[str, float]:
@@ -212,6 +220,43 @@ def threshold_section(d: int, n: int, rounds: int, seed: int) -> dict:
     return res
 
 
+def attention_section(positions_list, layers: int, rounds: int, seed: int) -> dict:
+    cfg = ModelConfig(vocab_size=64, d_model=576, n_layers=layers, n_heads=9, n_kv_heads=3, head_dim=64, d_ff=1536,
+                      max_position=8192, eos_token_ids=())
+    keys = jax.random.split(jax.random.PRNGKey(seed), 4)
+    weights = [jax.block_until_ready(normal(jax.random.fold_in(keys[0], i), (576, 1536), 0.03)) for i in range(layers)]
+    q = normal(keys[1], (1, 1, 9, 64), 1.0)
+    res = {"shape": {"heads": 9, "kv_heads": 3, "head_dim": 64, "layers": layers}, "rows": []}
+    for pos in positions_list:
+        capacity = 256 * -(-(pos + 1) // 256)
+        caches = [tuple(jax.block_until_ready(normal(jax.random.fold_in(keys[2], 2 * i + j), (1, 3, capacity, 64), 1.0))
+                        for j in (0, 1)) for i in range(layers)]  # separate buffers, as KVCache holds them
+        positions = jnp.array([pos], jnp.int32)
+        attend = attend_length(pos + 1, capacity)
+
+        def chain(attention):
+            def run(q, weights, caches):
+                x = jnp.zeros((1536,), jnp.float32)
+                for w, kv in zip(weights, caches):
+                    y = w @ x  # a layer's weights stream through the caches first, as in a decode step
+                    if attention is not None:
+                        y = y + attention(q + y[0] * 1e-9, kv[0], kv[1], positions, cfg=cfg, attend=attend)[
+                            0, 0].reshape(-1)[:576]
+                    x = x.at[:576].add(y * 1e-9)
+                return x
+            return jax.jit(run)
+
+        runs = {"native": chain(lambda *a, cfg, attend: transformer.cached_attention(*a, cfg, attend)),
+                "xla": chain(transformer.xla_cached_attention), "no attention": chain(None)}
+        t = interleaved_medians({name: (lambda f=f: f(q, weights, caches)) for name, f in runs.items()}, rounds)
+        per_layer = {name: (t[name] - t["no attention"]) / layers * 1e6 for name in ("native", "xla")}
+        cache_bytes = 2 * 3 * (pos + 1) * 64 * 4
+        res["rows"].append({"positions": pos + 1, "attend": attend, "native_us": per_layer["native"],
+                            "xla_us": per_layer["xla"], "speedup": per_layer["xla"] / per_layer["native"],
+                            "native_gbs": cache_bytes / per_layer["native"] / 1e3})
+    return res
+
+
 def markdown(meta: dict, sections: dict) -> str:
     lines = ["# Native CPU kernels vs XLA:CPU", "", "```", meta["command"], "```", "",
              f"{meta['date']} · {meta['cpu']} · {meta['cores']} cores · jax {meta['jax']} · "
@@ -260,6 +305,19 @@ def markdown(meta: dict, sections: dict) -> str:
             lines.append(f"| {r['matrix']} {tuple(r['shape'])} | {r['kept']} | {r['variant']} | {r['ms']:.2f} | "
                          f"{r['gbs_of_rows_read']:.1f} | {r['speedup_vs_xla_dense']:.2f}x |")
         lines.append("")
+    sec = sections.get("attention")
+    if sec:
+        sh = sec["shape"]
+        lines += [f"## Attention over a KV cache ({sh['heads']} query heads on {sh['kv_heads']} kv heads, head dim "
+                  f"{sh['head_dim']}, 1 token, {sh['layers']} layers chained behind weight reads)", "",
+                  "Per layer: the chain's time minus the same chain without attention. GB/s: the used cache's "
+                  "keys and values over the native kernel's time.", "",
+                  "| positions | XLA attention length | native us | XLA us | speedup | native GB/s |",
+                  "|---|---|---|---|---|---|"]
+        for r in sec["rows"]:
+            lines.append(f"| {r['positions']} | {r['attend']} | {r['native_us']:.1f} | {r['xla_us']:.1f} | "
+                         f"{r['speedup']:.2f}x | {r['native_gbs']:.1f} |")
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -268,11 +326,11 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--layers", type=int, default=3, help="distinct 7B layers chained (each 541 MB of rows)")
     p.add_argument("--out", default="bench/results/native_kernels")
-    p.add_argument("--only", nargs="*", choices=["ffn_7b", "ffn_default", "quantized", "threshold"])
+    p.add_argument("--only", nargs="*", choices=["ffn_7b", "ffn_default", "quantized", "threshold", "attention"])
     args = p.parse_args(argv)
     if not library.native_available():
         sys.exit(f"native kernels unavailable: {library.unavailable_reason()}")
-    only = set(args.only or ["ffn_7b", "ffn_default", "quantized", "threshold"])
+    only = set(args.only or ["ffn_7b", "ffn_default", "quantized", "threshold", "attention"])
     meta = {"command": " ".join([os.path.relpath(sys.executable)] + sys.argv), "date": datetime.datetime.now(
         datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "cpu": protocol.cpu_name(), "cores": os.cpu_count(),
         "jax": jax.__version__, "native_features": library.features()["compiled"],
@@ -290,6 +348,8 @@ def main(argv=None) -> None:
         print(f"quantized done {time.perf_counter() - start:.0f} s", flush=True)
     if "threshold" in only:
         sections["threshold"] = threshold_section(4096, 11008, args.rounds, 3)
+    if "attention" in only:
+        sections["attention"] = attention_section((127, 1023, 4095), 30, args.rounds * 3, 4)
     meta["load_after"] = protocol.load_average()
     meta["seconds"] = round(time.perf_counter() - start, 1)
     text = markdown(meta, sections)

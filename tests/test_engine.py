@@ -8,7 +8,7 @@ import torch
 
 from jpinfer import Engine, GenerationConfig, LoadedModel
 from jpinfer.models import hf_loader, params
-from jpinfer.runtime.sampling import Sampler, sample
+from jpinfer.runtime.sampling import ARGMAX_BLOCK, Sampler, argmax, sample
 
 from hf_reference import make_model
 
@@ -62,6 +62,27 @@ def test_top_k_one_and_tiny_top_p_are_greedy(tiny):
     greedy = engine.generate([5, 6, 7], max_new_tokens=10).token_ids
     assert engine.generate([5, 6, 7], max_new_tokens=10, temperature=0.8, top_k=1, seed=3).token_ids == greedy
     assert engine.generate([5, 6, 7], max_new_tokens=10, temperature=0.8, top_p=1e-6, seed=3).token_ids == greedy
+
+
+@pytest.mark.parametrize("vocab", [7, 2 * ARGMAX_BLOCK + 1, 49152, 32000])
+def test_blockwise_argmax_equals_numpy_first_maximum(vocab):
+    """Greedy's two-level argmax against numpy's argmax (first maximum, first NaN) on rows built to
+    catch a wrong block or offset: ties across and within blocks, NaN, all -inf, the maximum in the last
+    (padded) block, and random rows. Exact: the same comparisons on the same float32 values."""
+    rng = np.random.default_rng(vocab)
+    rows = [rng.standard_normal(vocab).astype(np.float32) for _ in range(4)]
+    tie = rng.standard_normal(vocab).astype(np.float32)
+    tie[[vocab // 3, vocab // 2, vocab - 1]] = 9.0
+    nan = rng.standard_normal(vocab).astype(np.float32)
+    nan[[vocab // 2, vocab - 1]] = np.nan
+    nan[0] = np.inf
+    last = np.full(vocab, -1.0, np.float32)
+    last[-1] = 0.0
+    rows += [tie, nan, last, np.full(vocab, -np.inf, np.float32)]
+    logits = np.stack(rows)
+    got = np.asarray(jax.jit(argmax)(jnp.asarray(logits)))
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, np.argmax(logits, axis=-1))
 
 
 def test_sampling_follows_filtered_softmax():

@@ -24,6 +24,8 @@ from jpinfer.activations import activate
 from jpinfer.config import ModelConfig
 from jpinfer.models import quantized
 from jpinfer.models.params import Layer, Norm, Weights
+from jpinfer.native import kernels as native_kernels
+from jpinfer.native import native_available
 
 FfnImpl = Callable[[int, Layer, jax.Array, Any], tuple[jax.Array, Any]]
 
@@ -95,6 +97,47 @@ def linear(x: jax.Array, w: jax.Array | quantized.QuantizedMatrix, b: jax.Array 
     return y if b is None else y + b
 
 
+def cached_attention(
+    q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, positions: jax.Array, cfg: ModelConfig,
+    attend: int | None = None,
+) -> jax.Array:
+    """Causal grouped-query attention of the queries q (B, T, H, hd) at ``positions`` (T,) over a layer's
+    cache (B, KV, S, hd) that already holds their keys and values: (B, T, H, hd), float32 sums.
+
+    On the CPU, for decode-sized steps (T <= 8, float32, head_dim a multiple of 8) with the native
+    kernels: one call that reads the cache in place up to the last position (``native.kernels.
+    cached_attention``). XLA otherwise: it reads the first ``attend`` slots (static; None = all),
+    which must hold every position so far. XLA:CPU copied those slots before its products, which with
+    the softmax cost 1.4 of the default model's 8.7 ms int8 decode step (docs/architecture.md).
+    """
+    xla = functools.partial(xla_cached_attention, cfg=cfg, attend=attend)
+    if not (native_kernels.cached_attention_fits(q, cache_k) and cache_v.dtype == jnp.float32
+            and native_available()):
+        return xla(q, cache_k, cache_v, positions)
+    native = functools.partial(native_kernels.cached_attention, window=cfg.sliding_window)
+    return jax.lax.platform_dependent(q, cache_k, cache_v, positions, cpu=native, default=xla)
+
+
+def xla_cached_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, positions: jax.Array, *,
+                         cfg: ModelConfig, attend: int | None) -> jax.Array:
+    """``cached_attention`` in XLA on any platform and for any T and dtype (bench/native_kernels.py times it
+    against the native kernel)."""
+    b, t = q.shape[:2]
+    keys, values = cache_k[:, :, :attend], cache_v[:, :, :attend]
+    groups = cfg.n_heads // cfg.n_kv_heads
+    qg = q.reshape(b, t, cfg.n_kv_heads, groups, cfg.head_dim)
+    scores = jnp.einsum("btkgh,bksh->bkgts", qg, keys, preferred_element_type=jnp.float32)
+    scores = scores * (cfg.head_dim**-0.5)
+    key_pos = jnp.arange(keys.shape[2])
+    visible = key_pos[None, :] <= positions[:, None]  # (T, S)
+    if cfg.sliding_window is not None:
+        visible &= key_pos[None, :] > positions[:, None] - cfg.sliding_window
+    scores = jnp.where(visible[None, None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
+    out = jnp.einsum("bkgts,bksh->btkgh", probs, values, preferred_element_type=jnp.float32)
+    return out.reshape(b, t, cfg.n_heads, cfg.head_dim)
+
+
 def attention_block(
     layer: Layer,
     x: jax.Array,
@@ -110,8 +153,9 @@ def attention_block(
     x: (B, T, d) normalised input at ``positions`` (T,); ``rope_cs`` from ``rope_tables``
     (None for learned positions). The new keys and values are written into the layer's
     cache in place (the caller donates it), so a step never copies the cache. Attention
-    reads the first ``attend`` cache slots (static; None = all), which must hold every
-    position so far: a decode step at position 40 of a 2048-slot cache reads 128 slots, not 2048.
+    (``cached_attention``) reads at most the first ``attend`` cache slots (static; None = all),
+    which must hold every position so far: a decode step at position 40 of a 2048-slot cache
+    reads 128 slots (XLA) or 41 (the native kernel), not 2048.
     Returns the output projection (B, T, d) and the layer's updated keys and values.
     """
     b, t, _ = x.shape
@@ -125,19 +169,7 @@ def attention_block(
     at = (0, 0, positions[0], 0)
     cache_k = jax.lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype).transpose(0, 2, 1, 3), at)
     cache_v = jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype).transpose(0, 2, 1, 3), at)
-    keys, values = cache_k[:, :, :attend], cache_v[:, :, :attend]
-
-    groups = cfg.n_heads // cfg.n_kv_heads
-    qg = q.reshape(b, t, cfg.n_kv_heads, groups, cfg.head_dim)
-    scores = jnp.einsum("btkgh,bksh->bkgts", qg, keys, preferred_element_type=jnp.float32)
-    scores = scores * (cfg.head_dim**-0.5)
-    key_pos = jnp.arange(keys.shape[2])
-    visible = key_pos[None, :] <= positions[:, None]  # (T, S)
-    if cfg.sliding_window is not None:
-        visible &= key_pos[None, :] > positions[:, None] - cfg.sliding_window
-    scores = jnp.where(visible[None, None, None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
-    out = jnp.einsum("bkgts,bksh->btkgh", probs, values, preferred_element_type=jnp.float32)
+    out = cached_attention(q, cache_k, cache_v, positions, cfg, attend)
     out = out.reshape(b, t, cfg.q_dim).astype(x.dtype)
     return linear(out, layer.wo, layer.bo), cache_k, cache_v
 

@@ -372,7 +372,44 @@ def q4_matvec(m: Q4Matrix, x, *, native: bool | None = None) -> jax.Array:
     return y[0] if flat else y
 
 
+# ---------------------------------------------------------------- attention over a KV cache
+
+def cached_attention_fits(q: jax.Array, cache_k: jax.Array) -> bool:
+    """Whether ``cached_attention`` takes these operands: float32 q (B, T <= 8, H, hd) and cache, hd a
+    multiple of 8, H a multiple of the cache's kv heads."""
+    return (q.ndim == 4 and cache_k.ndim == 4 and q.dtype == jnp.float32 and cache_k.dtype == jnp.float32
+            and 1 <= q.shape[1] <= MAX_TOKENS and q.shape[3] % 8 == 0 and q.shape[3] == cache_k.shape[3]
+            and q.shape[0] == cache_k.shape[0] and q.shape[2] % cache_k.shape[1] == 0)
+
+
+def cached_attention(q, cache_k, cache_v, positions, *, window: int | None = None) -> jax.Array:
+    """Causal grouped-query attention of T new tokens over a KV cache, one native call that reads the
+    cache in place: float32 (B, T, H, hd). q (B, T, H, hd) (rotary embedding applied); cache_k and
+    cache_v (B, KV, S, hd) already holding the new tokens' keys and values; positions int32 (T,).
+    Query head h reads kv head h // (H // KV); token t sees slots s <= positions[t] (and
+    s > positions[t] - window with a window), softmax(q . k / sqrt(hd)) weighting the values; a token
+    that sees no slot gets zeros. Slots after the last position are never read.
+
+    Native only (RuntimeError without the library): its XLA form is the model's own attention,
+    ``models.transformer.cached_attention``, which calls this on the CPU."""
+    _use_native(True)
+    q, cache_k, cache_v = jnp.asarray(q), jnp.asarray(cache_k), jnp.asarray(cache_v)
+    if not cached_attention_fits(q, cache_k) or cache_v.shape != cache_k.shape or cache_v.dtype != jnp.float32:
+        raise ValueError(f"cached_attention takes float32 q (B, T <= {MAX_TOKENS}, H, hd) and caches (B, KV, S, hd), "
+                         f"hd a multiple of 8 and H of KV; got q {q.dtype} {tuple(q.shape)}, caches "
+                         f"{cache_k.dtype} {tuple(cache_k.shape)} and {cache_v.dtype} {tuple(cache_v.shape)}")
+    positions = jnp.asarray(positions)
+    if positions.shape != (q.shape[1],) or not jnp.issubdtype(positions.dtype, jnp.integer):
+        raise ValueError(f"positions must be {q.shape[1]} integers, got {positions.dtype} {tuple(positions.shape)}")
+    if window is not None and window < 1:
+        raise ValueError(f"window must be a positive number of slots or None, got {window}")
+    call = jax.ffi.ffi_call("jpinfer_cached_attention", jax.ShapeDtypeStruct(q.shape, jnp.float32),
+                            vmap_method="sequential")
+    return call(q, cache_k, cache_v, positions.astype(jnp.int32), scale=np.float32(q.shape[3] ** -0.5),
+                window=np.int64(window or 0))
+
+
 __all__ = [
-    "MAX_TOKENS", "KINDS", "sparse_ffn", "sparse_ffn_int8", "xla_sparse_ffn_int8", "sparse_activations",
+    "MAX_TOKENS", "cached_attention", "cached_attention_fits", "KINDS", "sparse_ffn", "sparse_ffn_int8", "xla_sparse_ffn_int8", "sparse_activations",
     "listed_rows_sum", "threshold_rows_product", "threshold_rows_product_int8", "int8_matvec", "q4_matvec",
 ]

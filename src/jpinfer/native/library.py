@@ -24,7 +24,7 @@ import warnings
 
 import jax
 
-ABI_VERSION = 3  # 3: jpinfer_sparse_ffn_int8; csrc/info.cc jpinfer_native_abi_version
+ABI_VERSION = 4  # 4: jpinfer_cached_attention; csrc/info.cc jpinfer_native_abi_version
 LIBRARY_STEM = "_jpinfer_native"  # setup.py's extension jpinfer.native._jpinfer_native
 
 # FFI targets: the exported handler symbol, registered under the same name.
@@ -38,6 +38,7 @@ TARGETS = (
     "jpinfer_int8_matvec",
     "jpinfer_q4_0_matvec",
     "jpinfer_q4_1_matvec",
+    "jpinfer_cached_attention",
 )
 
 # Bits of jpinfer_native_compiled_features / jpinfer_native_cpu_features (csrc/info.cc).

@@ -33,10 +33,34 @@ class Sampler:
         return self.temperature == 0.0
 
 
+ARGMAX_BLOCK = 1024
+
+
+def argmax(logits: jax.Array) -> jax.Array:
+    """``jnp.argmax(logits, axis=-1)`` as int32 for (B, V) logits, the same result (the first maximum;
+    the first NaN if any), in two levels: the maxima of blocks of ARGMAX_BLOCK entries, the first
+    block holding the largest, the first maximum within it.
+
+    XLA:CPU runs argmax as a variadic (value, index) reduction that it does not vectorize: 248 us over
+    the default model's 49152 logits, 2.7% of an int8 decode step; a blockwise max is vectorized
+    and the two argmaxes are over 48 and 1024 entries: 19 us (2-core EPYC, 2026-12-03).
+    """
+    b, v = logits.shape
+    if v <= 2 * ARGMAX_BLOCK:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    pad = -v % ARGMAX_BLOCK  # -inf after the end: never before an equal value, never the first NaN
+    blocks = jnp.pad(logits, ((0, 0), (0, pad)), constant_values=-jnp.inf).reshape(b, -1, ARGMAX_BLOCK)
+    # a block holding a NaN counts as NaN (XLA:CPU's vectorized max may drop a NaN, argmax never does)
+    peaks = jnp.where(jnp.isnan(blocks).any(axis=-1), jnp.nan, jnp.max(blocks, axis=-1))
+    best = jnp.argmax(peaks, axis=-1)
+    within = jnp.argmax(jnp.take_along_axis(blocks, best[:, None, None], axis=1)[:, 0], axis=-1)
+    return (best * ARGMAX_BLOCK + within).astype(jnp.int32)
+
+
 def sample(logits: jax.Array, key: jax.Array, sampler: Sampler) -> jax.Array:
     """Next token ids (B,) from float32 logits (B, V)."""
     if sampler.greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return argmax(logits)
     logits = logits / sampler.temperature
     if sampler.top_k:
         kth = jax.lax.top_k(logits, min(sampler.top_k, logits.shape[-1]))[0][:, -1:]

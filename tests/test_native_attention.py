@@ -1,0 +1,171 @@
+"""The native cached attention (jpinfer_cached_attention) against a float64 numpy reference, and its
+place in the model: decode steps with it equal the XLA attention's.
+
+Tolerance, per output element (derived, not measured): a score is a float32 dot product of hd terms
+summed in 8 lanes (hd / 8 terms a lane, 3 lane additions) and scaled once, so it is off by at most
+ds = (hd / 8 + 3 + 16) u sum_i |q_i k_i| / sqrt(hd) (the 16 for the products and the scaling, u = 2^-24).
+Shifting every score of a query by at most ds moves each probability by a factor within e^(2 ds) and
+the exponential adds ~2 u (Cephes' polynomial); the probabilities' sum (n terms) and the weighted
+value sum (n terms in sequence, then at most 16 blocks combined) add (n + 32) u of sum_s p_s |v_s|.
+So |out - ref| <= (2.2 ds + (n + 40) u) sum_s p_s |v_s|, with n the query's visible slots.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jpinfer import ModelConfig
+from jpinfer.models import params, transformer
+from jpinfer.native import kernels as K
+from jpinfer.native import library
+
+U = 2.0 ** -24
+pytestmark = pytest.mark.skipif(not library.native_available(),
+                                reason=f"native kernels unavailable: {library.unavailable_reason()}")
+
+
+def attention_reference(q, k, v, positions, window):
+    """(out float64 (B, T, H, hd), bound (B, T, H, hd)) as the module docstring derives."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    B, T, H, hd = q.shape
+    G = H // k.shape[1]
+    out, bound = np.zeros(q.shape), np.zeros(q.shape)
+    slots = np.arange(k.shape[2])
+    for b in range(B):
+        for t in range(T):
+            visible = slots <= positions[t]
+            if window:
+                visible &= slots > positions[t] - window
+            n = int(visible.sum())
+            if n == 0:
+                continue
+            for h in range(H):
+                keys, values = k[b, h // G][visible], v[b, h // G][visible]
+                scores = keys @ q[b, t, h] / np.sqrt(hd)
+                p = np.exp(scores - scores.max())
+                p /= p.sum()
+                out[b, t, h] = p @ values
+                ds = (hd / 8 + 19) * U * (np.abs(keys) @ np.abs(q[b, t, h])).max() / np.sqrt(hd)
+                bound[b, t, h] = (2.2 * ds + (n + 40) * U) * (p @ np.abs(values))
+    return out, bound
+
+
+def _operands(rng, B, T, H, KV, S, hd):
+    q = (rng.standard_normal((B, T, H, hd)) * 1.5).astype(np.float32)
+    k = rng.standard_normal((B, KV, S, hd)).astype(np.float32)
+    v = rng.standard_normal((B, KV, S, hd)).astype(np.float32)
+    return q, k, v
+
+
+CASES = [  # B, T, H, KV, S, hd, positions, window
+    pytest.param(1, 1, 9, 3, 256, 64, [123], None, id="default-model-decode"),
+    pytest.param(1, 1, 4, 4, 64, 8, [0], None, id="first-position"),
+    pytest.param(2, 3, 8, 2, 700, 64, [600, 601, 602], None, id="batch2-three-blocks"),
+    pytest.param(1, 8, 4, 1, 1200, 128, list(range(1000, 1008)), 300, id="eight-tokens-window"),
+    pytest.param(1, 2, 2, 1, 16, 16, [20, 21], None, id="positions-past-the-cache"),
+    pytest.param(1, 1, 2, 2, 600, 24, [599], 5, id="window-of-five-hd24"),
+    pytest.param(1, 2, 16, 2, 40, 8, [30, 31], None, id="eight-queries-a-kv-head"),
+]
+
+
+@pytest.mark.parametrize("B, T, H, KV, S, hd, positions, window", CASES)
+def test_cached_attention_matches_float64(B, T, H, KV, S, hd, positions, window):
+    rng = np.random.default_rng(S + T)
+    q, k, v = _operands(rng, B, T, H, KV, S, hd)
+    got = np.asarray(jax.jit(lambda *a: K.cached_attention(*a, window=window))(q, k, v, np.int32(positions)))
+    ref, bound = attention_reference(q, k, v, positions, window)
+    assert got.shape == q.shape and got.dtype == np.float32
+    assert np.all(np.abs(got - ref) <= bound), np.max(np.abs(got - ref) / np.maximum(bound, 1e-30))
+
+
+def test_slots_after_the_last_position_are_never_read():
+    """Garbage (NaN) in every slot after the last position changes nothing, and neither do slots a
+    window hides: the kernel reads only visible rows."""
+    rng = np.random.default_rng(3)
+    q, k, v = _operands(rng, 1, 2, 4, 2, 300, 32)
+    clean = np.asarray(K.cached_attention(q, k, v, np.int32([200, 201]), window=50))
+    k[:, :, 202:], v[:, :, 202:] = np.nan, np.nan
+    k[:, :, :150], v[:, :, :150] = np.nan, np.nan  # before both tokens' windows (slots 151.. and 152..)
+    np.testing.assert_array_equal(np.asarray(K.cached_attention(q, k, v, np.int32([200, 201]), window=50)), clean)
+
+
+def test_a_token_that_sees_nothing_gets_zeros():
+    rng = np.random.default_rng(4)
+    q, k, v = _operands(rng, 1, 2, 2, 1, 16, 8)
+    out = np.asarray(K.cached_attention(q, k, v, np.int32([-5, 3])))
+    assert np.all(out[0, 0] == 0) and np.all(np.isfinite(out[0, 1])) and np.any(out[0, 1] != 0)
+
+
+def test_inside_scan_and_bit_identical_for_any_thread_count():
+    rng = np.random.default_rng(5)
+    q, k, v = _operands(rng, 1, 1, 8, 2, 2048, 64)
+    positions = np.int32([[100], [700], [1500], [2047]])
+
+    def run():
+        step = lambda carry, p: (carry, K.cached_attention(q, k, v, p))
+        return np.asarray(jax.jit(lambda ps: jax.lax.scan(step, 0, ps)[1])(positions))
+
+    try:
+        library.set_max_threads(1)
+        one = run()
+    finally:
+        library.set_max_threads(0)
+    np.testing.assert_array_equal(run(), one)
+    for i, p in enumerate(positions[:, 0]):
+        ref, bound = attention_reference(q, k, v, [p], None)
+        assert np.all(np.abs(one[i] - ref) <= bound)
+
+
+@pytest.mark.parametrize("bad", ["q_rank", "cache_shape", "dtype", "head_dim", "tokens", "positions", "window"])
+def test_bad_operands_are_refused_clearly(bad):
+    rng = np.random.default_rng(6)
+    q, k, v = _operands(rng, 1, 1, 4, 2, 32, 16)
+    positions, window = np.int32([5]), None
+    if bad == "q_rank":
+        q = q[0]
+    elif bad == "cache_shape":
+        v = v[:, :, :16]
+    elif bad == "dtype":
+        k = k.astype(np.float16)
+    elif bad == "head_dim":
+        q, k, v = q[..., :12], k[..., :12], v[..., :12]
+    elif bad == "tokens":
+        q = np.repeat(q, 9, axis=1)
+        positions = np.arange(9, dtype=np.int32)
+    elif bad == "positions":
+        positions = np.int32([5, 6])
+    else:
+        window = 0
+    with pytest.raises(ValueError):
+        K.cached_attention(q, k, v, positions, window=window)
+
+
+@pytest.mark.parametrize("sliding_window", [None, 24])
+def test_decode_steps_with_native_attention_equal_the_xla_attention(sliding_window, monkeypatch):
+    """Decode steps of a tiny GQA decoder: the native attention's logits equal the XLA attention's within
+    tolerances.DECODER_ATOL (both float32; the attention sums in another order), over 60 positions
+    that cross the XLA path's attention lengths and the window."""
+    from tolerances import DECODER_ATOL
+
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=48,
+                      max_position=512, sliding_window=sliding_window, eos_token_ids=())
+    weights = params.build_weights(cfg, params.init_random(cfg, seed=7, scale=0.3))
+    tokens = np.random.default_rng(8).integers(0, cfg.vocab_size, size=60).astype(np.int32)
+
+    def decode(native: bool) -> np.ndarray:
+        monkeypatch.setattr(transformer, "native_available", lambda: native)
+        # a fresh jit per backend: decode_step's own cache would reuse the other backend's compilation
+        step = jax.jit(lambda w, tok, c: transformer.decode_step.__wrapped__(w, tok, c, cfg))
+        cache = transformer.KVCache.create(cfg, 1, 128)
+        hlo = step.lower(weights, jnp.asarray(tokens[:1]), cache).as_text()
+        assert ("jpinfer_cached_attention" in hlo) == native
+        out = []
+        for token in tokens:
+            logits, cache = step(weights, jnp.asarray([token]), cache)
+            out.append(np.asarray(logits)[0])
+        return np.stack(out)
+
+    np.testing.assert_allclose(decode(True), decode(False), atol=DECODER_ATOL, rtol=0)
