@@ -354,7 +354,8 @@ def q4_reference(m: q4.Q4Matrix, x, float_gemm: bool = False):
     """(y, bound) in float64 from exact integer block sums and the stored scales.
 
     The native kernels sum each block exactly in int32 and round once per block and scale: (nb + 16) u of the
-    block terms' magnitudes. The XLA form (``float_gemm``) multiplies the dequantized sides in one float32 GEMM:
+    block terms' magnitudes, where a q4_1 block has two terms rounded apart, d-term and min-term, which
+    often cancel (w = d q + m with m < 0): their magnitudes add. The XLA form (``float_gemm``) multiplies the dequantized sides in one float32 GEMM:
     a float32 sum of ``in`` products (worst case in * u of the products' magnitudes) after rounding x's
     dequantized blocks (one rounding) and q4_1's d q + m (one): (in + 4) u of sum |x^_i w^_i|."""
     q = q4.unpack(np.asarray(m.packed)).astype(np.int64)  # (out, nb, 32)
@@ -364,14 +365,16 @@ def q4_reference(m: q4.Q4Matrix, x, float_gemm: bool = False):
     isum = np.einsum("obj,tbj->tob", q, xq)
     dw = np.asarray(m.scales, np.float32).astype(np.float64)
     terms = dw[None] * xd[:, None, :].astype(np.float64) * isum
+    magnitudes = np.abs(terms)
     w_hat = dw[..., None] * q
     if m.kind == "q4_1":
         mins = np.asarray(m.mins, np.float32).astype(np.float64)
-        terms = terms + mins[None] * xd[:, None, :] * xq.sum(-1)[:, None, :]
+        min_terms = mins[None] * xd[:, None, :] * xq.sum(-1)[:, None, :]
+        terms, magnitudes = terms + min_terms, magnitudes + np.abs(min_terms)
         w_hat = w_hat + mins[..., None]
     nb = q.shape[1]
     if not float_gemm:
-        return terms.sum(-1), U * (nb + 16) * np.abs(terms).sum(-1) + 1e-30
+        return terms.sum(-1), U * (nb + 16) * magnitudes.sum(-1) + 1e-30
     x_hat = np.abs(xq * xd[..., None].astype(np.float64)).reshape(len(xq), -1)
     magnitude = x_hat @ np.abs(w_hat).reshape(len(w_hat), -1).T
     return terms.sum(-1), U * (nb * 32 + 4) * magnitude + 1e-30
@@ -380,11 +383,12 @@ def q4_reference(m: q4.Q4Matrix, x, float_gemm: bool = False):
 @pytest.mark.parametrize("native", BACKENDS)
 @pytest.mark.parametrize("kind", ["q4_0", "q4_1"])
 @pytest.mark.parametrize("T", [1, 3, 8])
-def test_q4_matvec(kind, T, native):
-    rng = np.random.default_rng(T)
-    w = rng.standard_normal((37, 256)).astype(np.float32)
+@pytest.mark.parametrize("inputs", [256, 576, 96, 480])  # whole octets of 8 blocks; 2, 3 (no octet), 7 left over
+def test_q4_matvec(kind, T, native, inputs):
+    rng = np.random.default_rng(T + inputs)
+    w = rng.standard_normal((37, inputs)).astype(np.float32)
     m = q4.quantize_q4_0(w) if kind == "q4_0" else q4.quantize_q4_1(w)
-    x = rng.standard_normal((T, 256)).astype(np.float32)
+    x = rng.standard_normal((T, inputs)).astype(np.float32)
     x[0, :32] = 0.0  # an all-zero block
     ref, bound = q4_reference(m, x, float_gemm=not native)
     assert_within(K.q4_matvec(m, x, native=native), ref, bound, kind)
