@@ -130,3 +130,22 @@ def test_prompts_have_exact_lengths_and_follow_the_seed():
     assert sample_prompts(tokenizer, [8], 3, seed=2)[8] != a[8]
     with pytest.raises(ValueError, match=">= 1 token"):
         sample_prompts(tokenizer, [0], 1)
+
+
+def test_no_progress_silences_the_libraries_bars_in_spawned_children(monkeypatch):
+    """--no-progress: a child spawned after it (the bench's peers run in such children) gets tqdm bars
+    that are disabled, the way transformers' GGUF conversion creates them (plain tqdm), and hub bars off."""
+    import subprocess
+    import sys
+
+    from jpinfer.bench import compare
+
+    for name in ("TQDM_DISABLE", "HF_HUB_DISABLE_PROGRESS_BARS"):  # absent now, and again after the test
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    probe = ("from tqdm.auto import tqdm; import huggingface_hub.utils as h; "
+             "print(tqdm(range(3)).disable, h.are_progress_bars_disabled())")
+    before = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split()
+    compare.quiet_library_progress()
+    after = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split()
+    assert before == ["False", "False"] and after == ["True", "True"]

@@ -372,6 +372,15 @@ def add_arguments(parser: argparse.ArgumentParser, command: str = "bench") -> No
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
 
 
+def quiet_library_progress() -> None:
+    """No progress bars from the libraries the bench's engines load in their child processes (spawned with
+    this environment): tqdm reads TQDM_DISABLE when it is imported (each child imports it afresh),
+    huggingface_hub and transformers read HF_HUB_DISABLE_PROGRESS_BARS. This process imported tqdm already:
+    the transformers engine, which runs here, still shows its GGUF conversion bar."""
+    os.environ["TQDM_DISABLE"] = "1"
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+
+
 def run(args: argparse.Namespace) -> int:
     if args.modes is None:  # every mode when a pack is at hand (the default model's is built if missing)
         args.modes = list(MODE_NAMES) if args.model is None or args.pack else [REFERENCE_MODE]
@@ -397,6 +406,8 @@ def run(args: argparse.Namespace) -> int:
         chosen = get_mode(mode, thresholds=thresholds)
         if chosen.uses_pack and not uses_pack:
             chosen.check(ModeInputs(args.predictors, args.profile, None, args.gpu_budget, thresholds))
+    if not args.progress:  # the peers' libraries' own bars too (transformers' GGUF conversion, the hub's)
+        quiet_library_progress()
     prepare_devices(args.modes)
     if args.dtypes is None:
         args.dtypes = ["float32"] if jax.devices()[0].platform == "cpu" else ["float32", "bfloat16"]
