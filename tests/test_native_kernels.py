@@ -355,7 +355,8 @@ def q4_reference(m: q4.Q4Matrix, x, float_gemm: bool = False):
 
     The native kernels sum each block exactly in int32 and round once per block and scale: (nb + 16) u of the
     block terms' magnitudes, where a q4_1 block has two terms rounded apart, d-term and min-term, which
-    often cancel (w = d q + m with m < 0): their magnitudes add. The XLA form (``float_gemm``) multiplies the dequantized sides in one float32 GEMM:
+    often cancel (w = d q + m with m < 0): their magnitudes add. The XLA form (``float_gemm``) multiplies
+    the dequantized sides in one float32 GEMM:
     a float32 sum of ``in`` products (worst case in * u of the products' magnitudes) after rounding x's
     dequantized blocks (one rounding) and q4_1's d q + m (one): (in + 4) u of sum |x^_i w^_i|."""
     q = q4.unpack(np.asarray(m.packed)).astype(np.int64)  # (out, nb, 32)

@@ -410,6 +410,7 @@ def cached_attention(q, cache_k, cache_v, positions, *, window: int | None = Non
 
 
 __all__ = [
-    "MAX_TOKENS", "cached_attention", "cached_attention_fits", "KINDS", "sparse_ffn", "sparse_ffn_int8", "xla_sparse_ffn_int8", "sparse_activations",
+    "MAX_TOKENS", "KINDS", "cached_attention", "cached_attention_fits", "sparse_ffn", "sparse_ffn_int8",
+    "xla_sparse_ffn_int8", "sparse_activations",
     "listed_rows_sum", "threshold_rows_product", "threshold_rows_product_int8", "int8_matvec", "q4_matvec",
 ]
