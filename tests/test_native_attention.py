@@ -22,6 +22,8 @@ from jpinfer.models import params, transformer
 from jpinfer.native import kernels as K
 from jpinfer.native import library
 
+from native_threads import on_one_thread
+
 U = 2.0 ** -24
 pytestmark = pytest.mark.skipif(not library.native_available(),
                                 reason=f"native kernels unavailable: {library.unavailable_reason()}")
@@ -108,11 +110,7 @@ def test_inside_scan_and_bit_identical_for_any_thread_count():
         step = lambda carry, p: (carry, K.cached_attention(q, k, v, p))
         return np.asarray(jax.jit(lambda ps: jax.lax.scan(step, 0, ps)[1])(positions))
 
-    try:
-        library.set_max_threads(1)
-        one = run()
-    finally:
-        library.set_max_threads(0)
+    one = on_one_thread(run)
     np.testing.assert_array_equal(run(), one)
     for i, p in enumerate(positions[:, 0]):
         ref, bound = attention_reference(q, k, v, [p], None)

@@ -30,6 +30,7 @@ from jpinfer.native import library
 from jpinfer.quant import int8, q4
 
 from activation_reference import activation64
+from native_threads import on_one_thread
 
 U = 2.0 ** -24  # float32 unit roundoff
 
@@ -185,11 +186,7 @@ def test_sparse_ffn_medium_threads_bit_identical():
                    np.asarray(K.threshold_rows_product(rows[:, 2], xt, 0.5)[0]),
                    np.asarray(K.threshold_rows_product_int8(values, col_scales, xt, 0.5)[0]),
                    np.asarray(K.int8_matvec(values, scales, x[:8])))
-    try:
-        library.set_max_threads(1)
-        one = run()
-    finally:
-        library.set_max_threads(0)
+    one = on_one_thread(run)
     all_threads = run()
     for a, b in zip(one, all_threads):
         assert np.array_equal(a, b)

@@ -34,6 +34,7 @@ from jpinfer.profiler import ProfileMismatchError, profile
 from jpinfer.sparse import all_rows_ffn, neurons, sparse_ffn
 
 from activation_reference import activation64
+from native_threads import on_one_thread
 from profiler_fixtures import ffn_inputs, tiny_engine
 from tolerances import DECODER_ATOL, KERNEL_ATOL, KERNEL_RTOL
 
@@ -175,18 +176,13 @@ def test_int8_kernel_under_jit_and_scan(native):
 @pytest.mark.parametrize("native", [b for b in BACKENDS if b.values[0]])
 def test_int8_kernel_is_deterministic_across_thread_counts(native):
     """A shape that runs on several threads and partial sums: 1 thread and all give the same bits."""
-    from jpinfer.native import library
 
     rows, scales, down_scales, b_up = bundles("swiglu", seed=8, n=1536, d=576)
     rng = np.random.default_rng(9)
     x = rng.standard_normal((4, 576)).astype(np.float32)
     ids, count = rng.permutation(1536).astype(np.int32), 1400
     run = lambda: np.asarray(K.sparse_ffn_int8(rows, scales, down_scales, x, ids, count, kind="swiglu", b_up=b_up))
-    try:
-        library.set_max_threads(1)
-        one = run()
-    finally:
-        library.set_max_threads(0)
+    one = on_one_thread(run)
     np.testing.assert_array_equal(run(), one)
     # 5600 activations: a few lie within reach of a rounding boundary; each may round the other way here
     ref, _, flips, n_near = reference(rows, scales, down_scales, b_up, x, ids, count, "swiglu")
