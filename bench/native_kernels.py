@@ -13,14 +13,14 @@ machine hits all of them; the table shows medians over rounds):
   3. dense int8 (W8A8) and 4-bit (Q4_0, Q4_1) matrix-vector products at 11008 x 4096, 1 and 8 tokens:
      GB/s of weight bytes against XLA's float32 W @ x and XLA's int8 product (int8 x int8 -> int32
      dot_general, one token padded to two columns: the form jpinfer.models.int8 runs);
+  4. threshold products at 50% kept (input sparsity over the input-major gate/up matrix (4096, 22016),
+     activation sparsity over the neuron-major down matrix (11008, 4096)) against XLA's dense x @ M, in
+     float32 and int8 (one scale per column; XLA's int8 variant is the masked W8A8 product);
   5. attention over a KV cache at the default model's attention shape (9 query heads on 3 kv heads, head
      dim 64, one token, 30 layers chained, each reading a 3.5 MB weight matrix first as a decode step
      does, so the caches come from memory): the native kernel (jpinfer.models.transformer.cached_attention
      on the CPU) against the model's XLA form (xla_cached_attention, over the engine's attention length),
-     at 128, 1024 and 4096 positions; per layer, the chain without attention subtracted;
-  4. threshold products at 50% kept (input sparsity over the input-major gate/up matrix (4096, 22016),
-     activation sparsity over the neuron-major down matrix (11008, 4096)) against XLA's dense x @ M, in
-     float32 and int8 (one scale per column; XLA's int8 variant is the masked W8A8 product).
+     at 128, 1024 and 4096 positions; per layer, the chain without attention subtracted.
 The interleaved-rounds helper is local to this script; it should move onto jpinfer.bench.protocol.
 """
 
@@ -223,34 +223,36 @@ def threshold_section(d: int, n: int, rounds: int, seed: int) -> dict:
 def attention_section(positions_list, layers: int, rounds: int, seed: int) -> dict:
     cfg = ModelConfig(vocab_size=64, d_model=576, n_layers=layers, n_heads=9, n_kv_heads=3, head_dim=64, d_ff=1536,
                       max_position=8192, eos_token_ids=())
+    d, n, heads, kv_heads, hd = cfg.d_model, cfg.d_ff, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     keys = jax.random.split(jax.random.PRNGKey(seed), 4)
-    weights = [jax.block_until_ready(normal(jax.random.fold_in(keys[0], i), (576, 1536), 0.03)) for i in range(layers)]
-    q = normal(keys[1], (1, 1, 9, 64), 1.0)
-    res = {"shape": {"heads": 9, "kv_heads": 3, "head_dim": 64, "layers": layers}, "rows": []}
+    weights = [jax.block_until_ready(normal(jax.random.fold_in(keys[0], i), (d, n), 0.03)) for i in range(layers)]
+    q = normal(keys[1], (1, 1, heads, hd), 1.0)
+    res = {"shape": {"heads": heads, "kv_heads": kv_heads, "head_dim": hd, "layers": layers}, "rows": []}
     for pos in positions_list:
         capacity = 256 * -(-(pos + 1) // 256)
-        caches = [tuple(jax.block_until_ready(normal(jax.random.fold_in(keys[2], 2 * i + j), (1, 3, capacity, 64), 1.0))
+        caches = [tuple(jax.block_until_ready(normal(jax.random.fold_in(keys[2], 2 * i + j),
+                                                     (1, kv_heads, capacity, hd), 1.0))
                         for j in (0, 1)) for i in range(layers)]  # separate buffers, as KVCache holds them
         positions = jnp.array([pos], jnp.int32)
         attend = attend_length(pos + 1, capacity)
 
         def chain(attention):
             def run(q, weights, caches):
-                x = jnp.zeros((1536,), jnp.float32)
-                for w, kv in zip(weights, caches):
+                x = jnp.zeros((n,), jnp.float32)
+                for w, (k, v) in zip(weights, caches):
                     y = w @ x  # a layer's weights stream through the caches first, as in a decode step
                     if attention is not None:
-                        y = y + attention(q + y[0] * 1e-9, kv[0], kv[1], positions, cfg=cfg, attend=attend)[
-                            0, 0].reshape(-1)[:576]
-                    x = x.at[:576].add(y * 1e-9)
+                        y = y + attention(q + y[0] * 1e-9, k, v, positions).reshape(-1)[:d]
+                    x = x.at[:d].add(y * 1e-9)
                 return x
             return jax.jit(run)
 
-        runs = {"native": chain(lambda *a, cfg, attend: transformer.cached_attention(*a, cfg, attend)),
-                "xla": chain(transformer.xla_cached_attention), "no attention": chain(None)}
+        runs = {"native": chain(lambda *a: transformer.cached_attention(*a, cfg, attend)),
+                "xla": chain(lambda *a: transformer.xla_cached_attention(*a, cfg=cfg, attend=attend)),
+                "no attention": chain(None)}
         t = interleaved_medians({name: (lambda f=f: f(q, weights, caches)) for name, f in runs.items()}, rounds)
         per_layer = {name: (t[name] - t["no attention"]) / layers * 1e6 for name in ("native", "xla")}
-        cache_bytes = 2 * 3 * (pos + 1) * 64 * 4
+        cache_bytes = 2 * kv_heads * (pos + 1) * hd * 4
         res["rows"].append({"positions": pos + 1, "attend": attend, "native_us": per_layer["native"],
                             "xla_us": per_layer["xla"], "speedup": per_layer["xla"] / per_layer["native"],
                             "native_gbs": cache_bytes / per_layer["native"] / 1e3})

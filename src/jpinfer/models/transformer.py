@@ -111,8 +111,7 @@ def cached_attention(
     the softmax cost 1.4 of the default model's 8.7 ms int8 decode step (docs/architecture.md).
     """
     xla = functools.partial(xla_cached_attention, cfg=cfg, attend=attend)
-    if not (native_kernels.cached_attention_fits(q, cache_k) and cache_v.dtype == jnp.float32
-            and native_available()):
+    if not (native_kernels.cached_attention_fits(q, cache_k, cache_v) and native_available()):
         return xla(q, cache_k, cache_v, positions)
     native = functools.partial(native_kernels.cached_attention, window=cfg.sliding_window)
     return jax.lax.platform_dependent(q, cache_k, cache_v, positions, cpu=native, default=xla)

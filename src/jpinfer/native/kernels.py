@@ -374,10 +374,11 @@ def q4_matvec(m: Q4Matrix, x, *, native: bool | None = None) -> jax.Array:
 
 # ---------------------------------------------------------------- attention over a KV cache
 
-def cached_attention_fits(q: jax.Array, cache_k: jax.Array) -> bool:
-    """Whether ``cached_attention`` takes these operands: float32 q (B, T <= 8, H, hd) and cache, hd a
-    multiple of 8, H a multiple of the cache's kv heads."""
-    return (q.ndim == 4 and cache_k.ndim == 4 and q.dtype == jnp.float32 and cache_k.dtype == jnp.float32
+def cached_attention_fits(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array) -> bool:
+    """Whether ``cached_attention`` takes these operands: float32 q (B, T <= 8, H, hd) and caches of one
+    shape (B, KV, S, hd), hd a multiple of 8, H a multiple of KV."""
+    return (q.ndim == 4 and cache_k.ndim == 4 and cache_v.shape == cache_k.shape
+            and q.dtype == cache_k.dtype == cache_v.dtype == jnp.float32
             and 1 <= q.shape[1] <= MAX_TOKENS and q.shape[3] % 8 == 0 and q.shape[3] == cache_k.shape[3]
             and q.shape[0] == cache_k.shape[0] and q.shape[2] % cache_k.shape[1] == 0)
 
@@ -394,7 +395,7 @@ def cached_attention(q, cache_k, cache_v, positions, *, window: int | None = Non
     ``models.transformer.cached_attention``, which calls this on the CPU."""
     _use_native(True)
     q, cache_k, cache_v = jnp.asarray(q), jnp.asarray(cache_k), jnp.asarray(cache_v)
-    if not cached_attention_fits(q, cache_k) or cache_v.shape != cache_k.shape or cache_v.dtype != jnp.float32:
+    if not cached_attention_fits(q, cache_k, cache_v):
         raise ValueError(f"cached_attention takes float32 q (B, T <= {MAX_TOKENS}, H, hd) and caches (B, KV, S, hd), "
                          f"hd a multiple of 8 and H of KV; got q {q.dtype} {tuple(q.shape)}, caches "
                          f"{cache_k.dtype} {tuple(cache_k.shape)} and {cache_v.dtype} {tuple(cache_v.shape)}")

@@ -69,18 +69,8 @@ inline void WeightedRows(const float* p, const float* v, int64_t hd, int64_t lo,
 
 void WeightedRowsAnyWidth(const float* p, const float* v, int64_t hd, int64_t lo, int64_t hi, float* acc) {
   for (int64_t c = 0; c < hd; c += 64) {
-    const float* vc = v + c;
-    float* ac = acc + c;
-    switch (std::min<int64_t>(8, (hd - c) / 8)) {
-      case 8: WeightedRows<8>(p, vc, hd, lo, hi, ac); break;
-      case 7: WeightedRows<7>(p, vc, hd, lo, hi, ac); break;
-      case 6: WeightedRows<6>(p, vc, hd, lo, hi, ac); break;
-      case 5: WeightedRows<5>(p, vc, hd, lo, hi, ac); break;
-      case 4: WeightedRows<4>(p, vc, hd, lo, hi, ac); break;
-      case 3: WeightedRows<3>(p, vc, hd, lo, hi, ac); break;
-      case 2: WeightedRows<2>(p, vc, hd, lo, hi, ac); break;
-      default: WeightedRows<1>(p, vc, hd, lo, hi, ac); break;
-    }
+    WithCount<8>(std::min<int64_t>(8, (hd - c) / 8),
+                 [&](auto n) { WeightedRows<decltype(n)::value>(p, v + c, hd, lo, hi, acc + c); });
   }
 }
 
@@ -167,7 +157,8 @@ ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
                                ffi::ResultBuffer<ffi::F32> out, float scale, int64_t window) {
   const auto qd = q.dimensions(), kd = cache_k.dimensions(), vd = cache_v.dimensions(), od = out->dimensions();
   if (qd.size() != 4 || kd.size() != 4 || !std::equal(kd.begin(), kd.end(), vd.begin(), vd.end()) ||
-      !std::equal(qd.begin(), qd.end(), od.begin(), od.end()) || int64_t(positions.element_count()) != qd[1] || qd[0] != kd[0] || qd[3] != kd[3] || qd[1] < 1 || qd[1] > kMaxTokens ||
+      !std::equal(qd.begin(), qd.end(), od.begin(), od.end()) || int64_t(positions.element_count()) != qd[1] ||
+      qd[0] != kd[0] || qd[3] != kd[3] || qd[1] < 1 || qd[1] > kMaxTokens ||
       kd[1] < 1 || qd[2] % kd[1] != 0 || kd[3] % 8 != 0)
     return ffi::Error::InvalidArgument(
         "jpinfer cached attention: q (B, T, H, hd), caches (B, KV, S, hd), positions (T,), T <= 8, "

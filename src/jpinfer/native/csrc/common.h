@@ -32,6 +32,7 @@
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -55,6 +56,17 @@ constexpr int kMaxTokens = 8;  // tokens per call (T); the Python wrappers check
 int MaxThreads();
 
 inline int64_t Clamp(int64_t v, int64_t lo, int64_t hi) { return v < lo ? lo : (v > hi ? hi : v); }
+
+// f(std::integral_constant<int, n>{}) for a run-time count n in [1, N] (nothing outside it): the kernels take
+// their row and token counts as template arguments (accumulators in registers, unrolled loops), and this
+// is the one place a run-time count becomes one.
+template <int N, class F>
+inline void WithCount(int64_t n, F&& f) {
+  if constexpr (N >= 1) {
+    if (n == N) return f(std::integral_constant<int, N>{});
+    WithCount<N - 1>(n, f);
+  }
+}
 inline int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 inline int64_t RoundUp(int64_t a, int64_t b) { return CeilDiv(a, b) * b; }
 

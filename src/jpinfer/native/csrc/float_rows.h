@@ -61,16 +61,7 @@ inline void Dots(const float* const* rows, const float* x, int64_t T, int64_t d,
 
 inline void DotsN(int p, const float* const* rows, const float* x, int64_t T, int64_t d, float* out,
                   const float* const* next = nullptr) {
-  switch (p) {
-    case 1: return Dots<1>(rows, x, T, d, out, next);
-    case 2: return Dots<2>(rows, x, T, d, out, next);
-    case 3: return Dots<3>(rows, x, T, d, out, next);
-    case 4: return Dots<4>(rows, x, T, d, out, next);
-    case 5: return Dots<5>(rows, x, T, d, out, next);
-    case 6: return Dots<6>(rows, x, T, d, out, next);
-    case 7: return Dots<7>(rows, x, T, d, out, next);
-    case 8: return Dots<8>(rows, x, T, d, out, next);
-  }
+  WithCount<8>(p, [&](auto P) { Dots<decltype(P)::value>(rows, x, T, d, out, next); });
 }
 
 // y[t * ldy + j] += sum_b w[t * B + b] * rows[b][j] for j in [j0, j1), B rows (B <= 4), T tokens.
@@ -110,12 +101,7 @@ inline void AddRows(const float* const* rows, const float* w, int64_t T, int64_t
 
 inline void AddRowsN(int b, const float* const* rows, const float* w, int64_t T, int64_t j0, int64_t j1, float* y,
                      int64_t ldy, const float* const* next = nullptr, int n_next = 0) {
-  switch (b) {
-    case 1: return AddRows<1>(rows, w, T, j0, j1, y, ldy, next, n_next);
-    case 2: return AddRows<2>(rows, w, T, j0, j1, y, ldy, next, n_next);
-    case 3: return AddRows<3>(rows, w, T, j0, j1, y, ldy, next, n_next);
-    case 4: return AddRows<4>(rows, w, T, j0, j1, y, ldy, next, n_next);
-  }
+  WithCount<4>(b, [&](auto B) { AddRows<decltype(B)::value>(rows, w, T, j0, j1, y, ldy, next, n_next); });
 }
 
 // y (T x d) = sum of parts[p] (T x d each), p = 0 .. parts-1 added in order into y (which holds

@@ -273,16 +273,7 @@ struct Q41K {
 
 template <template <int, int> class Kernel, class... A>
 void DispatchT(int64_t T, int64_t r0, int64_t r1, A... a) {
-  switch (T) {
-    case 1: return RowRange<1, Kernel>(r0, r1, a...);
-    case 2: return RowRange<2, Kernel>(r0, r1, a...);
-    case 3: return RowRange<3, Kernel>(r0, r1, a...);
-    case 4: return RowRange<4, Kernel>(r0, r1, a...);
-    case 5: return RowRange<5, Kernel>(r0, r1, a...);
-    case 6: return RowRange<6, Kernel>(r0, r1, a...);
-    case 7: return RowRange<7, Kernel>(r0, r1, a...);
-    case 8: return RowRange<8, Kernel>(r0, r1, a...);
-  }
+  WithCount<kMaxTokens>(T, [&](auto t) { RowRange<decltype(t)::value, Kernel>(r0, r1, a...); });
 }
 
 ffi::Error Int8MatvecImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> scales,

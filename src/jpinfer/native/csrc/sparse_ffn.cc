@@ -251,16 +251,7 @@ inline void RowDots(int rb, const int8_t* const* rows, const int8_t* const* next
 
 inline void RowDotsT(int64_t T, int rb, const int8_t* const* rows, const int8_t* const* next, const int8_t* q,
                      int64_t d, int32_t* s) {
-  switch (T) {
-    case 1: return RowDots<1>(rb, rows, next, q, d, s);
-    case 2: return RowDots<2>(rb, rows, next, q, d, s);
-    case 3: return RowDots<3>(rb, rows, next, q, d, s);
-    case 4: return RowDots<4>(rb, rows, next, q, d, s);
-    case 5: return RowDots<5>(rb, rows, next, q, d, s);
-    case 6: return RowDots<6>(rb, rows, next, q, d, s);
-    case 7: return RowDots<7>(rb, rows, next, q, d, s);
-    case 8: return RowDots<8>(rb, rows, next, q, d, s);
-  }
+  WithCount<kMaxTokens>(T, [&](auto t) { RowDots<decltype(t)::value>(rb, rows, next, q, d, s); });
 }
 
 ffi::Error SparseFfnInt8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> rows, ffi::Buffer<ffi::F32> row_scales,
