@@ -11,7 +11,9 @@ do exactly that, written in C++ against XLA's FFI (``csrc/``) and called from ji
 - ``kernels.threshold_rows_product`` (and ``_int8``): the threshold modes' products, compaction inside
   the kernel;
 - ``kernels.int8_matvec`` and ``kernels.q4_matvec``: dense W8A8 and llama.cpp-style 4-bit
-  (Q4_0 / Q4_1) matrix-vector products for 1..8 tokens.
+  (Q4_0 / Q4_1) matrix-vector products for 1..8 tokens;
+- ``kernels.cached_attention``: a decode step's grouped-query attention over the KV cache, read in
+  place up to the last position (native only: the model's XLA attention is its other form).
 
 The library is compiled at ``pip install`` time (setup.py: g++ -O3 -march=native, or
 -march=x86-64-v3 with JPINFER_NATIVE_PORTABLE=1) and loaded with ctypes on first use
