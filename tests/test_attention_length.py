@@ -1,6 +1,10 @@
 """Attention over the used part of the KV cache: the ladder of lengths, and decoding across its
-rungs equals scoring the whole sequence with full causal attention."""
+rungs equals scoring the whole sequence with full causal attention; long prompts' blocked attention
+(transformer.blocked_attention) against float64 and against the one-softmax form."""
 
+import dataclasses
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -9,6 +13,7 @@ from jpinfer import Engine, GenerationConfig, LoadedModel, ModelConfig
 from jpinfer.models import params, transformer
 from jpinfer.runtime.engine import MIN_ATTEND, attend_length
 
+from attention_reference import U, attention_reference
 from tolerances import DECODER_ATOL  # logits of a tiny 2-layer, d=32 decoder, as derived there; attending
 
 # over up to 200 positions adds ~sqrt(200) u relative rounding to an attention output, far below it
@@ -67,3 +72,71 @@ def test_engine_generation_across_rungs_is_greedy_under_full_attention():
     clear = top2[:, 1] - top2[:, 0] > 2 * DECODER_ATOL
     assert clear.mean() > 0.9
     np.testing.assert_array_equal(np.asarray(out)[clear], full.argmax(-1)[clear])
+
+
+BLOCKED_CASES = [  # T, S (cache slots), first position, H, KV, hd, window
+    pytest.param(600, 700, 0, 9, 3, 64, None, id="default-model-heads-partial-blocks"),
+    pytest.param(513, 1100, 200, 4, 2, 32, None, id="later-start-three-key-blocks"),
+    pytest.param(700, 900, 100, 4, 1, 16, 300, id="sliding-window-skips-early-blocks"),
+    pytest.param(300, 300, 0, 2, 2, 8, None, id="cache-shorter-than-a-key-block"),
+]
+
+
+@pytest.mark.parametrize("T, S, start, H, KV, hd, window", BLOCKED_CASES)
+def test_blocked_attention_matches_float64(T, S, start, H, KV, hd, window):
+    """Tolerance: attention_reference.py's bound with XLA's sums in any order (dot_terms = hd) and a
+    rescale of the running sums per key block (8 u each) on top of its 40."""
+    assert T > transformer.QUERY_BLOCK  # the blocked path, not the one softmax
+    cfg = ModelConfig(vocab_size=8, d_model=H * hd, n_layers=1, n_heads=H, n_kv_heads=KV, head_dim=hd, d_ff=8,
+                      max_position=4096, sliding_window=window)
+    rng = np.random.default_rng(T + S)
+    q = (rng.standard_normal((1, T, H, hd)) * 1.5).astype(np.float32)
+    k, v = (rng.standard_normal((1, KV, S, hd)).astype(np.float32) for _ in range(2))
+    positions = np.arange(start, start + T, dtype=np.int32)
+    got = np.asarray(jax.jit(lambda *a: transformer.blocked_attention(*a, cfg))(q, k, v, positions))
+    key_blocks = -(-S // transformer.KEY_BLOCK)
+    ref, bound = attention_reference(q, k, v, positions, window, dot_terms=hd, combine_terms=40 + 8 * key_blocks)
+    assert np.all(np.abs(got - ref) <= bound), float((np.abs(got - ref) / np.maximum(bound, 1e-30)).max())
+
+
+def test_long_prompt_blocked_equals_one_softmax(monkeypatch):
+    """A 600-token prompt through the tiny decoder: scoring and a prefill (blocked attention) equal the
+    same model with one softmax over all positions, and decoding goes on from the prefilled cache."""
+    cfg, weights = _model()
+    cfg = dataclasses.replace(cfg, max_position=1024)
+    tokens = np.random.default_rng(2).integers(0, cfg.vocab_size, size=(1, 600)).astype(np.int32)
+    blocked = np.asarray(transformer.score(weights, jnp.asarray(tokens), cfg))[0]
+    cache = transformer.KVCache.create(cfg, 1, 1024)
+    prefilled, cache = transformer.prefill(weights, jnp.asarray(tokens[:, :599]), jnp.int32(599), cache, cfg,
+                                           attend=attend_length(599, 1024))
+    following, _ = transformer.decode_step(weights, jnp.asarray(tokens[:, 599]), cache, cfg,
+                                           attend=attend_length(600, 1024))
+    monkeypatch.setattr(transformer, "QUERY_BLOCK", 10**6)  # the one softmax (unjitted: traced anew)
+    cache = transformer.KVCache.create(cfg, 1, 600)
+    h, _, _ = transformer.forward(weights, jnp.asarray(tokens), cache, cfg)
+    one = np.asarray(transformer.logits(weights, h))[0]
+    np.testing.assert_allclose(blocked, one, atol=DECODER_ATOL, rtol=0)
+    np.testing.assert_allclose(np.asarray(prefilled)[0], one[598], atol=DECODER_ATOL, rtol=0)
+    np.testing.assert_allclose(np.asarray(following)[0], one[599], atol=DECODER_ATOL, rtol=0)
+
+
+def test_blocked_attention_gradient_matches_float64(monkeypatch):
+    """The calibration's gradients run through long windows: d sum(out) / dq of the blocked form against
+    the one-softmax form in float64. Tolerance: each gradient entry sums S + hd products whose magnitudes
+    stay within a few times the largest entry for these operands, so 8 (S + hd) u of that entry."""
+    cfg = ModelConfig(vocab_size=8, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=8,
+                      max_position=1024)
+    rng = np.random.default_rng(3)
+    T = S = 600
+    q = rng.standard_normal((1, T, 4, 8)).astype(np.float32)
+    k, v = (rng.standard_normal((1, 2, S, 8)).astype(np.float32) for _ in range(2))
+    positions = np.arange(T, dtype=np.int32)
+    grad = np.asarray(jax.grad(lambda q: transformer.blocked_attention(q, k, v, positions, cfg).sum())(q))
+    monkeypatch.setattr(transformer, "QUERY_BLOCK", 10**6)  # the one softmax
+    with jax.enable_x64(True):
+        k64, v64 = jnp.asarray(k, jnp.float64), jnp.asarray(v, jnp.float64)
+        one = lambda q: transformer.xla_cached_attention(q, k64, v64, jnp.asarray(positions), cfg=cfg,
+                                                         attend=None).sum()
+        ref = np.asarray(jax.grad(one)(jnp.asarray(q, jnp.float64)))
+    assert ref.dtype == np.float64
+    np.testing.assert_allclose(grad, ref, atol=8 * (S + 8) * U * np.abs(ref).max(), rtol=0)

@@ -1,13 +1,9 @@
 """The native cached attention (jpinfer_cached_attention) against a float64 numpy reference, and its
 place in the model: decode steps with it equal the XLA attention's.
 
-Tolerance, per output element (derived, not measured): a score is a float32 dot product of hd terms
-summed in 8 lanes (hd / 8 terms a lane, 3 lane additions) and scaled once, so it is off by at most
-ds = (hd / 8 + 3 + 16) u sum_i |q_i k_i| / sqrt(hd) (the 16 for the products and the scaling, u = 2^-24).
-Shifting every score of a query by at most ds moves each probability by a factor within e^(2 ds) and
-the exponential adds ~2 u (Cephes' polynomial); the probabilities' sum (n terms) and the weighted
-value sum (n terms in sequence, then at most 16 blocks combined) add (n + 32) u of sum_s p_s |v_s|.
-So |out - ref| <= (2.2 ds + (n + 40) u) sum_s p_s |v_s|, with n the query's visible slots.
+Tolerance: attention_reference.py's bound, with the kernel's sums: a score sums hd / 8 terms in each of
+8 lanes, then 3 lane additions (dot_terms = hd / 8 + 3); at most 16 blocks of slots are combined with
+their running maxima (combine_terms = 40).
 """
 
 from __future__ import annotations
@@ -22,37 +18,15 @@ from jpinfer.models import params, transformer
 from jpinfer.native import kernels as K
 from jpinfer.native import library
 
+from attention_reference import attention_reference
 from native_threads import on_one_thread
 
-U = 2.0 ** -24
 pytestmark = pytest.mark.skipif(not library.native_available(),
                                 reason=f"native kernels unavailable: {library.unavailable_reason()}")
 
 
-def attention_reference(q, k, v, positions, window):
-    """(out float64 (B, T, H, hd), bound (B, T, H, hd)) as the module docstring derives."""
-    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
-    B, T, H, hd = q.shape
-    G = H // k.shape[1]
-    out, bound = np.zeros(q.shape), np.zeros(q.shape)
-    slots = np.arange(k.shape[2])
-    for b in range(B):
-        for t in range(T):
-            visible = slots <= positions[t]
-            if window:
-                visible &= slots > positions[t] - window
-            n = int(visible.sum())
-            if n == 0:
-                continue
-            for h in range(H):
-                keys, values = k[b, h // G][visible], v[b, h // G][visible]
-                scores = keys @ q[b, t, h] / np.sqrt(hd)
-                p = np.exp(scores - scores.max())
-                p /= p.sum()
-                out[b, t, h] = p @ values
-                ds = (hd / 8 + 19) * U * (np.abs(keys) @ np.abs(q[b, t, h])).max() / np.sqrt(hd)
-                bound[b, t, h] = (2.2 * ds + (n + 40) * U) * (p @ np.abs(values))
-    return out, bound
+def native_reference(q, k, v, positions, window):
+    return attention_reference(q, k, v, positions, window, dot_terms=q.shape[-1] / 8 + 3, combine_terms=40)
 
 
 def _operands(rng, B, T, H, KV, S, hd):
@@ -78,7 +52,7 @@ def test_cached_attention_matches_float64(B, T, H, KV, S, hd, positions, window)
     rng = np.random.default_rng(S + T)
     q, k, v = _operands(rng, B, T, H, KV, S, hd)
     got = np.asarray(jax.jit(lambda *a: K.cached_attention(*a, window=window))(q, k, v, np.int32(positions)))
-    ref, bound = attention_reference(q, k, v, positions, window)
+    ref, bound = native_reference(q, k, v, positions, window)
     assert got.shape == q.shape and got.dtype == np.float32
     assert np.all(np.abs(got - ref) <= bound), np.max(np.abs(got - ref) / np.maximum(bound, 1e-30))
 
@@ -113,7 +87,7 @@ def test_inside_scan_and_bit_identical_for_any_thread_count():
     one = on_one_thread(run)
     np.testing.assert_array_equal(run(), one)
     for i, p in enumerate(positions[:, 0]):
-        ref, bound = attention_reference(q, k, v, [p], None)
+        ref, bound = native_reference(q, k, v, [p], None)
         assert np.all(np.abs(one[i] - ref) <= bound)
 
 
