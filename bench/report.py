@@ -31,6 +31,9 @@ def missing(command: str) -> list[str]:
 
 COMMANDS = {
     "bench": "python -m jpinfer.bench --json bench/results/bench.json --out bench/results/bench.md",
+    "long_context": "python -m jpinfer.bench --modes dense --peers transformers llama.cpp --lengths 128 1024 4096 "
+                    "--long-prompt 0 --max-new-tokens 64 --ppl-windows 0 --json bench/results/long_context.json "
+                    "--out bench/results/long_context.md",
     "first_run": "python bench/first_run.py --out bench/results/first_run.md",
     "accuracy_curves": "python bench/accuracy_curves.py --out bench/results/accuracy_curves.md",
     "decode_speed": "python bench/decode_speed.py --out bench/results/decode_speed.md",
@@ -130,6 +133,15 @@ def accuracy() -> list[str]:
     return out
 
 
+def per_length(results: dict[str, Any], cell: Callable[[dict[str, Any]], str]) -> list[str]:
+    """A table of a bench run's engines (rows) by prompt length (columns), cell(row of per_length) each."""
+    lengths = sorted({r["length"] for r in results["per_length"]})
+    engines = list(dict.fromkeys(r["engine"] for r in results["per_length"]))
+    by = {(r["engine"], r["length"]): r for r in results["per_length"]}
+    return table(["engine", *(f"{n} tokens" for n in lengths)],
+                 [[e, *(cell(by[e, n]) if (e, n) in by else "-" for n in lengths)] for e in engines])
+
+
 def speed() -> list[str]:
     out = ["## Speed", "", "### Every engine on the paper's protocol (measured, this CPU)", ""]
     bench = load("bench")
@@ -142,14 +154,19 @@ def speed() -> list[str]:
         out += table(["engine", "decode tok/s", "x dense", "end-to-end tok/s", "x dense", "p50 / p99 ms"],
                      [[r["engine"], f"{r['decode_tok_s']:.1f}", f"{r['decode_vs_dense']:.2f}", f"{r['e2e_tok_s']:.1f}",
                        f"{r['e2e_vs_dense']:.2f}", f"{r['p50_ms']:.1f} / {r['p99_ms']:.1f}"] for r in bench["engines"]])
-        lengths = sorted({r["length"] for r in bench["per_length"]})
-        engines = list(dict.fromkeys(r["engine"] for r in bench["per_length"]))
-        by = {(r["engine"], r["length"]): r for r in bench["per_length"]}
         out += ["", "Decode tok/s (x dense) and time to first token per prompt length:", ""]
-        out += table(["engine", *(f"{n} tokens" for n in lengths)],
-                     [[e, *(f"{by[e, n]['decode_tok_s']:.1f} ({by[e, n]['decode_vs_dense']:.2f}x), TTFT "
-                            f"{by[e, n]['ttft_ms']:.0f} ms" for n in lengths)] for e in engines])
+        out += per_length(bench, lambda r: f"{r['decode_tok_s']:.1f} ({r['decode_vs_dense']:.2f}x), TTFT "
+                                           f"{r['ttft_ms']:.0f} ms")
         out += ["", source("bench"), ""]
+    out += ["### Long prompts (measured, this CPU)", ""]
+    long = load("long_context")
+    if long is None:
+        out += missing(COMMANDS["long_context"])
+    else:
+        out += [f"{machine_line(long['machine'])} {long['protocol']['max_new_tokens']} greedy output tokens, "
+                f"{long['protocol']['rounds']} interleaved rounds; prefill tok/s / decode tok/s per prompt length:", ""]
+        out += per_length(long, lambda r: f"{r['prefill_tok_s']:.0f} / {r['decode_tok_s']:.1f}")
+        out += ["", source("long_context"), ""]
     out += ["### Against sparsity and budget (measured, this CPU)", ""]
     decode = load("decode_speed")
     if decode is None:

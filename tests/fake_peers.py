@@ -18,13 +18,14 @@ class FakePeer:
     weight_bytes_per_token = 123
 
     def __init__(self, model_path: os.PathLike | str, n_threads: int = 2, label: str | None = None, how: str = "",
-                 repack: bool = True) -> None:
+                 n_ctx: int = 2048, repack: bool = True) -> None:
         path = pathlib.Path(model_path)
         self.how = "segfault" if path.suffix == CRASH_SUFFIX else how
         if self.how == "fail to load":
             raise OSError(f"cannot open {path}")
         self.name = f"fake peer {path.name}" + ("" if repack else " without repacking")
         self.repack = repack
+        self.n_ctx = n_ctx
         self.pid = os.getpid()
 
     def run(self, prompt_ids: list[int], max_new_tokens: int) -> RunStats:
@@ -50,6 +51,9 @@ class FakePeer:
     def process_id(self) -> int:
         return self.pid
 
+    def context(self) -> int:
+        return self.n_ctx
+
     @staticmethod
     def available() -> bool:
         return True
@@ -59,5 +63,5 @@ class RepackingCrashPeer(FakePeer):
     """A peer that dies in its first decode unless loaded without weight repacking (llama.cpp's AMX case)."""
 
     def __init__(self, model_path: os.PathLike | str, n_threads: int = 2, label: str | None = None,
-                 repack: bool = True) -> None:
-        super().__init__(model_path, n_threads, label, how="repacking crashes", repack=repack)
+                 n_ctx: int = 2048, repack: bool = True) -> None:
+        super().__init__(model_path, n_threads, label, how="repacking crashes", n_ctx=n_ctx, repack=repack)

@@ -70,6 +70,17 @@ def test_a_peer_whose_weight_repacking_crashes_is_run_without_it(monkeypatch, ca
     assert "killed by SIGSEGV); trying again without llama.cpp's weight repacking" in capsys.readouterr().err
 
 
+def test_a_peer_gets_the_context_it_is_asked_for(monkeypatch):
+    """The bench sizes llama.cpp's context to its longest prompt and output (a 4096-token prompt did not fit
+    the default 2048); the retry without repacking keeps it."""
+    monkeypatch.setattr(llama_cpp, "LlamaCppEngine", fake_peers.RepackingCrashPeer)
+    engine = llama_cpp.peer_engine("model.gguf", n_ctx=4160)
+    try:
+        assert engine.call("context") == 4160
+    finally:
+        engine.close()
+
+
 def test_the_bench_goes_on_when_a_peer_segfaults(tmp_path, monkeypatch, capsys):
     """llama.cpp's float32 copy 'segfaults' in its first timed run: the bench reports it and finishes with
     dense and the other peer, whose perplexity comes from its own process."""

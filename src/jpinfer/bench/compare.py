@@ -132,8 +132,9 @@ def _engines(args: argparse.Namespace, modes: list[str], packs: dict[str, Any]) 
         else:
             print("writing (once, cached) a float32 GGUF of the same weights for llama.cpp ...", file=sys.stderr)
             f32 = float32_gguf(source)
+            longest = max([*args.lengths, args.long_prompt]) + args.max_new_tokens
             for path in (f32, source):  # each in its own process: a crash there is that peer's alone
-                add(lambda: peer_engine(path, n_threads=args.threads))
+                add(lambda: peer_engine(path, n_threads=args.threads, n_ctx=max(2048, longest)))
             if len(out) > 1 and out[-1][0].name == out[-2][0].name:  # the file is float32 already
                 out.pop()[0].close()
     if "transformers" in args.peers:

@@ -247,20 +247,22 @@ class LlamaCppEngine:
         self.run([0] * n_prompt, 2)
 
 
-def peer_engine(model_path: os.PathLike | str, n_threads: int = 2, label: str | None = None) -> ChildEngine:
-    """A ``LlamaCppEngine`` in a process of its own (``child``), checked with one short decode. Where that
+def peer_engine(model_path: os.PathLike | str, n_threads: int = 2, label: str | None = None,
+                n_ctx: int = 2048) -> ChildEngine:
+    """A ``LlamaCppEngine`` of context ``n_ctx`` in a process of its own (``child``), checked with one short
+    decode. Where that
     decode kills the process (llama.cpp's AMX weight repacking segfaulted on an Intel Xeon VM,
     2026-12-02), it is tried once more without the repacking, and its name says so. ``EngineFailed``
     when neither runs."""
     try:
-        engine = ChildEngine(LlamaCppEngine, model_path, n_threads=n_threads, label=label)
+        engine = ChildEngine(LlamaCppEngine, model_path, n_threads=n_threads, label=label, n_ctx=n_ctx)
         engine.warm(8, 2)
         return engine
     except EngineFailed as failure:
         if "process died" not in str(failure):
             raise
         print(f"{failure}; trying again without llama.cpp's weight repacking", file=sys.stderr)
-    engine = ChildEngine(LlamaCppEngine, model_path, n_threads=n_threads, label=label, repack=False)
+    engine = ChildEngine(LlamaCppEngine, model_path, n_threads=n_threads, label=label, n_ctx=n_ctx, repack=False)
     engine.warm(8, 2)
     return engine
 
