@@ -20,6 +20,17 @@ def tiny_config(arch: str) -> transformers.PretrainedConfig:
                                         tie_word_embeddings=True)
     if arch == "llama_drelu":  # dReLU has no transformers class: patched MLP below
         return transformers.LlamaConfig(**TINY, intermediate_size=48, num_key_value_heads=1, hidden_act="relu")
+    if arch == "llama3_rope":  # Llama 3.1's scaling with a short original context: 3 of 4 frequencies move
+        return transformers.LlamaConfig(**TINY, intermediate_size=48, num_key_value_heads=2, rope_theta=500.0,
+                                        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 16})
+    if arch == "linear_rope":
+        return transformers.LlamaConfig(**TINY, intermediate_size=48, num_key_value_heads=4,
+                                        rope_scaling={"rope_type": "linear", "factor": 3.0})
+    if arch == "yarn_rope":  # Qwen2 with YaRN (Qwen2.5's long-context setting), cos/sin scaled
+        return transformers.Qwen2Config(**TINY, intermediate_size=40, num_key_value_heads=2, rope_theta=300.0,
+                                        rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                      "original_max_position_embeddings": 16})
     if arch == "mistral":
         return transformers.MistralConfig(**TINY, intermediate_size=40, num_key_value_heads=2, sliding_window=5)
     if arch == "qwen2":

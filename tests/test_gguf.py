@@ -3,20 +3,24 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import sys
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import quantize
 
-from jpinfer.models import default_model
+from jpinfer.config import ModelConfig, RopeScaling
+from jpinfer.models import default_model, params, transformer
 from jpinfer.models.default_model import DefaultModelMissing, default_model_path
 from jpinfer.models.gguf_loader import GGUFError, load_gguf, unpermute_rope_rows
 from jpinfer.models.params import expected_shapes
 
 import gguf_fixtures as fx
+from tolerances import DECODER_ATOL
 
 QTYPES = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1]
 
@@ -198,9 +202,59 @@ def test_shape_disagrees_with_metadata(tmp_path, tiny_untied):
 
 def test_unknown_tensor_is_refused(tmp_path, tiny_untied):
     cfg, tensors = tiny_untied
-    extra = {"rope_freqs.weight": np.ones(8, np.float32)}
+    extra = {"blk.0.attn_q.bias": np.ones(64, np.float32)}
     path = fx.write_gguf(tmp_path / "r.gguf", cfg, tensors, raw_tensors=extra)
-    with pytest.raises(GGUFError, match=r"r\.gguf: unsupported tensors for a llama model: rope_freqs\.weight"):
+    with pytest.raises(GGUFError, match=r"r\.gguf: unsupported tensors for a llama model: blk\.0\.attn_q\.bias"):
+        load_gguf(path)
+
+
+def llama_cpp_rope_factors(cfg, factor, low_freq_factor, high_freq_factor, original):
+    """The rope_freqs tensor llama.cpp's converter writes for Llama 3.1's scaling, per frequency: 1 for
+    wavelengths under original / high_freq_factor, ``factor`` over original / low_freq_factor, between
+    the reciprocal of the interpolated frequency ratio."""
+    half = cfg.head_dim // 2
+    out = []
+    for i in range(half):
+        wavelength = 2 * np.pi * cfg.rope_theta ** (i / half)
+        if wavelength < original / high_freq_factor:
+            out.append(1.0)
+        elif wavelength > original / low_freq_factor:
+            out.append(factor)
+        else:
+            smooth = (original / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, np.float32)
+
+
+def test_llama3_rope_scaling_from_rope_freqs(tmp_path, tiny_untied):
+    """A GGUF carrying Llama 3.1's scaling as llama.cpp writes it (a rope_freqs tensor) scores like the same
+    weights under the llama3 scaling read from a Hugging Face config (test_transformer_parity checks that one
+    against transformers); without the tensor the logits move far past the tolerance."""
+    cfg, tensors = tiny_untied
+    llama3 = RopeScaling("llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position=64)
+    factors = llama_cpp_rope_factors(cfg, 8.0, 1.0, 4.0, 64)
+    assert 1.0 < factors[1] < 8.0 and factors[0] == 1.0 and factors[-1] == 8.0  # all three bands occur
+    path = fx.write_gguf(tmp_path / "l3.gguf", cfg, tensors, raw_tensors={"rope_freqs.weight": factors})
+    got_cfg, got_tensors, _ = load_gguf(path)
+    assert got_cfg.rope_scaling.kind == "factors"
+    raw = json.loads(json.dumps(dataclasses.asdict(got_cfg)))  # as the GGUF cache stores it (models.loading)
+    raw["eos_token_ids"] = tuple(raw["eos_token_ids"])
+    assert ModelConfig(**raw) == got_cfg and hash(ModelConfig(**raw)) == hash(got_cfg)  # a static jit argument
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, size=(1, 40)))
+    score = lambda c, t: np.asarray(transformer.score(params.build_weights(c, t), tokens, c))
+    got = score(got_cfg, got_tensors)
+    np.testing.assert_allclose(got, score(dataclasses.replace(cfg, rope_scaling=llama3), tensors),
+                               atol=DECODER_ATOL, rtol=0)
+    assert np.abs(got - score(cfg, tensors)).max() > 100 * DECODER_ATOL
+
+
+def test_linear_rope_scaling_and_bad_rope_freqs(tmp_path, tiny_untied):
+    cfg, tensors = tiny_untied
+    path = fx.write_gguf(tmp_path / "lin.gguf", cfg, tensors,
+                         metadata={"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0})
+    assert load_gguf(path)[0].rope_scaling == RopeScaling("linear", factor=4.0)
+    path = fx.write_gguf(tmp_path / "k.gguf", cfg, tensors, raw_tensors={"rope_freqs.weight": np.ones(5, np.float32)})
+    with pytest.raises(GGUFError, match=r"k\.gguf: inconsistent model metadata: 5 RoPE frequency factors"):
         load_gguf(path)
 
 

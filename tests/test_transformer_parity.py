@@ -1,5 +1,7 @@
 """The dense decoder matches transformers' PyTorch models built from the same weights."""
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -10,7 +12,7 @@ from jpinfer.models import hf_loader, params, transformer
 from hf_reference import make_model
 from tolerances import DECODER_ATOL
 
-ARCHS = ["llama", "llama_relu", "llama_drelu", "mistral", "qwen2", "opt"]
+ARCHS = ["llama", "llama_relu", "llama_drelu", "mistral", "qwen2", "opt", "llama3_rope", "linear_rope", "yarn_rope"]
 FFN_KIND = {"llama_drelu": "drelu"}
 
 
@@ -76,3 +78,15 @@ def test_bfloat16_weights_stay_close_to_float32(tmp_path):
     assert np.abs(bf16 - f32).max() < 0.05 * np.abs(f32).max()
     # argmax flips only where the top two float32 logits are closer than that error: at most 1 of 10 (measured 0)
     assert (bf16.argmax(-1) == f32.argmax(-1)).mean() > 0.8
+
+
+@pytest.mark.parametrize("arch, kind", [("llama3_rope", "llama3"), ("linear_rope", "linear"), ("yarn_rope", "yarn")])
+def test_rope_scaling_is_read_and_matters(arch, kind, tmp_path):
+    """The scaled checkpoints above are not passed by plain RoPE: without the scaling the logits move far
+    past the tolerance the parity test holds them to."""
+    ref, cfg, weights = _load(arch, tmp_path)
+    assert cfg.rope_scaling is not None and cfg.rope_scaling.kind == kind
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, size=(1, 12)))
+    scaled = np.asarray(transformer.score(weights, tokens, cfg))
+    plain = np.asarray(transformer.score(weights, tokens, dataclasses.replace(cfg, rope_scaling=None)))
+    assert np.abs(scaled - plain).max() > 100 * DECODER_ATOL

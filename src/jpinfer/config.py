@@ -13,7 +13,47 @@ NormKind = Literal["rmsnorm", "layernorm"]
 PositionKind = Literal["rope", "learned"]
 
 FFN_KINDS: tuple[str, ...] = ("swiglu", "reglu", "drelu", "relu")
+ROPE_SCALINGS: tuple[str, ...] = ("linear", "llama3", "yarn", "factors")
 WEIGHT_FORMATS: tuple[str, ...] = ("float", "int8", "int4")  # jpinfer.load(weights=...); see jpinfer.models.quantized
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """How a checkpoint stretches its rotary embedding past the context it was trained on; the inverse
+    frequencies it gives are ``models.rope.inverse_frequencies``.
+
+    kind: ``linear`` (every frequency divided by ``factor``), ``llama3`` (Llama 3.1's: long wavelengths
+    divided by ``factor``, short ones kept, a smooth ramp between, set by ``low_freq_factor`` and
+    ``high_freq_factor`` against ``original_max_position``), ``yarn`` (YaRN, Peng et al., 2023: a ramp between
+    divided and kept frequencies over the dimensions set by ``beta_fast`` / ``beta_slow`` rotations in
+    ``original_max_position``, and cos/sin scaled by ``attention_factor``, 0.1 ln(factor) + 1 when None) or
+    ``factors`` (each frequency divided by its own entry of ``frequency_factors``: llama.cpp's
+    ``rope_freqs`` tensor, how GGUF files carry Llama 3.1's scaling)."""
+
+    kind: str
+    factor: float = 1.0
+    original_max_position: int | None = None
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+    truncate: bool = True
+    frequency_factors: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.kind not in ROPE_SCALINGS:
+            raise ValueError(f"unsupported RoPE scaling {self.kind!r}; supported: {', '.join(ROPE_SCALINGS)}")
+        if not self.factor > 0:
+            raise ValueError(f"RoPE scaling factor must be positive, got {self.factor}")
+        if self.kind in ("llama3", "yarn") and not (self.original_max_position or 0) > 0:
+            raise ValueError(f"RoPE scaling {self.kind!r} needs the original context length")
+        if self.kind == "llama3" and not self.high_freq_factor > self.low_freq_factor:
+            raise ValueError(f"llama3 RoPE scaling needs high_freq_factor > low_freq_factor, got "
+                             f"{self.high_freq_factor} and {self.low_freq_factor}")
+        if self.kind == "factors" and not (self.frequency_factors and min(self.frequency_factors) > 0):
+            raise ValueError("RoPE frequency factors must be given and positive")
+        object.__setattr__(self, "frequency_factors", tuple(float(f) for f in self.frequency_factors))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +76,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     positions: PositionKind = "rope"
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None  # None: plain RoPE
     max_position: int = 2048
     sliding_window: int | None = None  # Mistral: attend to the last N positions only
     # OPT's learned position table is indexed with position + offset (2 in OPT).
@@ -50,6 +91,8 @@ class ModelConfig:
     name: str = "model"
 
     def __post_init__(self) -> None:
+        if isinstance(self.rope_scaling, dict):  # read back from JSON (dataclasses.asdict)
+            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
         if self.ffn_kind not in FFN_KINDS:
             raise ValueError(
                 f"unsupported FFN activation kind {self.ffn_kind!r}; supported: {', '.join(FFN_KINDS)}"
@@ -61,6 +104,10 @@ class ModelConfig:
         for field in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff"):
             if getattr(self, field) < 1:
                 raise ValueError(f"ModelConfig.{field} must be >= 1, got {getattr(self, field)}")
+        factors = self.rope_scaling.frequency_factors if self.rope_scaling else ()
+        if factors and len(factors) != self.head_dim // 2:
+            raise ValueError(f"{len(factors)} RoPE frequency factors for head_dim {self.head_dim} "
+                             f"({self.head_dim // 2} frequencies)")
 
     @property
     def has_gate(self) -> bool:

@@ -18,13 +18,14 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
-from jpinfer.config import ModelConfig
+from jpinfer.config import ModelConfig, RopeScaling
 from jpinfer.errors import CheckpointError
 from jpinfer.models.params import expected_shapes
 from jpinfer.models.tokenizer import Tokenizer, tokenizer_from_gguf_metadata
 from jpinfer.quant import q4
 
 GGUF_MAGIC = b"GGUF"
+ROPE_FREQS = "rope_freqs.weight"  # llama.cpp: per-frequency divisors of the RoPE frequencies (Llama 3.1)
 
 SUPPORTED_TENSOR_TYPES: tuple[GGMLQuantizationType, ...] = (
     GGMLQuantizationType.F32,
@@ -73,8 +74,10 @@ def load_gguf(
     path = pathlib.Path(path)
     reader = open_gguf(path)
     metadata = read_metadata(reader)
-    has_output = any(t.name == "output.weight" for t in reader.tensors)
-    cfg = config_from_metadata(metadata, has_output=has_output, path=path)
+    by_name = _tensor_map(reader)
+    freqs = by_name.get(ROPE_FREQS)
+    factors = None if freqs is None else tuple(float(f) for f in dequantize(freqs.data, freqs.tensor_type).ravel())
+    cfg = config_from_metadata(metadata, has_output="output.weight" in by_name, path=path, rope_factors=factors)
     tokenizer = tokenizer_from_gguf_metadata(metadata, source=str(path))
     tensors = read_tensors(reader, cfg, path, dtype)
     return cfg, tensors, tokenizer
@@ -108,8 +111,10 @@ def read_metadata(reader: GGUFReader) -> dict[str, Any]:
     return {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
 
 
-def config_from_metadata(metadata: dict[str, Any], has_output: bool, path: os.PathLike | str) -> ModelConfig:
-    """ModelConfig from llama.cpp's metadata keys; GGUFError for what jpinfer cannot run."""
+def config_from_metadata(metadata: dict[str, Any], has_output: bool, path: os.PathLike | str,
+                         rope_factors: tuple[float, ...] | None = None) -> ModelConfig:
+    """ModelConfig from llama.cpp's metadata keys (and the file's ``rope_freqs`` tensor, ``rope_factors``:
+    how llama.cpp carries Llama 3.1's RoPE scaling); GGUFError for what jpinfer cannot run."""
     arch = metadata.get("general.architecture")
     if arch != "llama":
         raise GGUFError(path, f"unsupported architecture {arch!r}; jpinfer reads GGUF files of architecture 'llama'")
@@ -122,8 +127,10 @@ def config_from_metadata(metadata: dict[str, Any], has_output: bool, path: os.Pa
     if metadata.get("llama.expert_count", 0):
         raise GGUFError(path, "mixture-of-experts llama models are not supported")
     scaling = metadata.get("llama.rope.scaling.type", "none")
-    if scaling != "none":
-        raise GGUFError(path, f"RoPE scaling {scaling!r} is not supported (only unscaled RoPE)")
+    if scaling not in ("none", "linear"):
+        raise GGUFError(path, f"RoPE scaling {scaling!r} is not supported (unscaled, linear, or {ROPE_FREQS})")
+    if scaling == "linear" and rope_factors is not None:
+        raise GGUFError(path, f"both linear RoPE scaling and {ROPE_FREQS}: which one applies is not defined")
     tokens = need("tokenizer.ggml.tokens")
     d_model = int(need("llama.embedding_length"))
     n_heads = int(need("llama.attention.head_count"))
@@ -142,7 +149,12 @@ def config_from_metadata(metadata: dict[str, Any], has_output: bool, path: os.Pa
     bos = metadata.get("tokenizer.ggml.bos_token_id")
     norm_eps = _float32_decimal(need("llama.attention.layer_norm_rms_epsilon"))
     rope_theta = _float32_decimal(metadata.get("llama.rope.freq_base", 10000.0))
+    rope_scaling = None
     try:
+        if scaling == "linear":
+            rope_scaling = RopeScaling("linear", factor=float(need("llama.rope.scaling.factor")))
+        elif rope_factors is not None:
+            rope_scaling = RopeScaling("factors", frequency_factors=rope_factors)
         return ModelConfig(
             vocab_size=len(tokens),
             d_model=d_model,
@@ -156,6 +168,7 @@ def config_from_metadata(metadata: dict[str, Any], has_output: bool, path: os.Pa
             norm_eps=norm_eps,
             positions="rope",
             rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
             max_position=int(need("llama.context_length")),
             tie_embeddings=not has_output,
             bos_token_id=None if bos is None else int(bos),
@@ -177,7 +190,7 @@ def read_tensors(reader: GGUFReader, cfg: ModelConfig, path: os.PathLike | str,
     """Dequantized tensors keyed like ``expected_shapes(cfg)``, checked against it."""
     by_name = _tensor_map(reader)
     plan = _tensor_plan(cfg)
-    unknown = sorted(set(by_name) - set(plan))
+    unknown = sorted(set(by_name) - set(plan) - {ROPE_FREQS})  # rope_freqs: the config's (load_gguf)
     if unknown:
         raise GGUFError(path, f"unsupported tensors for a llama model: {', '.join(unknown[:5])}")
     expected = expected_shapes(cfg)

@@ -9,13 +9,14 @@ and OPTForCausalLM (pre-LayerNorm variants).
 from __future__ import annotations
 
 import json
+import math
 import pathlib
 from typing import Any
 
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-from jpinfer.config import ModelConfig
+from jpinfer.config import ModelConfig, RopeScaling
 from jpinfer.errors import CheckpointError
 from jpinfer.models.params import expected_shapes
 
@@ -24,13 +25,37 @@ ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu", "relu": "reglu"}
 SUPPORTED = sorted([*LLAMA_LIKE, "OPTForCausalLM"])
 
 
-def _rope_theta(raw: dict[str, Any], path: pathlib.Path) -> float:
+def _rope(raw: dict[str, Any], path: pathlib.Path) -> tuple[float, RopeScaling | None]:
+    """(theta, scaling) from ``rope_scaling`` (transformers 4) or ``rope_parameters`` (transformers 5)."""
     params = raw.get("rope_parameters") or {}
     scaling = raw.get("rope_scaling") or params
+    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type not in ("default", None):
-        raise CheckpointError(f"{path}: RoPE scaling type {rope_type!r} is not supported yet")
-    return float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    if rope_type in ("default", None):
+        return theta, None
+    if rope_type not in ("linear", "llama3", "yarn"):
+        raise CheckpointError(f"{path}: RoPE scaling type {rope_type!r} is not supported yet "
+                              "(supported: linear, llama3, yarn)")
+    if scaling.get("partial_rotary_factor", 1.0) != 1.0:
+        raise CheckpointError(f"{path}: partial rotary embedding is not supported yet")
+    original = scaling.get("original_max_position_embeddings")
+    factor = scaling.get("factor")
+    if factor is None and rope_type == "yarn" and original:  # transformers' default: the context's stretch
+        factor = raw["max_position_embeddings"] / original
+    attention_factor = scaling.get("attention_factor")
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if rope_type == "yarn" and attention_factor is None and mscale and mscale_all_dim and factor > 1:
+        attention_factor = (0.1 * mscale * math.log(factor) + 1) / (0.1 * mscale_all_dim * math.log(factor) + 1)
+    try:
+        return theta, RopeScaling(
+            kind=rope_type, factor=float(factor), original_max_position=original,
+            low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
+            beta_fast=float(scaling.get("beta_fast") or 32.0), beta_slow=float(scaling.get("beta_slow") or 1.0),
+            attention_factor=None if attention_factor is None else float(attention_factor),
+            truncate=bool(scaling.get("truncate", True)))
+    except (TypeError, ValueError) as err:
+        raise CheckpointError(f"{path}: RoPE scaling {rope_type!r}: {err}") from None
 
 
 def _eos_ids(raw: dict[str, Any]) -> tuple[int, ...]:
@@ -72,6 +97,7 @@ def _parse_llama(raw: dict[str, Any], path: pathlib.Path, arch: str, ffn_kind: s
     # Mistral always slides when a window is set; Qwen2 only with use_sliding_window.
     slides = arch == "MistralForCausalLM" or raw.get("use_sliding_window", False)
     window = raw.get("sliding_window") if slides else None
+    theta, rope_scaling = _rope(raw, path)
     return ModelConfig(
         vocab_size=raw["vocab_size"],
         d_model=raw["hidden_size"],
@@ -83,7 +109,8 @@ def _parse_llama(raw: dict[str, Any], path: pathlib.Path, arch: str, ffn_kind: s
         ffn_kind=ffn_kind,
         norm_kind="rmsnorm",
         norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        rope_theta=_rope_theta(raw, path),
+        rope_theta=theta,
+        rope_scaling=rope_scaling,
         max_position=raw.get("max_position_embeddings", 2048),
         sliding_window=window,
         qkv_bias=attention_bias or arch == "Qwen2ForCausalLM",

@@ -47,7 +47,8 @@ def model_fingerprint(cfg: ModelConfig, weights: Weights) -> str:
 
 def _fingerprint(cfg: ModelConfig, weights: Weights) -> str:
     h = hashlib.blake2b(digest_size=16)
-    arch = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "name"}
+    # rope_scaling came later: left out when None, so that earlier models keep their fingerprints
+    arch = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "name" and not (k == "rope_scaling" and v is None)}
     h.update(json.dumps(arch, sort_keys=True, default=list).encode())
     for leaf in jax.tree_util.tree_leaves(weights):
         h.update(str(leaf.shape).encode())

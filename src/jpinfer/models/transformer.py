@@ -24,6 +24,7 @@ from jpinfer.activations import activate
 from jpinfer.config import ModelConfig
 from jpinfer.models import quantized
 from jpinfer.models.params import Layer, Norm, Weights
+from jpinfer.models.rope import rope, rope_tables
 from jpinfer.native import kernels as native_kernels
 from jpinfer.native import native_available
 
@@ -71,23 +72,6 @@ def norm(p: Norm, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     if p.bias is not None:
         y = y + p.bias.astype(jnp.float32)
     return y.astype(x.dtype)
-
-
-def rope_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-    """cos and sin (T, head_dim / 2) for rotary embedding; computed once per forward, shared by layers."""
-    half = head_dim // 2
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, half, dtype=jnp.float32) / half))
-    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
-    return jnp.cos(angles), jnp.sin(angles)
-
-
-def rope(x: jax.Array, tables: tuple[jax.Array, jax.Array]) -> jax.Array:
-    """Rotary embedding, Hugging Face's rotate-half layout. x: (B, T, H, hd)."""
-    cos, sin = (t[None, :, None, :] for t in tables)
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
 
 
 def linear(x: jax.Array, w: jax.Array | quantized.QuantizedMatrix, b: jax.Array | None = None) -> jax.Array:
@@ -293,7 +277,7 @@ def step_inputs(
     (T,) and the rotary tables shared by every layer (None for learned positions)."""
     positions = start + jnp.arange(tokens.shape[1], dtype=jnp.int32)
     h = embed(weights, tokens, positions, cfg)
-    rope_cs = rope_tables(positions, cfg.head_dim, cfg.rope_theta) if cfg.positions == "rope" else None
+    rope_cs = rope_tables(positions, cfg) if cfg.positions == "rope" else None
     return h, positions, rope_cs
 
 

@@ -1,0 +1,78 @@
+"""Rotary position embedding: the inverse frequencies a config asks for (plain, or stretched by a
+``config.RopeScaling``), the per-step cos/sin tables, and their application to queries and keys."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jpinfer.config import ModelConfig, RopeScaling
+
+
+def inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
+    """(head_dim / 2,) float32: theta^(-2i / head_dim), then the config's scaling. Computed in float64 and
+    rounded once (transformers computes in float32: the two differ by a few float32 ulps)."""
+    half = cfg.head_dim // 2
+    inv = 1.0 / cfg.rope_theta ** (np.arange(half, dtype=np.float64) / half)
+    s = cfg.rope_scaling
+    if s is not None:
+        inv = _scaled(inv, s, cfg.head_dim, cfg.rope_theta)
+    return inv.astype(np.float32)
+
+
+def table_scale(cfg: ModelConfig) -> float:
+    """What cos and sin are multiplied by: YaRN's attention factor, 1 otherwise."""
+    s = cfg.rope_scaling
+    if s is None or s.kind != "yarn":
+        return 1.0
+    if s.attention_factor is not None:
+        return float(s.attention_factor)
+    return 1.0 if s.factor <= 1 else 0.1 * math.log(s.factor) + 1.0
+
+
+def _scaled(inv: np.ndarray, s: RopeScaling, head_dim: int, theta: float) -> np.ndarray:
+    if s.kind == "linear":
+        return inv / s.factor
+    if s.kind == "factors":  # as many as frequencies (ModelConfig checks)
+        return inv / np.asarray(s.frequency_factors, np.float64)
+    if s.kind == "llama3":
+        # wavelengths longer than original / low_freq_factor are divided by the factor, shorter than
+        # original / high_freq_factor kept; between, a ramp in original / wavelength
+        wavelength = 2 * np.pi / inv
+        ramp = (s.original_max_position / wavelength - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+        ramp = np.clip(ramp, 0.0, 1.0)
+        return (1 - ramp) * inv / s.factor + ramp * inv
+    # yarn: dimension i keeps its frequency where it turns more than beta_fast times over the original
+    # context, is divided by the factor where less than beta_slow times, a linear ramp between
+    def dimension(rotations: float) -> float:
+        return head_dim * math.log(s.original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dimension(s.beta_fast), dimension(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # one dimension wide: a step
+    divided = np.clip((np.arange(len(inv)) - low) / (high - low), 0.0, 1.0)
+    return inv / s.factor * divided + inv * (1 - divided)
+
+
+def rope_tables(positions: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """cos and sin (T, head_dim / 2) for rotary embedding; computed once per forward, shared by layers."""
+    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inverse_frequencies(cfg))[None, :]
+    scale = table_scale(cfg)
+    if scale == 1.0:
+        return jnp.cos(angles), jnp.sin(angles)
+    return jnp.cos(angles) * scale, jnp.sin(angles) * scale
+
+
+def rope(x: jax.Array, tables: tuple[jax.Array, jax.Array]) -> jax.Array:
+    """Rotary embedding, Hugging Face's rotate-half layout. x: (B, T, H, hd)."""
+    cos, sin = (t[None, :, None, :] for t in tables)
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
