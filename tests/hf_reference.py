@@ -31,6 +31,9 @@ def tiny_config(arch: str) -> transformers.PretrainedConfig:
         return transformers.Qwen2Config(**TINY, intermediate_size=40, num_key_value_heads=2, rope_theta=300.0,
                                         rope_scaling={"rope_type": "yarn", "factor": 4.0,
                                                       "original_max_position_embeddings": 16})
+    if arch == "qwen3":  # q/k norms; head_dim 12 is not hidden_size / heads (8)
+        return transformers.Qwen3Config(**TINY, intermediate_size=40, num_key_value_heads=2, head_dim=12,
+                                        tie_word_embeddings=True)
     if arch == "mistral":
         return transformers.MistralConfig(**TINY, intermediate_size=40, num_key_value_heads=2, sliding_window=5)
     if arch == "qwen2":

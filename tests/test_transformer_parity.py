@@ -12,7 +12,8 @@ from jpinfer.models import hf_loader, params, transformer
 from hf_reference import make_model
 from tolerances import DECODER_ATOL
 
-ARCHS = ["llama", "llama_relu", "llama_drelu", "mistral", "qwen2", "opt", "llama3_rope", "linear_rope", "yarn_rope"]
+ARCHS = ["llama", "llama_relu", "llama_drelu", "mistral", "qwen2", "qwen3", "opt", "llama3_rope", "linear_rope",
+         "yarn_rope"]
 FFN_KIND = {"llama_drelu": "drelu"}
 
 

@@ -82,12 +82,13 @@ class ModelConfig:
     # OPT's learned position table is indexed with position + offset (2 in OPT).
     position_offset: int = 0
     qkv_bias: bool = False  # Qwen2, OPT
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each head's query and key (head_dim weights) before RoPE
     attn_out_bias: bool = False  # OPT
     ffn_bias: bool = False  # OPT
     tie_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    architecture: str = "llama"  # informative: llama | mistral | qwen2 | opt
+    architecture: str = "llama"  # informative: llama | mistral | qwen2 | qwen3 | opt
     name: str = "model"
 
     def __post_init__(self) -> None:

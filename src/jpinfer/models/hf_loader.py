@@ -2,7 +2,7 @@
 
 Reads safetensors with its JAX framework (bfloat16 included), never PyTorch.
 Supported: LlamaForCausalLM (hidden_act silu -> swiglu, relu -> reglu; this covers
-ReluLLaMA and ProSparse-style ReLU checkpoints), MistralForCausalLM, Qwen2ForCausalLM
+ReluLLaMA and ProSparse-style ReLU checkpoints), MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM (q/k norms)
 and OPTForCausalLM (pre-LayerNorm variants).
 """
 
@@ -20,7 +20,8 @@ from jpinfer.config import ModelConfig, RopeScaling
 from jpinfer.errors import CheckpointError
 from jpinfer.models.params import expected_shapes
 
-LLAMA_LIKE = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+LLAMA_LIKE = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+              "Qwen3ForCausalLM": "qwen3"}
 ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu", "relu": "reglu"}
 SUPPORTED = sorted([*LLAMA_LIKE, "OPTForCausalLM"])
 
@@ -114,6 +115,7 @@ def _parse_llama(raw: dict[str, Any], path: pathlib.Path, arch: str, ffn_kind: s
         max_position=raw.get("max_position_embeddings", 2048),
         sliding_window=window,
         qkv_bias=attention_bias or arch == "Qwen2ForCausalLM",
+        qk_norm=arch == "Qwen3ForCausalLM",
         attn_out_bias=attention_bias,
         tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
         bos_token_id=raw.get("bos_token_id"),
@@ -206,6 +208,8 @@ def _hf_to_ours(cfg: ModelConfig) -> dict[str, str]:
             "bk": "self_attn.k_proj.bias",
             "bv": "self_attn.v_proj.bias",
             "bo": "self_attn.o_proj.bias",
+            "q_norm.scale": "self_attn.q_norm.weight",
+            "k_norm.scale": "self_attn.k_norm.weight",
             "w_gate": "mlp.gate_proj.weight",
             "w_up": "mlp.up_proj.weight",
             "w_down": "mlp.down_proj.weight",

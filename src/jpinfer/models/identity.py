@@ -45,10 +45,13 @@ def model_fingerprint(cfg: ModelConfig, weights: Weights) -> str:
     return digest
 
 
+LATER_FIELDS = {"rope_scaling": None, "qk_norm": False}  # ModelConfig fields added after packs were made
+
+
 def _fingerprint(cfg: ModelConfig, weights: Weights) -> str:
     h = hashlib.blake2b(digest_size=16)
-    # rope_scaling came later: left out when None, so that earlier models keep their fingerprints
-    arch = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "name" and not (k == "rope_scaling" and v is None)}
+    # fields that came later are left out at their defaults, so that earlier models keep their fingerprints
+    arch = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "name" and LATER_FIELDS.get(k, ...) != v}
     h.update(json.dumps(arch, sort_keys=True, default=list).encode())
     for leaf in jax.tree_util.tree_leaves(weights):
         h.update(str(leaf.shape).encode())

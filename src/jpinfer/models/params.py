@@ -50,6 +50,8 @@ class Layer:
     w_down: jax.Array  # (d_model, d_ff)
     b_qkv: jax.Array | None = None
     bo: jax.Array | None = None
+    q_norm: Norm | None = None  # (head_dim,) scales: ModelConfig.qk_norm (Qwen3)
+    k_norm: Norm | None = None
     b_up: jax.Array | None = None
     b_down: jax.Array | None = None
 
@@ -110,6 +112,8 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             layer |= {"bq": (cfg.q_dim,), "bk": (cfg.kv_dim,), "bv": (cfg.kv_dim,)}
         if cfg.attn_out_bias:
             layer["bo"] = (d,)
+        if cfg.qk_norm:
+            layer |= {"q_norm.scale": (cfg.head_dim,), "k_norm.scale": (cfg.head_dim,)}
         if cfg.ffn_bias:
             layer |= {"b_up": (f,), "b_down": (d,)}
         shapes |= {p + k: v for k, v in layer.items()}
@@ -157,6 +161,8 @@ def build_weights(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype=jnp.fl
                 b_up=get(p + "b_up"),
                 w_down=get(p + "w_down"),
                 b_down=get(p + "b_down"),
+                q_norm=norm(p + "q_norm") if cfg.qk_norm else None,
+                k_norm=norm(p + "k_norm") if cfg.qk_norm else None,
             )
         )
     head = tensors["embed"] if cfg.tie_embeddings else tensors["lm_head"]

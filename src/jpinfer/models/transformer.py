@@ -220,6 +220,8 @@ def attention_block(
     q = qkv[..., : cfg.q_dim].reshape(b, t, cfg.n_heads, cfg.head_dim)
     k = qkv[..., cfg.q_dim : cfg.q_dim + cfg.kv_dim].reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
     v = qkv[..., cfg.q_dim + cfg.kv_dim :].reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
+    if cfg.qk_norm:
+        q, k = norm(layer.q_norm, q, cfg), norm(layer.k_norm, k, cfg)
     if rope_cs is not None:
         q = rope(q, rope_cs)
         k = rope(k, rope_cs)
