@@ -92,6 +92,29 @@ def test_unsupported_configs(checkpoint, tmp_path, changes, message):
         load_hf(target)
 
 
+@pytest.mark.parametrize("changes, window", [
+    ({"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0}, 8),
+    ({"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2}, None),  # layers 2.. slide: none
+    ({"use_sliding_window": False, "sliding_window": 8, "max_window_layers": 0}, None),
+    ({"use_sliding_window": True, "sliding_window": 8, "layer_types": ["sliding_attention"] * 2}, 8),
+])
+def test_qwen_sliding_window_layers(checkpoint, tmp_path, changes, window):
+    """layer_types (written by transformers 5) wins over max_window_layers, as in transformers' config."""
+    changes = {"layer_types": None} | changes
+    target = _copy(checkpoint, tmp_path)
+    _edit_config(target, **changes)
+    assert load_hf(target)[0].sliding_window == window
+
+
+def test_a_sliding_window_in_some_layers_only_is_refused(checkpoint, tmp_path):
+    """transformers slides only the layers from max_window_layers on: applying the window everywhere
+    would be a silent wrong result."""
+    target = _copy(checkpoint, tmp_path)
+    _edit_config(target, use_sliding_window=True, sliding_window=8, max_window_layers=1, layer_types=None)
+    with pytest.raises(CheckpointError, match="a sliding window in 1 of 2 layers is not supported"):
+        load_hf(target)
+
+
 def test_missing_config_field(checkpoint, tmp_path):
     target = _copy(checkpoint, tmp_path)
     config = json.loads((target / "config.json").read_text())

@@ -59,6 +59,28 @@ def _rope(raw: dict[str, Any], path: pathlib.Path) -> tuple[float, RopeScaling |
         raise CheckpointError(f"{path}: RoPE scaling {rope_type!r}: {err}") from None
 
 
+def _sliding_window(raw: dict[str, Any], arch: str, path: pathlib.Path) -> int | None:
+    """The window every layer attends within (None: full attention). Mistral slides in every layer when a
+    window is set; Qwen2 and Qwen3 only with use_sliding_window, and then in the layers from
+    max_window_layers on (transformers' ``layer_types``, default 28): a window in some layers only is
+    refused, not applied to all of them."""
+    window = raw.get("sliding_window")
+    if arch == "MistralForCausalLM" or window is None:
+        return window
+    if not raw.get("use_sliding_window", False):
+        return None
+    n = raw["num_hidden_layers"]
+    first = raw.get("max_window_layers", 28)
+    types = raw.get("layer_types") or ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+    sliding = sum(t == "sliding_attention" for t in types)
+    if sliding == 0:
+        return None
+    if sliding == len(types):
+        return window
+    raise CheckpointError(f"{path}: a sliding window in {sliding} of {len(types)} layers is not supported yet "
+                          "(only in all of them or none)")
+
+
 def _eos_ids(raw: dict[str, Any]) -> tuple[int, ...]:
     eos = raw.get("eos_token_id")
     if eos is None:
@@ -95,9 +117,7 @@ def _parse_llama(raw: dict[str, Any], path: pathlib.Path, arch: str, ffn_kind: s
         raise CheckpointError(f"{path}: mlp_bias=true is not supported")
     n_heads = raw["num_attention_heads"]
     attention_bias = bool(raw.get("attention_bias", False))
-    # Mistral always slides when a window is set; Qwen2 only with use_sliding_window.
-    slides = arch == "MistralForCausalLM" or raw.get("use_sliding_window", False)
-    window = raw.get("sliding_window") if slides else None
+    window = _sliding_window(raw, arch, path)
     theta, rope_scaling = _rope(raw, path)
     return ModelConfig(
         vocab_size=raw["vocab_size"],
