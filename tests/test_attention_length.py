@@ -86,7 +86,7 @@ BLOCKED_CASES = [  # T, S (cache slots), first position, H, KV, hd, window
 def test_blocked_attention_matches_float64(T, S, start, H, KV, hd, window):
     """Tolerance: attention_reference.py's bound with XLA's sums in any order (dot_terms = hd) and a
     rescale of the running sums per key block (8 u each) on top of its 40."""
-    assert T > transformer.QUERY_BLOCK  # the blocked path, not the one softmax
+    assert T > transformer.QUERY_BLOCK  # several query blocks
     cfg = ModelConfig(vocab_size=8, d_model=H * hd, n_layers=1, n_heads=H, n_kv_heads=KV, head_dim=hd, d_ff=8,
                       max_position=4096, sliding_window=window)
     rng = np.random.default_rng(T + S)
@@ -111,7 +111,7 @@ def test_long_prompt_blocked_equals_one_softmax(monkeypatch):
                                            attend=attend_length(599, 1024))
     following, _ = transformer.decode_step(weights, jnp.asarray(tokens[:, 599]), cache, cfg,
                                            attend=attend_length(600, 1024))
-    monkeypatch.setattr(transformer, "QUERY_BLOCK", 10**6)  # the one softmax (unjitted: traced anew)
+    monkeypatch.setattr(transformer, "ONE_SOFTMAX_TOKENS", 10**6)  # the one softmax (unjitted: traced anew)
     cache = transformer.KVCache.create(cfg, 1, 600)
     h, _, _ = transformer.forward(weights, jnp.asarray(tokens), cache, cfg)
     one = np.asarray(transformer.logits(weights, h))[0]
@@ -132,7 +132,7 @@ def test_blocked_attention_gradient_matches_float64(monkeypatch):
     k, v = (rng.standard_normal((1, 2, S, 8)).astype(np.float32) for _ in range(2))
     positions = np.arange(T, dtype=np.int32)
     grad = np.asarray(jax.grad(lambda q: transformer.blocked_attention(q, k, v, positions, cfg).sum())(q))
-    monkeypatch.setattr(transformer, "QUERY_BLOCK", 10**6)  # the one softmax
+    monkeypatch.setattr(transformer, "ONE_SOFTMAX_TOKENS", 10**6)  # the one softmax
     with jax.enable_x64(True):
         k64, v64 = jnp.asarray(k, jnp.float64), jnp.asarray(v, jnp.float64)
         one = lambda q: transformer.xla_cached_attention(q, k64, v64, jnp.asarray(positions), cfg=cfg,

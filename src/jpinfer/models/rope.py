@@ -7,20 +7,19 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jpinfer.config import ModelConfig, RopeScaling
 
 
-def inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
-    """(head_dim / 2,) float32: theta^(-2i / head_dim), then the config's scaling. Computed in float64 and
-    rounded once (transformers computes in float32: the two differ by a few float32 ulps)."""
+def inverse_frequencies(cfg: ModelConfig) -> jax.Array:
+    """(head_dim / 2,) float32: theta^(-2i / head_dim), then the config's scaling, in float32 jnp operations
+    (as transformers computes them in float32; the plain frequencies exactly as jpinfer always has: the
+    same arithmetic in float64, rounded once, moved 11 of the default model's 32 frequencies by an ulp, and
+    that flipped a greedy answer of its int8 threshold mode, so unscaled models keep this form)."""
     half = cfg.head_dim // 2
-    inv = 1.0 / cfg.rope_theta ** (np.arange(half, dtype=np.float64) / half)
+    inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, half, dtype=jnp.float32) / half))
     s = cfg.rope_scaling
-    if s is not None:
-        inv = _scaled(inv, s, cfg.head_dim, cfg.rope_theta)
-    return inv.astype(np.float32)
+    return inv if s is None else _scaled(inv, s, cfg.head_dim, cfg.rope_theta)
 
 
 def table_scale(cfg: ModelConfig) -> float:
@@ -33,17 +32,17 @@ def table_scale(cfg: ModelConfig) -> float:
     return 1.0 if s.factor <= 1 else 0.1 * math.log(s.factor) + 1.0
 
 
-def _scaled(inv: np.ndarray, s: RopeScaling, head_dim: int, theta: float) -> np.ndarray:
+def _scaled(inv: jax.Array, s: RopeScaling, head_dim: int, theta: float) -> jax.Array:
     if s.kind == "linear":
         return inv / s.factor
     if s.kind == "factors":  # as many as frequencies (ModelConfig checks)
-        return inv / np.asarray(s.frequency_factors, np.float64)
+        return inv / jnp.asarray(s.frequency_factors, jnp.float32)
     if s.kind == "llama3":
         # wavelengths longer than original / low_freq_factor are divided by the factor, shorter than
         # original / high_freq_factor kept; between, a ramp in original / wavelength
-        wavelength = 2 * np.pi / inv
+        wavelength = 2 * math.pi / inv
         ramp = (s.original_max_position / wavelength - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
-        ramp = np.clip(ramp, 0.0, 1.0)
+        ramp = jnp.clip(ramp, 0.0, 1.0)
         return (1 - ramp) * inv / s.factor + ramp * inv
     # yarn: dimension i keeps its frequency where it turns more than beta_fast times over the original
     # context, is divided by the factor where less than beta_slow times, a linear ramp between
@@ -56,13 +55,13 @@ def _scaled(inv: np.ndarray, s: RopeScaling, head_dim: int, theta: float) -> np.
     low, high = max(low, 0), min(high, head_dim - 1)
     if low == high:
         high += 0.001  # one dimension wide: a step
-    divided = np.clip((np.arange(len(inv)) - low) / (high - low), 0.0, 1.0)
+    divided = jnp.clip((jnp.arange(inv.shape[0], dtype=jnp.float32) - low) / (high - low), 0.0, 1.0)
     return inv / s.factor * divided + inv * (1 - divided)
 
 
 def rope_tables(positions: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
     """cos and sin (T, head_dim / 2) for rotary embedding; computed once per forward, shared by layers."""
-    angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inverse_frequencies(cfg))[None, :]
+    angles = positions.astype(jnp.float32)[:, None] * inverse_frequencies(cfg)[None, :]
     scale = table_scale(cfg)
     if scale == 1.0:
         return jnp.cos(angles), jnp.sin(angles)

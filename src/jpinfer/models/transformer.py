@@ -30,7 +30,13 @@ from jpinfer.native import native_available
 
 FfnImpl = Callable[[int, Layer, jax.Array, Any], tuple[jax.Array, Any]]
 
-QUERY_BLOCK = 256  # longer prompts: blocked_attention, these queries and KEY_BLOCK keys a block
+# Steps of more than ONE_SOFTMAX_TOKENS tokens run blocked_attention (QUERY_BLOCK queries, KEY_BLOCK keys a
+# block). Up to 512 (the perplexity, profiling and SmoothQuant calibration windows) the one softmax stays:
+# those results, and what the cache keeps of them (channel peaks, profiles), stay bit for bit what they were
+# (the blocked form sums in another order, and a rounding-level change in the int8 migration flipped a greedy
+# answer of the int8 threshold mode); at 512 tokens the blocks saved only ~10%.
+ONE_SOFTMAX_TOKENS = 512
+QUERY_BLOCK = 256
 KEY_BLOCK = 512
 
 
@@ -107,10 +113,10 @@ def cached_attention(
 def xla_cached_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, positions: jax.Array, *,
                          cfg: ModelConfig, attend: int | None) -> jax.Array:
     """``cached_attention`` in XLA on any platform and for any T and dtype (bench/native_kernels.py times it
-    against the native kernel). Up to ``QUERY_BLOCK`` tokens: one softmax over the first ``attend`` slots;
-    longer prompts: ``blocked_attention``."""
+    against the native kernel). Up to ``ONE_SOFTMAX_TOKENS`` tokens: one softmax over the first ``attend``
+    slots; longer prompts: ``blocked_attention``."""
     keys, values = cache_k[:, :, :attend], cache_v[:, :, :attend]
-    if q.shape[1] > QUERY_BLOCK:
+    if q.shape[1] > ONE_SOFTMAX_TOKENS:
         return blocked_attention(q, keys, values, positions, cfg)
     return _one_softmax_attention(q, keys, values, positions, cfg)
 
