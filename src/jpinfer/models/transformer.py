@@ -191,7 +191,7 @@ def blocked_attention(q: jax.Array, keys: jax.Array, values: jax.Array, position
         shape = (b, kv, groups * QUERY_BLOCK)
         init = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
                 jnp.zeros((*shape, hd), jnp.float32))
-        # a static count (a scan: reverse-mode derivatives work, and the calibration's run through here);
+        # a static count (a scan: reverse-mode derivatives work, and the calibration's over long windows run here);
         # the cond skips the key blocks no query of this block sees
         _, denom, acc = jax.lax.fori_loop(0, -(-slots // kb), key_block, init)
         return acc / jnp.where(denom > 0, denom, 1.0)[..., None]  # a query that sees nothing: zeros
