@@ -9,7 +9,6 @@ and OPTForCausalLM (pre-LayerNorm variants).
 from __future__ import annotations
 
 import json
-import math
 import pathlib
 from typing import Any
 
@@ -19,6 +18,7 @@ from safetensors import SafetensorError, safe_open
 from jpinfer.config import ModelConfig, RopeScaling
 from jpinfer.errors import CheckpointError
 from jpinfer.models.params import expected_shapes
+from jpinfer.models.rope import yarn_attention_factor
 
 LLAMA_LIKE = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
               "Qwen3ForCausalLM": "qwen3"}
@@ -45,9 +45,9 @@ def _rope(raw: dict[str, Any], path: pathlib.Path) -> tuple[float, RopeScaling |
         factor = raw["max_position_embeddings"] / original
     attention_factor = scaling.get("attention_factor")
     mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
-    if rope_type == "yarn" and attention_factor is None and mscale and mscale_all_dim and factor > 1:
-        attention_factor = (0.1 * mscale * math.log(factor) + 1) / (0.1 * mscale_all_dim * math.log(factor) + 1)
     try:
+        if rope_type == "yarn" and attention_factor is None and mscale and mscale_all_dim:
+            attention_factor = yarn_attention_factor(factor, mscale) / yarn_attention_factor(factor, mscale_all_dim)
         return theta, RopeScaling(
             kind=rope_type, factor=float(factor), original_max_position=original,
             low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),

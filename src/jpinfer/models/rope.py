@@ -12,10 +12,10 @@ from jpinfer.config import ModelConfig, RopeScaling
 
 
 def inverse_frequencies(cfg: ModelConfig) -> jax.Array:
-    """(head_dim / 2,) float32: theta^(-2i / head_dim), then the config's scaling, in float32 jnp operations
-    (as transformers computes them in float32; the plain frequencies exactly as jpinfer always has: the
-    same arithmetic in float64, rounded once, moved 11 of the default model's 32 frequencies by an ulp, and
-    that flipped a greedy answer of its int8 threshold mode, so unscaled models keep this form)."""
+    """(head_dim / 2,) float32: theta^(-2i / head_dim), then the config's scaling, all in float32 jnp operations
+    inside the step (transformers computes them in float32 too). Not float64 rounded once: that moved 11 of
+    the default model's 32 frequencies by an ulp and flipped a greedy answer of its int8 threshold mode, so
+    unscaled models keep exactly the frequencies jpinfer always computed."""
     half = cfg.head_dim // 2
     inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, half, dtype=jnp.float32) / half))
     s = cfg.rope_scaling
@@ -27,9 +27,12 @@ def table_scale(cfg: ModelConfig) -> float:
     s = cfg.rope_scaling
     if s is None or s.kind != "yarn":
         return 1.0
-    if s.attention_factor is not None:
-        return float(s.attention_factor)
-    return 1.0 if s.factor <= 1 else 0.1 * math.log(s.factor) + 1.0
+    return float(s.attention_factor) if s.attention_factor is not None else yarn_attention_factor(s.factor)
+
+
+def yarn_attention_factor(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's cos/sin scale for a stretch ``factor``: 0.1 mscale ln(factor) + 1 (1 for factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def _scaled(inv: jax.Array, s: RopeScaling, head_dim: int, theta: float) -> jax.Array:
