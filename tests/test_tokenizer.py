@@ -145,6 +145,8 @@ def test_load_hf_tokenizer_round_trip(tmp_path):
 def test_load_hf_tokenizer_errors(tmp_path):
     with pytest.raises(ValueError, match="tokenizer directory not found"):
         load_hf_tokenizer(tmp_path / "missing")
+    assert load_hf_tokenizer(tmp_path) is None  # no tokenizer files: a model of token ids
+    (tmp_path / "tokenizer.json").write_text("{not json")
     with pytest.raises(ValueError, match="cannot load the tokenizer"):
         load_hf_tokenizer(tmp_path)
 

@@ -1,4 +1,5 @@
-"""Tokenizers: built from a GGUF file's own fields, or loaded from a Hugging Face directory.
+"""Tokenizers: built from a GGUF file's own fields, or loaded from a Hugging Face directory (tokenizer.json,
+or SentencePiece's tokenizer.model alone; none at all: a model of token ids).
 
 transformers can read a GGUF tokenizer only with PyTorch installed; jpinfer must not
 need PyTorch at run time, so the byte-level BPE a GGUF describes (tokens, merges, token
@@ -131,14 +132,22 @@ def tokenizer_from_gguf_metadata(metadata: Mapping[str, Any], source: str = "GGU
     )
 
 
-def load_hf_tokenizer(directory: os.PathLike | str) -> Tokenizer:
-    """The fast tokenizer of a local Hugging Face checkpoint directory (never the network)."""
+# What a Hugging Face directory's tokenizer is read from: tokenizer.json (fast), tokenizer.model (SentencePiece,
+# converted by transformers with the sentencepiece package), vocab.json + merges.txt (byte-level BPE)
+TOKENIZER_FILES: tuple[str, ...] = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+def load_hf_tokenizer(directory: os.PathLike | str) -> Tokenizer | None:
+    """The fast tokenizer of a local Hugging Face checkpoint directory (never the network); None for a
+    directory with none of ``TOKENIZER_FILES`` (the model then takes token ids, not text)."""
     directory = pathlib.Path(directory)
     if not directory.is_dir():
         raise CheckpointError(f"{directory}: tokenizer directory not found")
+    if not any((directory / name).exists() for name in TOKENIZER_FILES):
+        return None
     try:
         tok = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, ImportError) as err:
         raise CheckpointError(f"{directory}: cannot load the tokenizer ({err})") from err
     if not isinstance(tok, PreTrainedTokenizerFast):
         raise CheckpointError(f"{directory}: loaded a {type(tok).__name__}, not a fast tokenizer")

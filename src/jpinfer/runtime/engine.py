@@ -226,7 +226,10 @@ class Engine:
         """Token ids for a text prompt, a list of chat messages, or a list of ids.
 
         With ``chat=True`` a text prompt becomes one user message; a list of
-        ``{"role", "content"}`` messages always goes through the chat template.
+        ``{"role", "content"}`` messages always goes through the chat template (whose text carries
+        the model's BOS where it wants one). Plain text gets the tokenizer's own special tokens, as
+        transformers' ``tokenizer(text)`` and llama.cpp add them: a BOS for Llama 2/3 and Gemma, whose
+        outputs degrade without it; none for the default model.
         """
         is_messages = isinstance(prompt, (list, tuple)) and bool(prompt) and isinstance(prompt[0], dict)
         if isinstance(prompt, str) or is_messages:
@@ -240,7 +243,7 @@ class Engine:
                 messages = prompt if is_messages else [{"role": "user", "content": prompt}]
                 text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
                 return [int(i) for i in self.tokenizer.encode(text, add_special_tokens=False)]
-            return [int(i) for i in self.tokenizer.encode(prompt, add_special_tokens=False)]
+            return [int(i) for i in self.tokenizer.encode(prompt, add_special_tokens=True)]
         ids = [int(i) for i in np.asarray(prompt).reshape(-1)]
         if not ids:
             raise ValueError("prompt is empty: give some text or token ids")
