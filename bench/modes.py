@@ -220,12 +220,12 @@ def main() -> None:
         "hybrid (2 devices)": engines[hybrid_name], "hybrid split on 1 device": one_device,
     }
     step, dispatch = median_steps(variants, prompts[0], args.rounds)
-    head = jax.jit(transformer.logits)
+    head = jax.jit(transformer.logits, static_argnames=("cfg",))
     h = jnp.ones((1, cfg.d_model), jnp.float32)
-    head(dense.weights, h).block_until_ready()
+    head(dense.weights, h, cfg).block_until_ready()
     t0 = time.perf_counter()
     for _ in range(50):
-        head(dense.weights, h).block_until_ready()
+        head(dense.weights, h, cfg).block_until_ready()
     head_s = (time.perf_counter() - t0) / 50
     transfer_s = transfer_seconds(cfg.d_model, cfg.n_layers, accelerator, host)
     hardware = measure_hardware(devices=(accelerator, host), array_mib=32)

@@ -247,8 +247,8 @@ def attention_section(positions_list, layers: int, rounds: int, seed: int) -> di
                 return x
             return jax.jit(run)
 
-        runs = {"native": chain(lambda *a: transformer.cached_attention(*a, cfg, attend)),
-                "xla": chain(lambda *a: transformer.xla_cached_attention(*a, cfg=cfg, attend=attend)),
+        runs = {"native": chain(lambda *a: transformer.cached_attention(*a, cfg, attend, window=None)),
+                "xla": chain(lambda *a: transformer.xla_cached_attention(*a, cfg=cfg, attend=attend, window=None)),
                 "no attention": chain(None)}
         t = interleaved_medians({name: (lambda f=f: f(q, weights, caches)) for name, f in runs.items()}, rounds)
         per_layer = {name: (t[name] - t["no attention"]) / layers * 1e6 for name in ("native", "xla")}

@@ -31,9 +31,19 @@ def tiny_config(arch: str) -> transformers.PretrainedConfig:
         return transformers.Qwen2Config(**TINY, intermediate_size=40, num_key_value_heads=2, rope_theta=300.0,
                                         rope_scaling={"rope_type": "yarn", "factor": 4.0,
                                                       "original_max_position_embeddings": 16})
+    if arch == "qwen2_window":  # the window in the layers from max_window_layers on only (layer 1 of 2)
+        return transformers.Qwen2Config(**TINY, intermediate_size=40, num_key_value_heads=2, use_sliding_window=True,
+                                        sliding_window=4, max_window_layers=1)
     if arch == "qwen3":  # q/k norms; head_dim 12 is not hidden_size / heads (8)
         return transformers.Qwen3Config(**TINY, intermediate_size=40, num_key_value_heads=2, head_dim=12,
                                         tie_word_embeddings=True)
+    if arch == "gemma2":  # small soft caps, so that both bind; layers 0 and 2 slide over 4 positions
+        return transformers.Gemma2Config(**(TINY | {"num_hidden_layers": 3}), intermediate_size=40,
+                                         num_key_value_heads=2, head_dim=12, query_pre_attn_scalar=20,
+                                         sliding_window=4, attn_logit_softcapping=3.0, final_logit_softcapping=4.0)
+    if arch == "phi3":  # q/k/v and gate/up fused in the checkpoint; a window in every layer
+        return transformers.Phi3Config(**TINY, intermediate_size=40, num_key_value_heads=2, sliding_window=5,
+                                       pad_token_id=0)
     if arch == "mistral":
         return transformers.MistralConfig(**TINY, intermediate_size=40, num_key_value_heads=2, sliding_window=5)
     if arch == "qwen2":

@@ -10,6 +10,8 @@ import numpy as np
 from jpinfer import Engine, LoadedModel, ModelConfig
 from jpinfer.models import params, transformer
 
+from activation_reference import gate64
+
 
 class CharTokenizer:
     """Character-level ids: 'a'..'z' -> 3..28, anything else -> 29; BOS 1, EOS 2."""
@@ -24,9 +26,16 @@ class CharTokenizer:
         return "".join(chr(ord("a") + i - 3) if 3 <= i <= 28 else "?" for i in ids if i > 2 or not skip_special_tokens)
 
 
-def tiny_engine(kind: str, seed: int = 0, n_layers: int = 2) -> Engine:
-    cfg = ModelConfig(vocab_size=40, d_model=32, n_layers=n_layers, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=48,
-                      ffn_kind=kind, ffn_bias=kind == "relu", bos_token_id=1, eos_token_ids=(2,), name=f"tiny-{kind}")
+# Gemma 2's architecture features at tiny scale (every other layer slides over 4 positions; caps that bind)
+GEMMA2_LIKE = dict(sandwich_norms=True, sliding_window=4, window_layers=(0,), attn_softcap=2.0, logit_softcap=3.0,
+                   attn_scale=0.3, embed_scale=32**0.5, tie_embeddings=True)
+
+
+def tiny_engine(kind: str, seed: int = 0, n_layers: int = 2, **arch) -> Engine:
+    """A tiny random model of FFN kind ``kind``; ``arch``: other ModelConfig fields (e.g. GEMMA2_LIKE)."""
+    cfg = ModelConfig(**(dict(vocab_size=40, d_model=32, n_layers=n_layers, n_heads=4, n_kv_heads=2, head_dim=8,
+                              d_ff=48, ffn_kind=kind, ffn_bias=kind == "relu", bos_token_id=1, eos_token_ids=(2,),
+                              name=f"tiny-{kind}") | arch))
     weights = params.build_weights(cfg, params.init_random(cfg, seed=seed, scale=0.2))
     return Engine(LoadedModel(cfg, weights, CharTokenizer(), cfg.name))
 
@@ -63,7 +72,7 @@ def reference_scores(engine: Engine, tokens: np.ndarray, score: str = "product")
             out.append(np.abs(relu(up)))
             continue
         g = x @ gate_rows.T
-        act_g = g / (1 + np.exp(-g)) if cfg.ffn_kind == "swiglu" else relu(g)
+        act_g = gate64(cfg.ffn_kind, g)
         if score == "gate":
             out.append(np.abs(act_g))
         else:

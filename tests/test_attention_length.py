@@ -93,7 +93,7 @@ def test_blocked_attention_matches_float64(T, S, start, H, KV, hd, window):
     q = (rng.standard_normal((1, T, H, hd)) * 1.5).astype(np.float32)
     k, v = (rng.standard_normal((1, KV, S, hd)).astype(np.float32) for _ in range(2))
     positions = np.arange(start, start + T, dtype=np.int32)
-    got = np.asarray(jax.jit(lambda *a: transformer.blocked_attention(*a, cfg))(q, k, v, positions))
+    got = np.asarray(jax.jit(lambda *a: transformer.blocked_attention(*a, cfg, window=window))(q, k, v, positions))
     key_blocks = -(-S // transformer.KEY_BLOCK)
     ref, bound = attention_reference(q, k, v, positions, window, dot_terms=hd, combine_terms=40 + 8 * key_blocks)
     assert np.all(np.abs(got - ref) <= bound), float((np.abs(got - ref) / np.maximum(bound, 1e-30)).max())
@@ -114,7 +114,7 @@ def test_long_prompt_blocked_equals_one_softmax(monkeypatch):
     monkeypatch.setattr(transformer, "ONE_SOFTMAX_TOKENS", 10**6)  # the one softmax (unjitted: traced anew)
     cache = transformer.KVCache.create(cfg, 1, 600)
     h, _, _ = transformer.forward(weights, jnp.asarray(tokens), cache, cfg)
-    one = np.asarray(transformer.logits(weights, h))[0]
+    one = np.asarray(transformer.logits(weights, h, cfg))[0]
     np.testing.assert_allclose(blocked, one, atol=DECODER_ATOL, rtol=0)
     np.testing.assert_allclose(np.asarray(prefilled)[0], one[598], atol=DECODER_ATOL, rtol=0)
     np.testing.assert_allclose(np.asarray(following)[0], one[599], atol=DECODER_ATOL, rtol=0)
@@ -131,12 +131,12 @@ def test_blocked_attention_gradient_matches_float64(monkeypatch):
     q = rng.standard_normal((1, T, 4, 8)).astype(np.float32)
     k, v = (rng.standard_normal((1, 2, S, 8)).astype(np.float32) for _ in range(2))
     positions = np.arange(T, dtype=np.int32)
-    grad = np.asarray(jax.grad(lambda q: transformer.blocked_attention(q, k, v, positions, cfg).sum())(q))
+    grad = np.asarray(jax.grad(lambda q: transformer.blocked_attention(q, k, v, positions, cfg, window=None).sum())(q))
     monkeypatch.setattr(transformer, "ONE_SOFTMAX_TOKENS", 10**6)  # the one softmax
     with jax.enable_x64(True):
         k64, v64 = jnp.asarray(k, jnp.float64), jnp.asarray(v, jnp.float64)
         one = lambda q: transformer.xla_cached_attention(q, k64, v64, jnp.asarray(positions), cfg=cfg,
-                                                         attend=None).sum()
+                                                         attend=None, window=None).sum()
         ref = np.asarray(jax.grad(one)(jnp.asarray(q, jnp.float64)))
     assert ref.dtype == np.float64
     np.testing.assert_allclose(grad, ref, atol=8 * (S + 8) * U * np.abs(ref).max(), rtol=0)

@@ -84,6 +84,9 @@ def _edit_config(directory, **changes):
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "needs the original context length"),
         ({"rope_scaling": {"rope_type": "linear", "factor": 0}}, "factor must be positive"),
         ({"rope_scaling": {"rope_type": "yarn", "mscale": 1.0, "mscale_all_dim": 1.0}}, "RoPE scaling 'yarn'"),
+        ({"partial_rotary_factor": 0.5}, "partial rotary embedding"),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75}},
+         "partial rotary embedding"),
     ],
 )
 def test_unsupported_configs(checkpoint, tmp_path, changes, message):
@@ -107,12 +110,15 @@ def test_qwen_sliding_window_layers(checkpoint, tmp_path, changes, window):
     assert load_hf(target)[0].sliding_window == window
 
 
-def test_a_sliding_window_in_some_layers_only_is_refused(checkpoint, tmp_path):
-    """transformers slides only the layers from max_window_layers on: applying the window everywhere
-    would be a silent wrong result."""
+def test_a_sliding_window_in_some_layers_only_slides_those(checkpoint, tmp_path):
+    """transformers slides only the layers from max_window_layers on (test_transformer_parity's qwen2_window
+    runs such a model against transformers); a layer_types list of another length or kind is refused."""
     target = _copy(checkpoint, tmp_path)
     _edit_config(target, use_sliding_window=True, sliding_window=8, max_window_layers=1, layer_types=None)
-    with pytest.raises(CheckpointError, match="a sliding window in 1 of 2 layers is not supported"):
+    cfg = load_hf(target)[0]
+    assert (cfg.sliding_window, cfg.window_layers, cfg.layer_window(0), cfg.layer_window(1)) == (8, (1,), None, 8)
+    _edit_config(target, layer_types=["sliding_attention"])
+    with pytest.raises(CheckpointError, match="layer_types must name 2 layers"):
         load_hf(target)
 
 

@@ -11,6 +11,7 @@ from jpinfer.sparse import neurons
 from jpinfer.sparse.op import all_rows_ffn, sparse_ffn
 from jpinfer.sparse.pallas_kernels import KERNELS, MAX_TOKENS, listed_ffn, sparse_rows_ffn
 
+from activation_reference import activation64
 from tolerances import KERNEL_ATOL, KERNEL_RTOL
 
 D, N = 192, 96  # d = 3 tiles of 64 in the Pallas kernel; N = 3 blocks / chunks of 32
@@ -40,14 +41,7 @@ def _reference(kind, w, x, ids, count):
     """float64: sum over ids[:count] of act_i(x) * w_down[i] (+ b_down)."""
     up = x @ w["w_up"] + (0.0 if w["b_up"] is None else w["b_up"])
     gate = None if w["w_gate"] is None else x @ w["w_gate"]
-    if kind == "relu":
-        act = np.maximum(up, 0)
-    elif kind == "swiglu":
-        act = gate / (1 + np.exp(-gate)) * up
-    elif kind == "reglu":
-        act = np.maximum(gate, 0) * up
-    else:
-        act = np.maximum(gate, 0) * np.maximum(up, 0)
+    act = activation64(kind, gate, up)
     sel = np.asarray(ids[:count], np.int64)
     y = act[..., sel] @ w["w_down"][sel]
     return y + (0.0 if w["b_down"] is None else w["b_down"])

@@ -31,7 +31,7 @@ from jpinfer.predictor import PredictorMismatchError
 from jpinfer.profiler import ProfileMismatchError, smoothing
 from jpinfer.solver import InfeasibleBudgetError
 
-from profiler_fixtures import tiny_engine
+from profiler_fixtures import GEMMA2_LIKE, tiny_engine
 
 TEXT = " ".join(["the quick brown fox jumps over the lazy dog", "a stitch in time saves nine",
                  "all that glitters is not gold", "where there is smoke there is fire"] * 120)
@@ -307,3 +307,24 @@ def test_a_quantized_model_gets_a_pack_of_its_own(quantized_packs, made, model, 
         Pack.load(made.path, qmodel)
     engine = build_engine(qmodel, "threshold", profile=pack.profile)
     assert engine.stepper.name == "threshold" and len(engine.generate([1, 5, 9], max_new_tokens=4).token_ids) == 4
+
+
+def test_every_stage_and_mode_runs_on_a_gemma2_like_model(cache, settings, tmp_path):
+    """A GeGLU model with Gemma 2's norms, windows and caps through every stage: its thresholds are calibrated
+    (GeGLU's inactive neurons are small, not zero) and every mode builds from the pack and decodes; its
+    int8 form (SmoothQuant's calibration walks the same layers) gets a pack of its own."""
+    model = tiny_engine("geglu", **GEMMA2_LIKE).model
+    pack = prepare(model, tmp_path / "pack", settings, progress=False)
+    assert pack.ran == STAGES and pack.thresholds.target == {"activation": settings.sparsity}
+    assert np.all(pack.profile.thresholds > 0)
+    prompt = [1, 5, 9, 12, 3]
+    for mode in ("sparse", "hybrid", "threshold"):
+        inputs = get_mode(mode).from_pack(pack, "float32", ModeInputs())
+        engine = build_engine(model, mode, **{k: v for k, v in vars(inputs).items() if k != "capacity"})
+        assert engine.stepper.name == mode
+        assert len(engine.generate(prompt, max_new_tokens=6, ignore_eos=True).token_ids) == 6
+    windows = np.random.default_rng(0).integers(0, 40, (4, 32)).astype(np.int32)
+    qmodel = smoothing.int8_model(model, windows)
+    qpack = prepare(qmodel, tmp_path / "int8", settings, progress=False)
+    engine = build_engine(qmodel, "threshold", profile=qpack.profile)
+    assert qpack.weights == "int8" and len(engine.generate(prompt, max_new_tokens=6, ignore_eos=True).token_ids) == 6

@@ -26,7 +26,8 @@ from jpinfer.profiler import calibration as calibration_module
 from profiler_fixtures import ffn_inputs, reference_scores, reference_window_losses, thresholds_in_gaps, tiny_engine
 from tolerances import PPL_RTOL, SPARSITY_ATOL, U32
 
-KINDS = ("swiglu", "reglu", "drelu", "relu")
+KINDS = ("swiglu", "geglu", "reglu", "drelu", "relu")
+SMOOTH = ("swiglu", "geglu")  # inactive neurons small but not zero: calibrated thresholds
 
 
 def windows(n=5, t=16, seed=1):
@@ -42,7 +43,7 @@ def cache(tmp_path, monkeypatch):
 def test_counts_and_histogram_equal_brute_force(kind):
     engine, tokens = tiny_engine(kind), windows()
     scores = reference_scores(engine, tokens)
-    if kind == "swiglu":
+    if kind in SMOOTH:
         thr = thresholds_in_gaps(scores, 0.6)
         prof = profile(engine, tokens, thresholds=thr, batch_size=2, progress=False)  # 5 windows: a padded batch
     else:
@@ -54,7 +55,7 @@ def test_counts_and_histogram_equal_brute_force(kind):
         np.testing.assert_array_equal(prof.counts[layer], active.sum(0))
         per_token = np.bincount(active.sum(1), minlength=engine.cfg.d_ff + 1)
         np.testing.assert_array_equal(prof.active_hist[layer], per_token)
-    if kind != "swiglu":  # ReLU kinds: active means a non-zero activation, and exact zeros are common
+    if kind not in SMOOTH:  # ReLU kinds: active means a non-zero activation, and exact zeros are common
         assert np.all(prof.thresholds == 0)
         zeros = sum(int((s == 0).sum()) for s in scores)
         assert zeros > 0.2 * sum(s.size for s in scores)
@@ -127,7 +128,7 @@ def test_sensitivity_is_the_derivative_of_the_window_loss():
     def window_losses(lam, tau):  # float32, the model as the code runs it
         cache = transformer.KVCache.create(cfg, 2, tokens.shape[1])
         h, _, _ = transformer.forward(engine.weights, jnp.asarray(tokens), cache, cfg, Scaled(), list(zip(lam, tau)))
-        lg = transformer.logits(engine.weights, h[:, :-1])
+        lg = transformer.logits(engine.weights, h[:, :-1], cfg)
         return (jax.nn.logsumexp(lg, -1) - jnp.take_along_axis(lg, jnp.asarray(tokens)[:, 1:, None], -1)[..., 0]).sum(1)
 
     # float32 roundings along one forward pass (a length-n sum counts n): per layer norm 32, qkv 32, rope 2,

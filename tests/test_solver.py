@@ -281,6 +281,8 @@ def llama(**kw):
         llama(tie_embeddings=True, qkv_bias=True, name="qwen2-like"),
         llama(ffn_kind="relu", norm_kind="layernorm", positions="learned", position_offset=2,
               qkv_bias=True, attn_out_bias=True, ffn_bias=True, n_kv_heads=4, name="opt-like"),
+        llama(qk_norm=True, head_dim=12, name="qwen3-like"),
+        llama(ffn_kind="geglu", sandwich_norms=True, tie_embeddings=True, name="gemma2-like"),
     ],
 )
 def test_model_sizes_match_the_tensor_list(cfg):

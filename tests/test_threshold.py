@@ -19,7 +19,8 @@ from jpinfer.profiler import calibration as calibration_module
 from jpinfer.runtime.engine import FfnStrategy
 from jpinfer.sparse import ROWS_BACKENDS, sparse_rows_product, threshold_ffn, threshold_layout
 
-from profiler_fixtures import ffn_inputs, reference_window_losses, thresholds_in_gaps, tiny_engine
+from activation_reference import activation64
+from profiler_fixtures import GEMMA2_LIKE, ffn_inputs, reference_window_losses, thresholds_in_gaps, tiny_engine
 from tolerances import DECODER_ATOL, KERNEL_ATOL, KERNEL_RTOL, SPARSITY_ATOL, U32
 
 BACKENDS = [b for b in ROWS_BACKENDS if b != "auto"] + ["auto"]
@@ -92,16 +93,13 @@ def numpy_threshold_ffn(layer, kind, x, input_thr, act_thr):
     h = x @ w(layer.w_gate_up).T
     n = layer.w_down.shape[1]
     up = h[:, -n:] + (0 if layer.b_up is None else w(layer.b_up))
-    relu = lambda v: np.maximum(v, 0)
-    gate = h[:, :n]
-    a = {"swiglu": lambda: gate / (1 + np.exp(-gate)) * up, "reglu": lambda: relu(gate) * up,
-         "drelu": lambda: relu(gate) * relu(up), "relu": lambda: relu(up)}[kind]()
+    a = activation64(kind, h[:, :n], up)
     if act_thr is not None:
         a = np.where(np.abs(a) > act_thr, a, 0.0)
     return a @ w(layer.w_down).T + (0 if layer.b_down is None else w(layer.b_down))
 
 
-@pytest.mark.parametrize("kind", ["swiglu", "relu", "drelu"])
+@pytest.mark.parametrize("kind", ["swiglu", "geglu", "relu", "drelu"])
 @pytest.mark.parametrize("kinds", ["activation", "input", "both"])
 @pytest.mark.parametrize("tokens", [1, 5])
 def test_threshold_ffn_equals_numpy_zeroing_the_same_entries(kind, kinds, tokens):
@@ -290,7 +288,7 @@ def test_input_sensitivity_is_the_derivative_of_the_window_loss():
     def window_losses(lam):
         cache = transformer.KVCache.create(cfg, 2, tokens.shape[1])
         h, _, _ = transformer.forward(engine.weights, jnp.asarray(tokens), cache, cfg, ScaledInput(), list(lam))
-        lg = transformer.logits(engine.weights, h[:, :-1])
+        lg = transformer.logits(engine.weights, h[:, :-1], cfg)
         return (jax.nn.logsumexp(lg, -1) - jnp.take_along_axis(lg, jnp.asarray(tokens)[:, 1:, None], -1)[..., 0]).sum()
 
     # The derivative is a float32 sum over (token, dimension) of the terms x_tj * dL/dx_tj; scale = sum |term| per
@@ -367,10 +365,12 @@ def test_bad_threshold_mode_arguments_are_clear_errors():
 
 
 @pytest.mark.parametrize("kinds", ["activation", "input", "both"])
-def test_hybrid_threshold_on_two_devices_equals_one_device(kinds):
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_hybrid_threshold_on_two_devices_equals_one_device(kinds, arch):
     """Hot neurons on device 0, cold on device 1, each part applying the thresholds: the parts add up to the
-    one-device threshold FFN (a layer wholly hot, one wholly cold, and a split one)."""
-    dense = tiny_engine("swiglu", n_layers=3)
+    one-device threshold FFN (a layer wholly hot, one wholly cold, and a split one). gemma2: a GeGLU model
+    whose layers normalise their FFN's output (the two parts' sum), with a window in one layer."""
+    dense = tiny_engine("swiglu", n_layers=3) if arch == "llama" else tiny_engine("geglu", n_layers=3, **GEMMA2_LIKE)
     cfg = dense.cfg
     th = calibrate_sparsity(dense, windows(4, 16, seed=8), activation=0.5 if kinds != "input" else None,
                             input=0.3 if kinds != "activation" else None)

@@ -12,8 +12,8 @@ from jpinfer.models import hf_loader, params, transformer
 from hf_reference import make_model
 from tolerances import DECODER_ATOL
 
-ARCHS = ["llama", "llama_relu", "llama_drelu", "mistral", "qwen2", "qwen3", "opt", "llama3_rope", "linear_rope",
-         "yarn_rope"]
+ARCHS = ["llama", "llama_relu", "llama_drelu", "mistral", "qwen2", "qwen2_window", "qwen3", "phi3", "gemma2", "opt",
+         "llama3_rope", "linear_rope", "yarn_rope"]
 FFN_KIND = {"llama_drelu": "drelu"}
 
 
@@ -47,7 +47,7 @@ def test_prefill_and_decode_logits_match_transformers(arch, tmp_path):
     assert int(cache.length) == 12
 
 
-@pytest.mark.parametrize("arch", ["llama", "opt"])
+@pytest.mark.parametrize("arch", ["llama", "opt", "phi3", "gemma2"])
 def test_greedy_generation_matches_transformers(arch, tmp_path):
     ref, cfg, weights = _load(arch, tmp_path)
     prompt = [[5, 17, 3, 88]]
@@ -91,3 +91,18 @@ def test_rope_scaling_is_read_and_matters(arch, kind, tmp_path):
     scaled = np.asarray(transformer.score(weights, tokens, cfg))
     plain = np.asarray(transformer.score(weights, tokens, dataclasses.replace(cfg, rope_scaling=None)))
     assert np.abs(scaled - plain).max() > 100 * DECODER_ATOL
+
+
+@pytest.mark.parametrize("feature", ["attn_softcap", "logit_softcap", "window_layers", "attn_scale", "embed_scale"])
+def test_gemma2_features_are_read_and_matter(feature, tmp_path):
+    """Each Gemma 2 feature the parity test passes is read from the checkpoint and binds there: without it
+    (caps off, the window in every layer, the default scales) the logits move far past the tolerance."""
+    ref, cfg, weights = _load("gemma2", tmp_path)
+    assert (cfg.ffn_kind, cfg.sandwich_norms, cfg.window_layers, cfg.attn_softcap, cfg.logit_softcap) == (
+        "geglu", True, (0, 2), 3.0, 4.0)
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, size=(1, 12)))
+    default = {"attn_softcap": None, "logit_softcap": None, "window_layers": None, "attn_scale": None,
+               "embed_scale": 1.0}[feature]
+    read = np.asarray(transformer.score(weights, tokens, cfg))
+    without = np.asarray(transformer.score(weights, tokens, dataclasses.replace(cfg, **{feature: default})))
+    assert np.abs(read - without).max() > 100 * DECODER_ATOL

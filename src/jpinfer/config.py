@@ -8,11 +8,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-FfnKind = Literal["swiglu", "reglu", "drelu", "relu"]
+FfnKind = Literal["swiglu", "geglu", "reglu", "drelu", "relu"]
 NormKind = Literal["rmsnorm", "layernorm"]
 PositionKind = Literal["rope", "learned"]
 
-FFN_KINDS: tuple[str, ...] = ("swiglu", "reglu", "drelu", "relu")
+FFN_KINDS: tuple[str, ...] = ("swiglu", "geglu", "reglu", "drelu", "relu")
 ROPE_SCALINGS: tuple[str, ...] = ("linear", "llama3", "yarn", "factors")
 WEIGHT_FORMATS: tuple[str, ...] = ("float", "int8", "int4")  # jpinfer.load(weights=...); see jpinfer.models.quantized
 
@@ -58,7 +58,7 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a decoder-only transformer (Llama family or OPT).
+    """Architecture of a decoder-only transformer (the Llama family, Gemma 2 or OPT).
 
     Weight conventions (see models/params.py): every projection is stored as
     (out_features, in_features) and applied as W @ x; q|k|v and gate|up are fused.
@@ -79,21 +79,32 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None  # None: plain RoPE
     max_position: int = 2048
     sliding_window: int | None = None  # Mistral: attend to the last N positions only
+    window_layers: tuple[int, ...] | None = None  # the layers that slide (Gemma 2, Qwen2); None: all of them
     # OPT's learned position table is indexed with position + offset (2 in OPT).
     position_offset: int = 0
     qkv_bias: bool = False  # Qwen2, OPT
     qk_norm: bool = False  # Qwen3: an RMSNorm over each head's query and key (head_dim weights) before RoPE
     attn_out_bias: bool = False  # OPT
+    attn_scale: float | None = None  # the scores' factor; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
+    attn_softcap: float | None = None  # Gemma 2: scores become cap * tanh(scores / cap) before the softmax
+    logit_softcap: float | None = None  # Gemma 2: the same on the output logits
+    sandwich_norms: bool = False  # Gemma 2/3: an RMSNorm on the attention's and the FFN's outputs too
+    embed_scale: float = 1.0  # Gemma: input embeddings times sqrt(d_model) (the tied head is not scaled)
     ffn_bias: bool = False  # OPT
     tie_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    architecture: str = "llama"  # informative: llama | mistral | qwen2 | qwen3 | opt
+    architecture: str = "llama"  # informative: llama | mistral | qwen2 | qwen3 | gemma2 | opt
     name: str = "model"
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):  # read back from JSON (dataclasses.asdict)
             object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+        if self.window_layers is not None:  # a list when read back from JSON
+            object.__setattr__(self, "window_layers", tuple(int(i) for i in self.window_layers))
+            if self.sliding_window is None or not all(0 <= i < self.n_layers for i in self.window_layers):
+                raise ValueError(f"window_layers {self.window_layers} need a sliding_window and layers in "
+                                 f"0..{self.n_layers - 1}")
         if self.ffn_kind not in FFN_KINDS:
             raise ValueError(
                 f"unsupported FFN activation kind {self.ffn_kind!r}; supported: {', '.join(FFN_KINDS)}"
@@ -109,6 +120,12 @@ class ModelConfig:
         if factors and len(factors) != self.head_dim // 2:
             raise ValueError(f"{len(factors)} RoPE frequency factors for head_dim {self.head_dim} "
                              f"({self.head_dim // 2} frequencies)")
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer ``layer`` (None: it attends to every earlier position)."""
+        if self.window_layers is not None and layer not in self.window_layers:
+            return None
+        return self.sliding_window
 
     @property
     def has_gate(self) -> bool:

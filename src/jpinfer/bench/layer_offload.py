@@ -59,22 +59,23 @@ def random_weights(cfg: ModelConfig, dtype: Any, device: Any, seed: int = 0, sca
 # ----- layer offload
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "attend"), donate_argnames=("keys", "values"))
-def _segment(layers: list[Layer], h, positions, rope_cs, keys, values, *, cfg: ModelConfig, attend: int):
-    """Consecutive dense layers on one device, in their weights' dtype; h returns in its own."""
+@functools.partial(jax.jit, static_argnames=("cfg", "attend", "first"), donate_argnames=("keys", "values"))
+def _segment(layers: list[Layer], h, positions, rope_cs, keys, values, *, cfg: ModelConfig, attend: int, first: int):
+    """Consecutive dense layers (the model's from ``first`` on) on one device, in their weights' dtype; h
+    returns in its own."""
     dtype, keys, values = h.dtype, list(keys), list(values)
     h = h.astype(layers[0].wo.dtype)
     for i, layer in enumerate(layers):
         h, x, keys[i], values[i] = transformer.attention_residual(layer, h, positions, rope_cs, keys[i], values[i],
-                                                                  cfg, attend)
-        h = h + transformer.ffn_dense(layer, x, cfg).astype(h.dtype)
+                                                                  cfg, attend, window=cfg.layer_window(first + i))
+        h = transformer.ffn_residual(layer, h, transformer.ffn_dense(layer, x, cfg), cfg)
     return h.astype(dtype), keys, values
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _final_logits(top: Weights, h, last, *, cfg: ModelConfig):
     h = transformer.norm(top.final_norm, h, cfg)
-    return transformer.logits(top, jax.lax.dynamic_index_in_dim(h, last, axis=1, keepdims=False))
+    return transformer.logits(top, jax.lax.dynamic_index_in_dim(h, last, axis=1, keepdims=False), cfg)
 
 
 @dataclasses.dataclass
@@ -108,7 +109,7 @@ class LayerOffloadStepper:
         for s in self.segments:
             i, n = len(keys), len(s.layers)
             h, k, v = _segment(s.layers, *jax.device_put((h, positions, rope_cs), s.device), cache.k[i:i + n],
-                               cache.v[i:i + n], cfg=self.cfg, attend=attend)
+                               cache.v[i:i + n], cfg=self.cfg, attend=attend, first=i)
             keys += k
             values += v
         return jax.device_put(h, self.accelerator), transformer.KVCache(keys, values, cache.length + tokens.shape[1])

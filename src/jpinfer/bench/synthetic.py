@@ -63,12 +63,12 @@ def gib(n: float) -> str:
 # ----- model and activity
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _layer_and_ffn_input(layer: Layer, h, positions, rope_cs, *, cfg: ModelConfig):
+@functools.partial(jax.jit, static_argnames=("cfg", "window"))
+def _layer_and_ffn_input(layer: Layer, h, positions, rope_cs, *, cfg: ModelConfig, window: int | None):
     """One dense layer over whole sequences (a fresh cache); returns its output and its FFN input."""
     empty = jnp.zeros((h.shape[0], cfg.n_kv_heads, h.shape[1], cfg.head_dim), h.dtype)
-    h, x, _, _ = transformer.attention_residual(layer, h, positions, rope_cs, empty, empty, cfg)
-    return h + transformer.ffn_dense(layer, x, cfg).astype(h.dtype), x
+    h, x, _, _ = transformer.attention_residual(layer, h, positions, rope_cs, empty, empty, cfg, window=window)
+    return transformer.ffn_residual(layer, h, transformer.ffn_dense(layer, x, cfg), cfg), x
 
 
 def ffn_inputs(cfg: ModelConfig, weights: Weights, seed: int) -> list[np.ndarray]:
@@ -77,8 +77,8 @@ def ffn_inputs(cfg: ModelConfig, weights: Weights, seed: int) -> list[np.ndarray
     tokens = jnp.asarray(np.random.default_rng(seed).integers(0, cfg.vocab_size, (batch, length), np.int32))
     h, positions, rope_cs = step_inputs(weights, jax.device_put(tokens, weights.head.device), jnp.int32(0), cfg=cfg)
     out = []
-    for layer in weights.layers:
-        h, x = _layer_and_ffn_input(layer, h, positions, rope_cs, cfg=cfg)
+    for i, layer in enumerate(weights.layers):
+        h, x = _layer_and_ffn_input(layer, h, positions, rope_cs, cfg=cfg, window=cfg.layer_window(i))
         out.append(np.asarray(x.astype(jnp.float32)).reshape(-1, cfg.d_model))
     return out
 

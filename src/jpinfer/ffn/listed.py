@@ -21,6 +21,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
+from jpinfer.activations import SMOOTH_KINDS
 from jpinfer.config import ModelConfig
 from jpinfer.errors import JpinferError
 from jpinfer.ffn.capacity import per_layer
@@ -57,14 +58,15 @@ def oracle_state(
 ) -> list[OracleState]:
     """The ``ffn_state`` list of ``OracleListFFN``: neuron-major weights and a threshold per layer.
 
-    ``thresholds`` defaults to 0 for ReLU kinds (active = non-zero). SwiGLU activations
-    are never exactly zero, so its thresholds must be given (calibrated values, or
+    ``thresholds`` defaults to 0 for ReLU kinds (active = non-zero). SwiGLU and GeGLU activations
+    are never exactly zero, so their thresholds must be given (calibrated values, or
     -inf to keep every neuron).
     """
     n = cfg.n_layers
     if thresholds is None:
-        if cfg.ffn_kind == "swiglu":
-            raise JpinferError("SwiGLU needs per-layer thresholds on |silu(g)*u| (or -inf to keep every neuron)")
+        if cfg.ffn_kind in SMOOTH_KINDS:
+            raise JpinferError(f"{cfg.ffn_kind} needs per-layer thresholds on |act(g)*u| (or -inf to keep every "
+                               "neuron)")
         thresholds = 0.0
     per_layer_thresholds = ([float(thresholds)] * n if isinstance(thresholds, (int, float))
                             else [float(t) for t in thresholds])

@@ -31,7 +31,7 @@ def _nll_sum(weights, tokens, valid, ffn_state, cfg, ffn_impl):
     sums over the valid windows' tokens (every aux leaf is (B, T))."""
     cache = transformer.KVCache.create(cfg, tokens.shape[0], tokens.shape[1], weights.dtype)
     h, _, aux = transformer.forward(weights, tokens, cache, cfg, ffn_impl, ffn_state)
-    lg = transformer.logits(weights, h[:, :-1])
+    lg = transformer.logits(weights, h[:, :-1], cfg)
     nll = jax.nn.logsumexp(lg, -1) - jnp.take_along_axis(lg, tokens[:, 1:, None], -1)[..., 0]
     aux_sums = jax.tree_util.tree_map(lambda a: jnp.sum(a * valid[:, None], dtype=jnp.float32), aux)
     return jnp.sum(nll.sum(-1) * valid), aux_sums

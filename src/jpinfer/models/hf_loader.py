@@ -1,9 +1,11 @@
 """Hugging Face checkpoint directories (config.json + safetensors) -> ModelConfig + tensors.
 
 Reads safetensors with its JAX framework (bfloat16 included), never PyTorch.
-Supported: LlamaForCausalLM (hidden_act silu -> swiglu, relu -> reglu; this covers
-ReluLLaMA and ProSparse-style ReLU checkpoints), MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM (q/k norms)
-and OPTForCausalLM (pre-LayerNorm variants).
+Supported: LlamaForCausalLM (hidden_act silu -> swiglu, relu -> reglu, GELU's tanh form -> geglu; this
+covers ReluLLaMA and ProSparse-style ReLU checkpoints), MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+(q/k norms), Phi3ForCausalLM (q/k/v and gate/up fused in the checkpoint), Gemma2ForCausalLM (GeGLU, scaled
+embeddings, norms on the attention's and FFN's outputs, soft-capped scores and logits, sliding windows in
+every other layer) and OPTForCausalLM (pre-LayerNorm variants).
 """
 
 from __future__ import annotations
@@ -21,8 +23,13 @@ from jpinfer.models.params import expected_shapes
 from jpinfer.models.rope import yarn_attention_factor
 
 LLAMA_LIKE = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-              "Qwen3ForCausalLM": "qwen3"}
-ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu", "relu": "reglu"}
+              "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2"}
+# Phi-3 stores these projections fused: the checkpoint's tensor -> the separate ones it stacks, in order
+FUSED_IN_CHECKPOINT = {"self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                                     "self_attn.v_proj.weight"),
+                       "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")}
+ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu", "relu": "reglu", "gelu_pytorch_tanh": "geglu",
+               "gelu_new": "geglu"}
 SUPPORTED = sorted([*LLAMA_LIKE, "OPTForCausalLM"])
 
 
@@ -32,13 +39,13 @@ def _rope(raw: dict[str, Any], path: pathlib.Path) -> tuple[float, RopeScaling |
     scaling = raw.get("rope_scaling") or params
     theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if any(d.get("partial_rotary_factor", 1.0) != 1.0 for d in (raw, params, scaling)):
+        raise CheckpointError(f"{path}: partial rotary embedding (partial_rotary_factor) is not supported yet")
     if rope_type in ("default", None):
         return theta, None
     if rope_type not in ("linear", "llama3", "yarn"):
         raise CheckpointError(f"{path}: RoPE scaling type {rope_type!r} is not supported yet "
                               "(supported: linear, llama3, yarn)")
-    if scaling.get("partial_rotary_factor", 1.0) != 1.0:
-        raise CheckpointError(f"{path}: partial rotary embedding is not supported yet")
     original = scaling.get("original_max_position_embeddings")
     factor = scaling.get("factor")
     if factor is None and rope_type == "yarn" and original:  # transformers' default: the context's stretch
@@ -59,26 +66,29 @@ def _rope(raw: dict[str, Any], path: pathlib.Path) -> tuple[float, RopeScaling |
         raise CheckpointError(f"{path}: RoPE scaling {rope_type!r}: {err}") from None
 
 
-def _sliding_window(raw: dict[str, Any], arch: str, path: pathlib.Path) -> int | None:
-    """The window every layer attends within (None: full attention). Mistral slides in every layer when a
-    window is set; Qwen2 and Qwen3 only with use_sliding_window, and then in the layers from
-    max_window_layers on (transformers' ``layer_types``, default 28): a window in some layers only is
-    refused, not applied to all of them."""
+def _sliding_window(raw: dict[str, Any], arch: str, path: pathlib.Path) -> tuple[int | None, tuple[int, ...] | None]:
+    """(window, the layers that slide: None for all) as transformers applies them. Mistral and Phi-3 slide
+    in every layer when a window is set; Qwen2 and Qwen3 only with use_sliding_window, and then in the layers from
+    max_window_layers on (default 28); Gemma 2 in every other layer from the first; ``layer_types``, where
+    given, names each layer's kind."""
     window = raw.get("sliding_window")
-    if arch == "MistralForCausalLM" or window is None:
-        return window
-    if not raw.get("use_sliding_window", False):
-        return None
+    if arch in ("MistralForCausalLM", "Phi3ForCausalLM") or window is None:
+        return window, None
     n = raw["num_hidden_layers"]
-    first = raw.get("max_window_layers", 28)
-    types = raw.get("layer_types") or ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
-    sliding = sum(t == "sliding_attention" for t in types)
-    if sliding == 0:
-        return None
-    if sliding == len(types):
-        return window
-    raise CheckpointError(f"{path}: a sliding window in {sliding} of {len(types)} layers is not supported yet "
-                          "(only in all of them or none)")
+    if arch == "Gemma2ForCausalLM":
+        default = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+    elif raw.get("use_sliding_window", False):
+        first = raw.get("max_window_layers", 28)
+        default = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+    else:
+        return None, None
+    types = raw.get("layer_types") or default
+    if len(types) != n or set(types) - {"sliding_attention", "full_attention"}:
+        raise CheckpointError(f"{path}: layer_types must name {n} layers, each sliding_attention or full_attention")
+    sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    if not sliding:
+        return None, None
+    return window, None if len(sliding) == n else sliding
 
 
 def _eos_ids(raw: dict[str, Any]) -> tuple[int, ...]:
@@ -105,7 +115,7 @@ def parse_config(raw: dict[str, Any], path: pathlib.Path, ffn_kind: str | None =
 
 
 def _parse_llama(raw: dict[str, Any], path: pathlib.Path, arch: str, ffn_kind: str | None) -> ModelConfig:
-    act = raw.get("hidden_act", "silu")
+    act = raw.get("hidden_activation") or raw.get("hidden_act", "silu")  # Gemma 2 names it hidden_activation
     if ffn_kind is None:
         if act not in ACTIVATIONS:
             raise CheckpointError(
@@ -117,8 +127,10 @@ def _parse_llama(raw: dict[str, Any], path: pathlib.Path, arch: str, ffn_kind: s
         raise CheckpointError(f"{path}: mlp_bias=true is not supported")
     n_heads = raw["num_attention_heads"]
     attention_bias = bool(raw.get("attention_bias", False))
-    window = _sliding_window(raw, arch, path)
+    window, window_layers = _sliding_window(raw, arch, path)
     theta, rope_scaling = _rope(raw, path)
+    gemma = arch == "Gemma2ForCausalLM"
+    softcap = lambda field: float(raw[field]) if gemma and raw.get(field) else None
     return ModelConfig(
         vocab_size=raw["vocab_size"],
         d_model=raw["hidden_size"],
@@ -134,10 +146,16 @@ def _parse_llama(raw: dict[str, Any], path: pathlib.Path, arch: str, ffn_kind: s
         rope_scaling=rope_scaling,
         max_position=raw.get("max_position_embeddings", 2048),
         sliding_window=window,
+        window_layers=window_layers,
         qkv_bias=attention_bias or arch == "Qwen2ForCausalLM",
         qk_norm=arch == "Qwen3ForCausalLM",
         attn_out_bias=attention_bias,
-        tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        attn_scale=float(raw.get("query_pre_attn_scalar", 256)) ** -0.5 if gemma else None,
+        attn_softcap=softcap("attn_logit_softcapping"),
+        logit_softcap=softcap("final_logit_softcapping"),
+        sandwich_norms=gemma,
+        embed_scale=float(raw["hidden_size"]) ** 0.5 if gemma else 1.0,
+        tie_embeddings=bool(raw.get("tie_word_embeddings", gemma)),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=_eos_ids(raw),
         architecture=LLAMA_LIKE[arch],
@@ -234,6 +252,10 @@ def _hf_to_ours(cfg: ModelConfig) -> dict[str, str]:
             "w_up": "mlp.up_proj.weight",
             "w_down": "mlp.down_proj.weight",
         }
+        if cfg.sandwich_norms:  # Gemma 2: its post_attention_layernorm is on the attention's output
+            per_layer |= {"attn_out_norm.scale": "post_attention_layernorm.weight",
+                          "ffn_norm.scale": "pre_feedforward_layernorm.weight",
+                          "ffn_out_norm.scale": "post_feedforward_layernorm.weight"}
         layer_prefix = "model.layers.{}."
     names["lm_head"] = "lm_head.weight"
     for i in range(cfg.n_layers):
@@ -293,7 +315,17 @@ def load_hf(path: str | pathlib.Path, ffn_kind: str | None = None) -> tuple[Mode
         raise CheckpointError(f"{config_file}: invalid JSON ({e})") from None
     cfg = parse_config(raw, path, ffn_kind)
     mapping = {k: v for k, v in _hf_to_ours(cfg).items() if k in expected_shapes(cfg)}
-    found = _read_tensors(_safetensor_files(path), set(mapping.values()))
+    fused = {f"model.layers.{i}.{name}": [f"model.layers.{i}.{part}" for part in parts]
+             for i in range(cfg.n_layers) for name, parts in FUSED_IN_CHECKPOINT.items()}
+    found = _read_tensors(_safetensor_files(path), set(mapping.values()) | set(fused))
+    for name, parts in fused.items():  # split into the separate projections (build_weights fuses them again)
+        if name in found:
+            ours = {theirs: k for k, theirs in mapping.items()}
+            sizes = [expected_shapes(cfg)[ours[part]][0] for part in parts]
+            if found[name].shape[0] != sum(sizes):
+                raise CheckpointError(f"{path}: tensor {name!r} has shape {found[name].shape}; the config implies "
+                                      f"{sum(sizes)} rows ({' + '.join(map(str, sizes))})")
+            found |= dict(zip(parts, np.split(found.pop(name), np.cumsum(sizes)[:-1])))
     tensors = {}
     for ours, theirs in mapping.items():
         if theirs not in found:
@@ -303,4 +335,6 @@ def load_hf(path: str | pathlib.Path, ffn_kind: str | None = None) -> tuple[Mode
         tensors[ours] = found[theirs]
     if "lm_head" in mapping and "lm_head" not in tensors:
         raise CheckpointError(f"{path}: missing tensor 'lm_head.weight' and tie_word_embeddings is false")
+    if cfg.architecture == "gemma2":  # Gemma's RMSNorm weights are offsets: it scales by 1 + w
+        tensors = {k: v + np.float32(1.0) if k.endswith("norm.scale") else v for k, v in tensors.items()}
     return cfg, tensors

@@ -45,7 +45,9 @@ def model_fingerprint(cfg: ModelConfig, weights: Weights) -> str:
     return digest
 
 
-LATER_FIELDS = {"rope_scaling": None, "qk_norm": False}  # ModelConfig fields added after packs were made
+# ModelConfig fields added after packs were made, with their defaults
+LATER_FIELDS = {"rope_scaling": None, "qk_norm": False, "window_layers": None, "attn_scale": None,
+                "attn_softcap": None, "logit_softcap": None, "sandwich_norms": False, "embed_scale": 1.0}
 
 
 def _fingerprint(cfg: ModelConfig, weights: Weights) -> str:

@@ -54,6 +54,8 @@ class Layer:
     k_norm: Norm | None = None
     b_up: jax.Array | None = None
     b_down: jax.Array | None = None
+    attn_out_norm: Norm | None = None  # ModelConfig.sandwich_norms (Gemma 2): on the attention's output
+    ffn_out_norm: Norm | None = None  # and on the FFN's
 
 
 @_register
@@ -114,6 +116,8 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             layer["bo"] = (d,)
         if cfg.qk_norm:
             layer |= {"q_norm.scale": (cfg.head_dim,), "k_norm.scale": (cfg.head_dim,)}
+        if cfg.sandwich_norms:
+            layer |= {"attn_out_norm.scale": (d,), "ffn_out_norm.scale": (d,)}
         if cfg.ffn_bias:
             layer |= {"b_up": (f,), "b_down": (d,)}
         shapes |= {p + k: v for k, v in layer.items()}
@@ -163,6 +167,8 @@ def build_weights(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype=jnp.fl
                 b_down=get(p + "b_down"),
                 q_norm=norm(p + "q_norm") if cfg.qk_norm else None,
                 k_norm=norm(p + "k_norm") if cfg.qk_norm else None,
+                attn_out_norm=norm(p + "attn_out_norm") if cfg.sandwich_norms else None,
+                ffn_out_norm=norm(p + "ffn_out_norm") if cfg.sandwich_norms else None,
             )
         )
     head = tensors["embed"] if cfg.tie_embeddings else tensors["lm_head"]

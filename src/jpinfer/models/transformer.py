@@ -1,4 +1,4 @@
-"""Dense reference decoder: Llama family (RoPE, GQA, RMSNorm, gated FFN) and OPT.
+"""Dense reference decoder: Llama family (RoPE, GQA, RMSNorm, gated FFN), Gemma 2 and OPT.
 
 Pure functions over the ``Weights`` pytree. The FFN is a pluggable step: ``forward``
 takes a static ``ffn_impl`` and a traced ``ffn_state`` so that sparse FFNs (oracle
@@ -92,58 +92,66 @@ def linear(x: jax.Array, w: jax.Array | quantized.QuantizedMatrix, b: jax.Array 
 
 def cached_attention(
     q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, positions: jax.Array, cfg: ModelConfig,
-    attend: int | None = None,
+    attend: int | None = None, *, window: int | None,
 ) -> jax.Array:
     """Causal grouped-query attention of the queries q (B, T, H, hd) at ``positions`` (T,) over a layer's
-    cache (B, KV, S, hd) that already holds their keys and values: (B, T, H, hd), float32 sums.
+    cache (B, KV, S, hd) that already holds their keys and values: (B, T, H, hd), float32 sums. Each query
+    sees the keys of the last ``window`` positions (the layer's ``ModelConfig.layer_window``; None: all).
 
     On the CPU, for decode-sized steps (T <= 8, float32, head_dim a multiple of 8) with the native
     kernels: one call that reads the cache in place up to the last position (``native.kernels.
-    cached_attention``). XLA otherwise: it reads the first ``attend`` slots (static; None = all),
-    which must hold every position so far. XLA:CPU copied those slots before its products, which with
-    the softmax cost 1.4 of the default model's 8.7 ms int8 decode step (docs/architecture.md).
+    cached_attention``; not with ``attn_softcap``, which it does not apply). XLA otherwise: it reads the
+    first ``attend`` slots (static; None = all), which must hold every position so far. XLA:CPU copied
+    those slots before its products, which with the softmax cost 1.4 of the default model's 8.7 ms int8
+    decode step (docs/architecture.md).
     """
-    xla = functools.partial(xla_cached_attention, cfg=cfg, attend=attend)
-    if not (native_kernels.cached_attention_fits(q, cache_k, cache_v) and native_available()):
+    xla = functools.partial(xla_cached_attention, cfg=cfg, attend=attend, window=window)
+    if not (native_kernels.cached_attention_fits(q, cache_k, cache_v) and native_available()
+            and cfg.attn_softcap is None):
         return xla(q, cache_k, cache_v, positions)
-    native = functools.partial(native_kernels.cached_attention, window=cfg.sliding_window)
+    native = functools.partial(native_kernels.cached_attention, window=window)
     return jax.lax.platform_dependent(q, cache_k, cache_v, positions, cpu=native, default=xla)
 
 
 def xla_cached_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, positions: jax.Array, *,
-                         cfg: ModelConfig, attend: int | None) -> jax.Array:
+                         cfg: ModelConfig, attend: int | None, window: int | None) -> jax.Array:
     """``cached_attention`` in XLA on any platform and for any T and dtype (bench/native_kernels.py times it
     against the native kernel). Up to ``ONE_SOFTMAX_TOKENS`` tokens: one softmax over the first ``attend``
     slots; longer prompts: ``blocked_attention``."""
     keys, values = cache_k[:, :, :attend], cache_v[:, :, :attend]
     if q.shape[1] > ONE_SOFTMAX_TOKENS:
-        return blocked_attention(q, keys, values, positions, cfg)
-    return _one_softmax_attention(q, keys, values, positions, cfg)
+        return blocked_attention(q, keys, values, positions, cfg, window=window)
+    return _one_softmax_attention(q, keys, values, positions, cfg, window)
 
 
 def _one_softmax_attention(q: jax.Array, keys: jax.Array, values: jax.Array, positions: jax.Array,
-                           cfg: ModelConfig) -> jax.Array:
+                           cfg: ModelConfig, window: int | None) -> jax.Array:
     b, t = q.shape[:2]
     groups = cfg.n_heads // cfg.n_kv_heads
     qg = q.reshape(b, t, cfg.n_kv_heads, groups, cfg.head_dim)
     scores = jnp.einsum("btkgh,bksh->bkgts", qg, keys, preferred_element_type=jnp.float32)
-    scores = scores * (cfg.head_dim**-0.5)
-    scores = jnp.where(_visible(jnp.arange(keys.shape[2]), positions, cfg)[None, None, None], scores, -jnp.inf)
+    scores = _softcap(scores * (cfg.head_dim**-0.5), cfg.attn_softcap)
+    scores = jnp.where(_visible(jnp.arange(keys.shape[2]), positions, window)[None, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
     out = jnp.einsum("bkgts,bksh->btkgh", probs, values, preferred_element_type=jnp.float32)
     return out.reshape(b, t, cfg.n_heads, cfg.head_dim)
 
 
-def _visible(key_positions: jax.Array, positions: jax.Array, cfg: ModelConfig) -> jax.Array:
+def _visible(key_positions: jax.Array, positions: jax.Array, window: int | None) -> jax.Array:
     """(T, S): which keys each query sees (causal, and within the sliding window)."""
     visible = key_positions[None, :] <= positions[:, None]
-    if cfg.sliding_window is not None:
-        visible &= key_positions[None, :] > positions[:, None] - cfg.sliding_window
+    if window is not None:
+        visible &= key_positions[None, :] > positions[:, None] - window
     return visible
 
 
+def _softcap(x: jax.Array, cap: float | None) -> jax.Array:
+    """cap * tanh(x / cap): Gemma 2's soft bound on attention scores and logits (None: x unchanged)."""
+    return x if cap is None else cap * jnp.tanh(x / cap)
+
+
 def blocked_attention(q: jax.Array, keys: jax.Array, values: jax.Array, positions: jax.Array,
-                      cfg: ModelConfig) -> jax.Array:
+                      cfg: ModelConfig, *, window: int | None) -> jax.Array:
     """``xla_cached_attention`` for long prompts: blocks of ``QUERY_BLOCK`` queries, each over blocks of
     ``KEY_BLOCK`` keys with a running max and sum (the softmax of Milakov and Gimelshein, 2018), visiting
     only the key blocks its positions can see. One softmax over all T x S scores held (T, S) floats per
@@ -165,7 +173,7 @@ def blocked_attention(q: jax.Array, keys: jax.Array, values: jax.Array, position
 
     def query_block(args):
         qi, pi = args  # (b, kv, g * Q, hd), (Q,)
-        first = 0 if cfg.sliding_window is None else jnp.maximum(pi[0] - cfg.sliding_window + 1, 0) // kb
+        first = 0 if window is None else jnp.maximum(pi[0] - window + 1, 0) // kb
         last = pi[-1] // kb + 1  # key blocks [first, last) hold every key these queries see
 
         def key_block(j, carry):
@@ -177,8 +185,9 @@ def blocked_attention(q: jax.Array, keys: jax.Array, values: jax.Array, position
             k = jax.lax.dynamic_slice_in_dim(keys, start, kb, axis=2)  # its keys before j * kb are masked
             v = jax.lax.dynamic_slice_in_dim(values, start, kb, axis=2)
             key_pos = start + jnp.arange(kb)
-            visible = _visible(key_pos, pi, cfg) & (key_pos >= j * kb)[None, :]  # (Q, K)
-            scores = jnp.einsum("bkqh,bksh->bkqs", qi, k, preferred_element_type=jnp.float32)
+            visible = _visible(key_pos, pi, window) & (key_pos >= j * kb)[None, :]  # (Q, K)
+            scores = _softcap(jnp.einsum("bkqh,bksh->bkqs", qi, k, preferred_element_type=jnp.float32),
+                              cfg.attn_softcap)
             scores = jnp.where(jnp.tile(visible, (groups, 1))[None, None], scores, -jnp.inf)
             m_new = jnp.maximum(m, scores.max(-1))
             safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # rows that have seen nothing yet
@@ -210,8 +219,11 @@ def attention_block(
     cache_v: jax.Array,
     cfg: ModelConfig,
     attend: int | None = None,
+    *,
+    window: int | None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Causal grouped-query attention over the layer's cache plus the T new positions.
+    """Causal grouped-query attention over the layer's cache plus the T new positions, each query within
+    the layer's ``window`` (``ModelConfig.layer_window``; None: every earlier position).
 
     x: (B, T, d) normalised input at ``positions`` (T,); ``rope_cs`` from ``rope_tables``
     (None for learned positions). The new keys and values are written into the layer's
@@ -231,10 +243,12 @@ def attention_block(
     if rope_cs is not None:
         q = rope(q, rope_cs)
         k = rope(k, rope_cs)
+    if cfg.attn_scale is not None:  # the attention kernels scale by head_dim ** -0.5: the rest goes to q
+        q = q * jnp.asarray(cfg.attn_scale * cfg.head_dim**0.5, q.dtype)
     at = (0, 0, positions[0], 0)
     cache_k = jax.lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype).transpose(0, 2, 1, 3), at)
     cache_v = jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype).transpose(0, 2, 1, 3), at)
-    out = cached_attention(q, cache_k, cache_v, positions, cfg, attend)
+    out = cached_attention(q, cache_k, cache_v, positions, cfg, attend, window=window)
     out = out.reshape(b, t, cfg.q_dim).astype(x.dtype)
     return linear(out, layer.wo, layer.bo), cache_k, cache_v
 
@@ -275,6 +289,8 @@ def embed(weights: Weights, tokens: jax.Array, positions: jax.Array, cfg: ModelC
         h = jnp.moveaxis(jnp.take(weights.head, tokens, axis=1), 0, -1)
     if cfg.positions == "learned":
         h = h + weights.positions[positions + cfg.position_offset][None]
+    if cfg.embed_scale != 1.0:
+        h = h * jnp.asarray(cfg.embed_scale, h.dtype)
     return h
 
 
@@ -298,14 +314,28 @@ def attention_residual(
     cache_v: jax.Array,
     cfg: ModelConfig,
     attend: int | None = None,
+    *,
+    window: int | None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """A layer up to its FFN: h + attention(norm(h)). Returns that residual stream, the
-    normalised FFN input x and the layer's updated keys and values; the layer's output is
-    the residual plus the FFN of x (``forward``, or the hybrid engine's two partial FFNs)."""
+    """A layer up to its FFN: h + attention(norm(h)) within ``window`` (the layer's
+    ``ModelConfig.layer_window``), the attention's output normalised too with ``sandwich_norms``.
+    Returns that residual stream, the normalised FFN input x and the layer's updated keys and values;
+    the layer's output is ``ffn_residual`` of the FFN of x (``forward``, or the hybrid engine's two
+    partial FFNs summed)."""
     attn, k, v = attention_block(layer, norm(layer.attn_norm, h, cfg), positions, rope_cs, cache_k, cache_v, cfg,
-                                 attend)
+                                 attend, window=window)
+    if cfg.sandwich_norms:
+        attn = norm(layer.attn_out_norm, attn, cfg)
     h = h + attn
     return h, norm(layer.ffn_norm, h, cfg), k, v
+
+
+def ffn_residual(layer: Layer, h: jax.Array, y: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """The layer's output: the residual stream h plus its whole FFN output y (normalised first with
+    ``sandwich_norms``: a norm of the sum, so a split FFN adds its parts before this)."""
+    if cfg.sandwich_norms:
+        y = norm(layer.ffn_out_norm, y, cfg)
+    return h + y.astype(h.dtype)
 
 
 def forward(
@@ -329,22 +359,23 @@ def forward(
     h, positions, rope_cs = step_inputs(weights, tokens, start, cfg)
     aux, keys, values = [], [], []
     for i, layer in enumerate(weights.layers):
-        h, x, k, v = attention_residual(layer, h, positions, rope_cs, cache.k[i], cache.v[i], cfg, attend)
+        h, x, k, v = attention_residual(layer, h, positions, rope_cs, cache.k[i], cache.v[i], cfg, attend,
+                                        window=cfg.layer_window(i))
         keys.append(k)
         values.append(v)
         y, aux_i = impl(i, layer, x, None if ffn_state is None else ffn_state[i])
-        h = h + y.astype(h.dtype)
+        h = ffn_residual(layer, h, y, cfg)
         aux.append(aux_i)
     cache = KVCache(keys, values, start + tokens.shape[1])
     return norm(weights.final_norm, h, cfg), cache, aux
 
 
-def logits(weights: Weights, h: jax.Array) -> jax.Array:
+def logits(weights: Weights, h: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Float32 logits from final hidden states: h @ head, head (d, vocab) (see params.Weights), or
-    a quantized head's (vocab, d) rows (``quantized.matmul``)."""
+    a quantized head's (vocab, d) rows (``quantized.matmul``); soft-capped with ``logit_softcap``."""
     if quantized.is_quantized(weights.head):
-        return quantized.matmul(h, weights.head)
-    return jnp.dot(h, weights.head, preferred_element_type=jnp.float32)
+        return _softcap(quantized.matmul(h, weights.head), cfg.logit_softcap)
+    return _softcap(jnp.dot(h, weights.head, preferred_element_type=jnp.float32), cfg.logit_softcap)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "ffn_impl", "attend"), donate_argnames=("cache",))
@@ -368,7 +399,7 @@ def prefill(
     h, cache, _ = forward(weights, tokens, cache, cfg, ffn_impl, ffn_state, attend)
     last = jax.lax.dynamic_index_in_dim(h, n_valid - 1, axis=1, keepdims=False)
     cache = dataclasses.replace(cache, length=start + n_valid)
-    return logits(weights, last), cache
+    return logits(weights, last, cfg), cache
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "ffn_impl", "attend"), donate_argnames=("cache",))
@@ -384,7 +415,7 @@ def decode_step(
     """One decoding step for tokens (B,); returns logits (B, V) and the advanced cache.
     ``attend`` as in ``forward`` (at least ``cache.length + 1``)."""
     h, cache, _ = forward(weights, token[:, None], cache, cfg, ffn_impl, ffn_state, attend)
-    return logits(weights, h[:, 0]), cache
+    return logits(weights, h[:, 0], cfg), cache
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "ffn_impl"))
@@ -398,4 +429,4 @@ def score(
     """Logits (B, T, V) for every position of full sequences (perplexity, parity tests)."""
     cache = KVCache.create(cfg, tokens.shape[0], tokens.shape[1], weights.dtype)
     h, _, _ = forward(weights, tokens, cache, cfg, ffn_impl, ffn_state)
-    return logits(weights, h)
+    return logits(weights, h, cfg)

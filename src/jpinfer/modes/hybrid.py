@@ -69,13 +69,15 @@ def _part_ffn(ffn: NeuronFFN | ThresholdLayout, x: jax.Array, chosen: tuple[jax.
     return sparse_ffn(ffn, tokens[0], *chosen).reshape(x.shape)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "attend"), donate_argnames=("cache_k", "cache_v"))
-def _attention(layer: Layer, h, y_hot, y_cold, positions, rope_cs, cache_k, cache_v, *, cfg: ModelConfig, attend: int):
-    """Accelerator, per layer: merge the previous layer's two FFN outputs, then attention. Returns the
-    residual stream, the FFN input x and the layer's keys and values. Every layer has the same shapes
-    here, so this compiles once per attention length for all layers."""
-    h = h + y_hot + y_cold
-    return transformer.attention_residual(layer, h, positions, rope_cs, cache_k, cache_v, cfg, attend)
+@functools.partial(jax.jit, static_argnames=("cfg", "attend", "window"), donate_argnames=("cache_k", "cache_v"))
+def _attention(layer: Layer, previous: Layer, h, y_hot, y_cold, positions, rope_cs, cache_k, cache_v, *,
+               cfg: ModelConfig, attend: int, window: int | None):
+    """Accelerator, per layer: merge the ``previous`` layer's two FFN outputs (the first layer passes itself
+    and zeros), then attention. Returns the residual stream, the FFN input x and the layer's keys and values.
+    Every layer has the same shapes here, so this compiles once per attention length (and window) for all
+    layers."""
+    h = transformer.ffn_residual(previous, h, y_hot + y_cold, cfg)
+    return transformer.attention_residual(layer, h, positions, rope_cs, cache_k, cache_v, cfg, attend, window=window)
 
 
 @functools.partial(jax.jit, static_argnames=("capacity",))
@@ -97,10 +99,10 @@ _cold_ffn = jax.jit(_part_ffn)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def _final_logits(top: Weights, h, y_hot, y_cold, last, *, cfg: ModelConfig):
-    """Accelerator: merge the last FFN, final norm, float32 logits (B, V) at position ``last``."""
-    h = transformer.norm(top.final_norm, h + y_hot + y_cold, cfg)
-    return transformer.logits(top, jax.lax.dynamic_index_in_dim(h, last, axis=1, keepdims=False))
+def _final_logits(top: Weights, last_layer: Layer, h, y_hot, y_cold, last, *, cfg: ModelConfig):
+    """Accelerator: merge the last layer's FFN, final norm, float32 logits (B, V) at position ``last``."""
+    h = transformer.norm(top.final_norm, transformer.ffn_residual(last_layer, h, y_hot + y_cold, cfg), cfg)
+    return transformer.logits(top, jax.lax.dynamic_index_in_dim(h, last, axis=1, keepdims=False), cfg)
 
 
 _inputs = jax.jit(transformer.step_inputs, static_argnames=("cfg",))
@@ -134,8 +136,9 @@ class HybridStepper:
         keys, values = [], []
         for i, (part, cold) in enumerate(zip(self.layers, self.cold)):
             capacity = self.capacity[i] if decode else None
-            h, x, k, v = _attention(part.layer, h, y_hot, y_cold, positions, rope_cs, cache.k[i], cache.v[i],
-                                    cfg=self.cfg, attend=attend)
+            previous = self.layers[max(i - 1, 0)].layer
+            h, x, k, v = _attention(part.layer, previous, h, y_hot, y_cold, positions, rope_cs, cache.k[i], cache.v[i],
+                                    cfg=self.cfg, attend=attend, window=self.cfg.layer_window(i))
             y_hot, cold_list = _hot_part(part, x, capacity=capacity)
             keys.append(k)
             values.append(v)
@@ -147,13 +150,13 @@ class HybridStepper:
 
     def first(self, tokens, n_valid, cache, key, sampler, attend):
         h, y_hot, y_cold, cache = self._run(tokens, cache, attend, decode=False)
-        logits = _final_logits(self.top, h, y_hot, y_cold, n_valid - 1, cfg=self.cfg)
+        logits = _final_logits(self.top, self.layers[-1].layer, h, y_hot, y_cold, n_valid - 1, cfg=self.cfg)
         token, key = sample_next_jit(logits, key, sampler=sampler)
         return token, dataclasses.replace(cache, length=cache.length - tokens.shape[1] + n_valid), key
 
     def step_logits(self, token, cache, attend):
         h, y_hot, y_cold, cache = self._run(token[:, None], cache, attend, decode=True)
-        return _final_logits(self.top, h, y_hot, y_cold, 0, cfg=self.cfg), cache
+        return _final_logits(self.top, self.layers[-1].layer, h, y_hot, y_cold, 0, cfg=self.cfg), cache
 
     def next(self, token, cache, key, sampler, attend):
         step_logits, cache = self.step_logits(token, cache, attend)

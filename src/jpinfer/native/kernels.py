@@ -30,7 +30,7 @@ from jpinfer.quant.int8 import Int8Matrix
 from jpinfer.quant.q4 import Q4Matrix
 
 MAX_TOKENS = 8
-KINDS = {"swiglu": 0, "reglu": 1, "drelu": 2, "relu": 3}  # csrc/sparse_ffn.cc Kind
+KINDS = {"swiglu": 0, "reglu": 1, "drelu": 2, "relu": 3, "geglu": 4}  # csrc/sparse_ffn.cc Kind
 
 
 def _use_native(native: bool | None) -> bool:

@@ -20,6 +20,7 @@ import json
 from typing import Any
 
 from jpinfer import artifacts
+from jpinfer.activations import SMOOTH_KINDS
 from jpinfer.errors import JpinferError
 from jpinfer.modes.placement import parse_budget
 from jpinfer.profiler.sparsity import check_targets
@@ -120,7 +121,7 @@ class PackSettings:
 
     def threshold_targets(self, ffn_kind: str) -> dict[str, Any]:
         """The threshold mode's targets for a model of ``ffn_kind`` (ReLU kinds skip exact zeros)."""
-        activation = 0.0 if ffn_kind != "swiglu" else (
+        activation = 0.0 if ffn_kind not in SMOOTH_KINDS else (
             self.sparsity if self.threshold_sparsity is None else self.threshold_sparsity)
         return {"activation": activation, "input": self.input_sparsity, "allocation": self.allocation}
 
@@ -133,7 +134,7 @@ def stage_inputs(settings: PackSettings, ffn_kind: str, dtype: str) -> dict[str,
     return {
         "calibration": text | {"calibration_tokens": settings.calibration_tokens},
         "profile": text | {"n_tokens": settings.n_tokens, "n_samples": settings.n_samples,
-                           "sparsity": settings.sparsity if ffn_kind == "swiglu" else None},
+                           "sparsity": settings.sparsity if ffn_kind in SMOOTH_KINDS else None},
         "thresholds": settings.threshold_targets(ffn_kind),
         "predictors": {"recall": settings.recall, "strong_recall": settings.strong_recall,
                        "max_epochs": settings.max_epochs} | (

@@ -21,6 +21,7 @@ from typing import Any, Callable
 import numpy as np
 
 from jpinfer import artifacts
+from jpinfer.activations import SMOOTH_KINDS
 from jpinfer.cache import CacheWarning, cache_dir
 from jpinfer.errors import JpinferError
 from jpinfer.models.identity import model_fingerprint, model_record
@@ -77,7 +78,7 @@ def _calibration(run: _Run) -> Any:
 def _profile(run: _Run) -> ActivationProfile:
     s = run.settings
     thresholds = None  # ReLU kinds: active = non-zero
-    if run.model.cfg.ffn_kind == "swiglu":
+    if run.model.cfg.ffn_kind in SMOOTH_KINDS:
         thresholds = uniform(run.result("calibration")["activation"], s.sparsity)
     prof = profile(run.model, s.corpus, fields=list(s.fields) or None, n_tokens=s.n_tokens, window=s.window,
                    seed=s.seed, thresholds=thresholds, n_samples=s.n_samples, progress=run.progress)

@@ -4,7 +4,7 @@ A neuron's activation is a = act(gate . x) * (up . x) (gated kinds) or relu(up .
 (OPT). It is active on a token when its *score* exceeds the layer's threshold:
 
 - ``"product"`` (default): score = |a|. For ReLU kinds with threshold 0 this is exactly
-  "non-zero", so one rule covers every kind; SwiGLU models get calibrated thresholds.
+  "non-zero", so one rule covers every kind; SwiGLU and GeGLU models get calibrated thresholds.
 - ``"gate"``: score = |act(gate . x)|, the gate alone (CATS). Kept to reproduce the
   comparison in bench/results/sparsity_ppl.md, where it measured far worse than the product.
 """
@@ -16,7 +16,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from jpinfer.activations import activate
+from jpinfer.activations import activate, gate_activation
 from jpinfer.config import ModelConfig
 from jpinfer.models.params import Layer
 from jpinfer.models.transformer import gate_and_up
@@ -39,7 +39,6 @@ def activation_and_score(layer: Layer, x: jax.Array, cfg: ModelConfig, score: Sc
     a = activate(cfg.ffn_kind, gate, up)
     if score == "product":
         return a, jnp.abs(a)
-    gate = jax.nn.silu(gate) if cfg.ffn_kind == "swiglu" else jax.nn.relu(gate)
-    return a, jnp.abs(gate)
+    return a, jnp.abs(gate_activation(cfg.ffn_kind, gate))
 
 

@@ -189,7 +189,7 @@ def _window_derivatives(weights, tokens, valid, level_thresholds, cfg, score):
     def loss(probes):
         cache = transformer.KVCache.create(cfg, b, t, weights.dtype)
         h, _, aux = transformer.forward(weights, tokens, cache, cfg, impl, probes)
-        lg = transformer.logits(weights, h[:, :-1])
+        lg = transformer.logits(weights, h[:, :-1], cfg)
         nll = jax.nn.logsumexp(lg, -1) - jnp.take_along_axis(lg, tokens[:, 1:, None], -1)[..., 0]
         return jnp.sum(nll * valid[:, None]), aux
 

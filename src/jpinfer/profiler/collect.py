@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jpinfer import artifacts
+from jpinfer.activations import SMOOTH_KINDS
 from jpinfer.cache import cache_dir
 from jpinfer.config import ModelConfig
 from jpinfer.models import transformer
@@ -66,7 +67,7 @@ def _thresholds(loaded, thresholds, sparsity, score, hist):
     """(per-layer thresholds, calibration record) for the pass; ``hist`` the score histogram of the
     calibration windows, taken when a SwiGLU model's thresholds are to be calibrated (else None)."""
     cfg = loaded.cfg
-    if cfg.ffn_kind != "swiglu":
+    if cfg.ffn_kind not in SMOOTH_KINDS:
         if thresholds is not None or score != "product":
             raise ValueError(f"{cfg.ffn_kind} neurons are active when non-zero: drop thresholds= and score=")
         return np.zeros(cfg.n_layers, np.float32), None
@@ -133,7 +134,7 @@ def profile(
     # one histogram pass over the calibration windows serves the activity thresholds and the threshold mode's
     take_hists = lambda: calibration.histograms(loaded, tokens[:n], score=score, batch_size=batch_size,
                                                 progress=progress)
-    hists = take_hists() if cfg.ffn_kind == "swiglu" and thresholds is None else None
+    hists = take_hists() if cfg.ffn_kind in SMOOTH_KINDS and thresholds is None else None
     thr, calibration_record = _thresholds(loaded, thresholds, sparsity, score, None if hists is None else hists[0])
     t1 = time.perf_counter()
 

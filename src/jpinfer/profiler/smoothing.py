@@ -54,10 +54,11 @@ def _batch_peaks(weights, tokens: jax.Array, valid: jax.Array, cfg: ModelConfig)
     out = []
     for i, layer in enumerate(weights.layers):
         attention_input = transformer.norm(layer.attn_norm, h, cfg)
-        h, x, _, _ = transformer.attention_residual(layer, h, positions, rope_cs, cache.k[i], cache.v[i], cfg)
+        h, x, _, _ = transformer.attention_residual(layer, h, positions, rope_cs, cache.k[i], cache.v[i], cfg,
+                                                    window=cfg.layer_window(i))
         a = transformer.ffn_activations(layer, x, cfg)
         out.append((peak(attention_input), peak(x), peak(a)))
-        h = h + transformer.ffn_down(layer, a).astype(h.dtype)
+        h = transformer.ffn_residual(layer, h, transformer.ffn_down(layer, a), cfg)
     return out, peak(transformer.norm(weights.final_norm, h, cfg))
 
 

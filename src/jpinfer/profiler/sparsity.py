@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from jpinfer.activations import SMOOTH_KINDS
 from jpinfer.models.loading import ModelArg, resolve_model
 from jpinfer.profiler import calibration
 
@@ -95,7 +96,7 @@ def check_targets(activation: float | None, input: float | None, method: str, ff
         raise ValueError("give activation= and/or input= (fractions to skip)")
     if method not in METHODS:
         raise ValueError(f"unknown allocation method {method!r}; choose one of {', '.join(METHODS)}")
-    if ffn_kind not in (None, "swiglu") and targets["activation"]:
+    if ffn_kind not in (None, *SMOOTH_KINDS) and targets["activation"]:
         raise ValueError(f"{ffn_kind} neurons are exactly zero when inactive: give activation=0.0 "
                          "(threshold 0 skips exactly those), not a fraction to calibrate")
     return targets

@@ -25,11 +25,13 @@
 namespace jpn {
 namespace {
 
-enum Kind : int32_t { kSwiglu = 0, kReglu = 1, kDrelu = 2, kRelu = 3 };
+enum Kind : int32_t { kSwiglu = 0, kReglu = 1, kDrelu = 2, kRelu = 3, kGeglu = 4, kKinds = 5 };
 
 inline float Activate(int32_t kind, float g, float u) {
   switch (kind) {
     case kSwiglu: return g / (1.0f + std::exp(-g)) * u;  // silu(g) * u
+    case kGeglu:  // gelu(g) * u, GELU's tanh form (jax.nn.gelu(approximate=True), Gemma's gelu_pytorch_tanh)
+      return 0.5f * g * (1.0f + std::tanh(0.7978845608028654f * (g + 0.044715f * g * g * g))) * u;
     case kReglu: return std::max(g, 0.0f) * u;
     case kDrelu: return std::max(g, 0.0f) * std::max(u, 0.0f);
     default: return std::max(u, 0.0f);  // kRelu: relu(u); std::max keeps a NaN like jax.nn.relu
@@ -128,7 +130,7 @@ ffi::Error CheckFfn(const ffi::Buffer<ffi::F32>& rows, const ffi::Buffer<ffi::F3
   const auto rd = rows.dimensions(), xd = x.dimensions();
   if (rd.size() != 3 || xd.size() != 2 || ids.dimensions().size() != 1)
     return ffi::Error::InvalidArgument("jpinfer sparse ffn: rows (n, R, d), x (T, d), ids (K,) expected");
-  if (kind < 0 || kind > 3) return ffi::Error::InvalidArgument("jpinfer sparse ffn: unknown kind");
+  if (kind < 0 || kind >= kKinds) return ffi::Error::InvalidArgument("jpinfer sparse ffn: unknown kind");
   if (rd[1] != (kind == kRelu ? 2 : 3)) return ffi::Error::InvalidArgument("jpinfer sparse ffn: R must be 3 (2 for relu)");
   if (xd[1] != rd[2] || xd[0] < 1 || xd[0] > kMaxTokens)
     return ffi::Error::InvalidArgument("jpinfer sparse ffn: x must be (T, d), 1 <= T <= 8");
@@ -261,7 +263,7 @@ ffi::Error SparseFfnInt8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> rows, ff
   const auto rd = rows.dimensions(), xd = x.dimensions();
   if (rd.size() != 3 || xd.size() != 2 || ids.dimensions().size() != 1)
     return ffi::Error::InvalidArgument("jpinfer sparse ffn int8: rows (n, R, d), x (T, d), ids (K,) expected");
-  if (kind < 0 || kind > 3) return ffi::Error::InvalidArgument("jpinfer sparse ffn int8: unknown kind");
+  if (kind < 0 || kind >= kKinds) return ffi::Error::InvalidArgument("jpinfer sparse ffn int8: unknown kind");
   const int64_t n = rd[0], R = rd[1], d = rd[2], T = xd[0], P = R - 1;
   if (R != (kind == kRelu ? 2 : 3))
     return ffi::Error::InvalidArgument("jpinfer sparse ffn int8: R must be 3 (2 for relu)");
