@@ -41,6 +41,12 @@ def tiny_config(arch: str) -> transformers.PretrainedConfig:
         return transformers.Gemma2Config(**(TINY | {"num_hidden_layers": 3}), intermediate_size=40,
                                          num_key_value_heads=2, head_dim=12, query_pre_attn_scalar=20,
                                          sliding_window=4, attn_logit_softcapping=3.0, final_logit_softcapping=4.0)
+    if arch == "gemma3":  # layers 0, 1 and 3 slide over 4 positions with their own base; layer 2 is global, scaled
+        return transformers.Gemma3TextConfig(
+            **(TINY | {"num_hidden_layers": 4}), intermediate_size=40, num_key_value_heads=2, head_dim=12,
+            query_pre_attn_scalar=20, sliding_window=4, sliding_window_pattern=3,
+            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 2000.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 50.0}})
     if arch == "phi3":  # q/k/v and gate/up fused in the checkpoint; a window in every layer
         return transformers.Phi3Config(**TINY, intermediate_size=40, num_key_value_heads=2, sliding_window=5,
                                        pad_token_id=0)

@@ -29,6 +29,8 @@ class CharTokenizer:
 # Gemma 2's architecture features at tiny scale (every other layer slides over 4 positions; caps that bind)
 GEMMA2_LIKE = dict(sandwich_norms=True, sliding_window=4, window_layers=(0,), attn_softcap=2.0, logit_softcap=3.0,
                    attn_scale=0.3, embed_scale=32**0.5, tie_embeddings=True)
+# Gemma 3's: no caps; q/k norms, and the sliding layer rotates with a base of its own
+GEMMA3_LIKE = GEMMA2_LIKE | dict(attn_softcap=None, logit_softcap=None, qk_norm=True, local_rope_theta=50.0)
 
 
 def tiny_engine(kind: str, seed: int = 0, n_layers: int = 2, **arch) -> Engine:

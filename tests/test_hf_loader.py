@@ -85,6 +85,11 @@ def _edit_config(directory, **changes):
         ({"rope_scaling": {"rope_type": "linear", "factor": 0}}, "factor must be positive"),
         ({"rope_scaling": {"rope_type": "yarn", "mscale": 1.0, "mscale_all_dim": 1.0}}, "RoPE scaling 'yarn'"),
         ({"partial_rotary_factor": 0.5}, "partial rotary embedding"),
+        ({"use_bidirectional_attention": True}, "bidirectional attention"),
+        ({"architectures": ["Gemma3ForCausalLM"], "rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}},
+         "RoPE scaling in the sliding-window layers"),
         ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75}},
          "partial rotary embedding"),
     ],

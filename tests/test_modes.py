@@ -22,7 +22,7 @@ from jpinfer.runtime.engine import FfnStrategy, FusedStepper, attend_length
 from jpinfer.runtime.sampling import Sampler
 from jpinfer.solver import InfeasibleBudgetError
 
-from profiler_fixtures import GEMMA2_LIKE, tiny_engine
+from profiler_fixtures import GEMMA2_LIKE, GEMMA3_LIKE, tiny_engine
 from tolerances import DECODER_ATOL
 
 PROMPT = [1, 5, 9, 2, 7]
@@ -109,8 +109,8 @@ def assert_decodes_like(engine, reference, new_tokens: int, *, rtol: float, atol
                                rtol=rtol, atol=atol)
 
 
-@pytest.mark.parametrize("kind, arch", [("swiglu", {}), ("relu", {}), ("geglu", GEMMA2_LIKE)],
-                         ids=["swiglu", "relu", "gemma2-like"])
+@pytest.mark.parametrize("kind, arch", [("swiglu", {}), ("relu", {}), ("geglu", GEMMA2_LIKE), ("geglu", GEMMA3_LIKE)],
+                         ids=["swiglu", "relu", "gemma2-like", "gemma3-like"])
 def test_all_active_sparse_and_hybrid_decode_like_dense(kind, arch):
     """gemma2-like: the hybrid engine normalises the sum of its two partial FFN outputs (sandwich norms), each
     layer attends within its own window."""

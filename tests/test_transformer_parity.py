@@ -12,8 +12,8 @@ from jpinfer.models import hf_loader, params, transformer
 from hf_reference import make_model
 from tolerances import DECODER_ATOL
 
-ARCHS = ["llama", "llama_relu", "llama_drelu", "mistral", "qwen2", "qwen2_window", "qwen3", "phi3", "gemma2", "opt",
-         "llama3_rope", "linear_rope", "yarn_rope"]
+ARCHS = ["llama", "llama_relu", "llama_drelu", "mistral", "qwen2", "qwen2_window", "qwen3", "phi3", "gemma2", "gemma3",
+         "opt", "llama3_rope", "linear_rope", "yarn_rope"]
 FFN_KIND = {"llama_drelu": "drelu"}
 
 
@@ -47,7 +47,7 @@ def test_prefill_and_decode_logits_match_transformers(arch, tmp_path):
     assert int(cache.length) == 12
 
 
-@pytest.mark.parametrize("arch", ["llama", "opt", "phi3", "gemma2"])
+@pytest.mark.parametrize("arch", ["llama", "opt", "phi3", "gemma2", "gemma3"])
 def test_greedy_generation_matches_transformers(arch, tmp_path):
     ref, cfg, weights = _load(arch, tmp_path)
     prompt = [[5, 17, 3, 88]]
@@ -106,3 +106,16 @@ def test_gemma2_features_are_read_and_matter(feature, tmp_path):
     read = np.asarray(transformer.score(weights, tokens, cfg))
     without = np.asarray(transformer.score(weights, tokens, dataclasses.replace(cfg, **{feature: default})))
     assert np.abs(read - without).max() > 100 * DECODER_ATOL
+
+
+def test_gemma3_reads_its_layer_types_and_both_rope_bases(tmp_path):
+    """Gemma 3: the sliding layers rotate with their own base, the global ones with the scaled one: either
+    base given to every layer moves the logits far past the tolerance the parity test holds them to."""
+    ref, cfg, weights = _load("gemma3", tmp_path)
+    assert (cfg.window_layers, cfg.local_rope_theta, cfg.rope_theta, cfg.qk_norm) == ((0, 1, 3), 50.0, 2000.0, True)
+    assert cfg.rope_scaling.kind == "linear" and cfg.attn_softcap is None and cfg.logit_softcap is None
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, size=(1, 12)))
+    read = np.asarray(transformer.score(weights, tokens, cfg))
+    for other in (dict(local_rope_theta=None), dict(local_rope_theta=2000.0), dict(rope_scaling=None)):
+        moved = np.asarray(transformer.score(weights, tokens, dataclasses.replace(cfg, **other)))
+        assert np.abs(read - moved).max() > 100 * DECODER_ATOL, other

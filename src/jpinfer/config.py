@@ -58,7 +58,7 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a decoder-only transformer (the Llama family, Gemma 2 or OPT).
+    """Architecture of a decoder-only transformer (the Llama family, Gemma 2 and 3, or OPT).
 
     Weight conventions (see models/params.py): every projection is stored as
     (out_features, in_features) and applied as W @ x; q|k|v and gate|up are fused.
@@ -77,6 +77,7 @@ class ModelConfig:
     positions: PositionKind = "rope"
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None  # None: plain RoPE
+    local_rope_theta: float | None = None  # Gemma 3: the RoPE base of the layers that slide (never scaled)
     max_position: int = 2048
     sliding_window: int | None = None  # Mistral: attend to the last N positions only
     window_layers: tuple[int, ...] | None = None  # the layers that slide (Gemma 2, Qwen2); None: all of them
@@ -94,7 +95,7 @@ class ModelConfig:
     tie_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    architecture: str = "llama"  # informative: llama | mistral | qwen2 | qwen3 | gemma2 | opt
+    architecture: str = "llama"  # informative: llama | mistral | qwen2 | qwen3 | phi3 | gemma2 | gemma3 | opt
     name: str = "model"
 
     def __post_init__(self) -> None:
@@ -105,6 +106,8 @@ class ModelConfig:
             if self.sliding_window is None or not all(0 <= i < self.n_layers for i in self.window_layers):
                 raise ValueError(f"window_layers {self.window_layers} need a sliding_window and layers in "
                                  f"0..{self.n_layers - 1}")
+        if self.local_rope_theta is not None and self.sliding_window is None:
+            raise ValueError("local_rope_theta is the base of the layers that slide: it needs a sliding_window")
         if self.ffn_kind not in FFN_KINDS:
             raise ValueError(
                 f"unsupported FFN activation kind {self.ffn_kind!r}; supported: {', '.join(FFN_KINDS)}"

@@ -5,7 +5,8 @@ Supported: LlamaForCausalLM (hidden_act silu -> swiglu, relu -> reglu, GELU's ta
 covers ReluLLaMA and ProSparse-style ReLU checkpoints), MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 (q/k norms), Phi3ForCausalLM (q/k/v and gate/up fused in the checkpoint), Gemma2ForCausalLM (GeGLU, scaled
 embeddings, norms on the attention's and FFN's outputs, soft-capped scores and logits, sliding windows in
-every other layer) and OPTForCausalLM (pre-LayerNorm variants).
+every other layer), Gemma3ForCausalLM (Gemma 2 without the caps, with q/k norms, five sliding layers in six
+and their own RoPE base) and OPTForCausalLM (pre-LayerNorm variants).
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from jpinfer.models.params import expected_shapes
 from jpinfer.models.rope import yarn_attention_factor
 
 LLAMA_LIKE = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-              "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2"}
+              "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2",
+              "Gemma3ForCausalLM": "gemma3"}
+GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # Phi-3 stores these projections fused: the checkpoint's tensor -> the separate ones it stacks, in order
 FUSED_IN_CHECKPOINT = {"self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
                                                      "self_attn.v_proj.weight"),
@@ -66,17 +69,34 @@ def _rope(raw: dict[str, Any], path: pathlib.Path) -> tuple[float, RopeScaling |
         raise CheckpointError(f"{path}: RoPE scaling {rope_type!r}: {err}") from None
 
 
+def _gemma3_rope(raw: dict[str, Any], path: pathlib.Path) -> tuple[dict[str, Any], float]:
+    """Gemma 3's RoPE: the config with only the full-attention layers' parameters (any scaling is theirs), and
+    the sliding layers' base (never scaled). transformers 5 writes them per layer type in rope_parameters,
+    transformers 4 as rope_theta / rope_scaling and rope_local_base_freq."""
+    params = raw.get("rope_parameters") or {}
+    if "full_attention" in params:
+        sliding = params.get("sliding_attention") or {}
+        if sliding.get("rope_type", "default") != "default":
+            raise CheckpointError(f"{path}: RoPE scaling in the sliding-window layers is not supported yet")
+        return raw | {"rope_parameters": params["full_attention"], "rope_scaling": None}, float(
+            sliding.get("rope_theta", 10000.0))
+    return raw | {"rope_theta": raw.get("rope_theta", 1e6)}, float(raw.get("rope_local_base_freq", 10000.0))
+
+
 def _sliding_window(raw: dict[str, Any], arch: str, path: pathlib.Path) -> tuple[int | None, tuple[int, ...] | None]:
     """(window, the layers that slide: None for all) as transformers applies them. Mistral and Phi-3 slide
     in every layer when a window is set; Qwen2 and Qwen3 only with use_sliding_window, and then in the layers from
-    max_window_layers on (default 28); Gemma 2 in every other layer from the first; ``layer_types``, where
-    given, names each layer's kind."""
+    max_window_layers on (default 28); Gemma 2 in every other layer from the first, Gemma 3 in all but every
+    sliding_window_pattern-th (default 6); ``layer_types``, where given, names each layer's kind."""
     window = raw.get("sliding_window")
     if arch in ("MistralForCausalLM", "Phi3ForCausalLM") or window is None:
         return window, None
     n = raw["num_hidden_layers"]
     if arch == "Gemma2ForCausalLM":
         default = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+    elif arch == "Gemma3ForCausalLM":
+        pattern = raw.get("sliding_window_pattern", 6)
+        default = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
     elif raw.get("use_sliding_window", False):
         first = raw.get("max_window_layers", 28)
         default = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
@@ -127,9 +147,12 @@ def _parse_llama(raw: dict[str, Any], path: pathlib.Path, arch: str, ffn_kind: s
         raise CheckpointError(f"{path}: mlp_bias=true is not supported")
     n_heads = raw["num_attention_heads"]
     attention_bias = bool(raw.get("attention_bias", False))
+    if raw.get("use_bidirectional_attention"):
+        raise CheckpointError(f"{path}: bidirectional attention (an embedding model) is not supported")
     window, window_layers = _sliding_window(raw, arch, path)
-    theta, rope_scaling = _rope(raw, path)
-    gemma = arch == "Gemma2ForCausalLM"
+    rope_raw, local_theta = _gemma3_rope(raw, path) if arch == "Gemma3ForCausalLM" else (raw, None)
+    theta, rope_scaling = _rope(rope_raw, path)
+    gemma = arch in GEMMA
     softcap = lambda field: float(raw[field]) if gemma and raw.get(field) else None
     return ModelConfig(
         vocab_size=raw["vocab_size"],
@@ -144,11 +167,12 @@ def _parse_llama(raw: dict[str, Any], path: pathlib.Path, arch: str, ffn_kind: s
         norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
         rope_scaling=rope_scaling,
+        local_rope_theta=local_theta if window is not None else None,
         max_position=raw.get("max_position_embeddings", 2048),
         sliding_window=window,
         window_layers=window_layers,
         qkv_bias=attention_bias or arch == "Qwen2ForCausalLM",
-        qk_norm=arch == "Qwen3ForCausalLM",
+        qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
         attn_out_bias=attention_bias,
         attn_scale=float(raw.get("query_pre_attn_scalar", 256)) ** -0.5 if gemma else None,
         attn_softcap=softcap("attn_logit_softcapping"),
@@ -252,7 +276,7 @@ def _hf_to_ours(cfg: ModelConfig) -> dict[str, str]:
             "w_up": "mlp.up_proj.weight",
             "w_down": "mlp.down_proj.weight",
         }
-        if cfg.sandwich_norms:  # Gemma 2: its post_attention_layernorm is on the attention's output
+        if cfg.sandwich_norms:  # Gemma: its post_attention_layernorm is on the attention's output
             per_layer |= {"attn_out_norm.scale": "post_attention_layernorm.weight",
                           "ffn_norm.scale": "pre_feedforward_layernorm.weight",
                           "ffn_out_norm.scale": "post_feedforward_layernorm.weight"}
@@ -335,6 +359,6 @@ def load_hf(path: str | pathlib.Path, ffn_kind: str | None = None) -> tuple[Mode
         tensors[ours] = found[theirs]
     if "lm_head" in mapping and "lm_head" not in tensors:
         raise CheckpointError(f"{path}: missing tensor 'lm_head.weight' and tie_word_embeddings is false")
-    if cfg.architecture == "gemma2":  # Gemma's RMSNorm weights are offsets: it scales by 1 + w
+    if cfg.architecture in ("gemma2", "gemma3"):  # Gemma's RMSNorm weights are offsets: it scales by 1 + w
         tensors = {k: v + np.float32(1.0) if k.endswith("norm.scale") else v for k, v in tensors.items()}
     return cfg, tensors

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -16,10 +17,14 @@ def inverse_frequencies(cfg: ModelConfig) -> jax.Array:
     inside the step (transformers computes them in float32 too). Not float64 rounded once: that moved 11 of
     the default model's 32 frequencies by an ulp and flipped a greedy answer of its int8 threshold mode, so
     unscaled models keep exactly the frequencies jpinfer always computed."""
-    half = cfg.head_dim // 2
-    inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, half, dtype=jnp.float32) / half))
+    inv = _plain_frequencies(cfg.rope_theta, cfg.head_dim)
     s = cfg.rope_scaling
     return inv if s is None else _scaled(inv, s, cfg.head_dim, cfg.rope_theta)
+
+
+def _plain_frequencies(theta: float, head_dim: int) -> jax.Array:
+    half = head_dim // 2
+    return 1.0 / (theta ** (jnp.arange(0, half, dtype=jnp.float32) / half))
 
 
 def table_scale(cfg: ModelConfig) -> float:
@@ -62,10 +67,27 @@ def _scaled(inv: jax.Array, s: RopeScaling, head_dim: int, theta: float) -> jax.
     return inv / s.factor * divided + inv * (1 - divided)
 
 
-def rope_tables(positions: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
-    """cos and sin (T, head_dim / 2) for rotary embedding; computed once per forward, shared by layers."""
-    angles = positions.astype(jnp.float32)[:, None] * inverse_frequencies(cfg)[None, :]
-    scale = table_scale(cfg)
+class RopeTables(NamedTuple):
+    """A step's cos and sin tables (T, head_dim / 2) each, computed once and shared by the layers: ``full``
+    for every layer, but ``sliding`` (when the config has a ``local_rope_theta``) for those with a window."""
+
+    full: tuple[jax.Array, jax.Array]
+    sliding: tuple[jax.Array, jax.Array] | None
+
+    def for_window(self, window: int | None) -> tuple[jax.Array, jax.Array]:
+        """The tables of a layer that attends within ``window`` (None: no window)."""
+        return self.sliding if window is not None and self.sliding is not None else self.full
+
+
+def rope_tables(positions: jax.Array, cfg: ModelConfig) -> RopeTables:
+    """The rotary tables of a step at ``positions`` (T,)."""
+    return RopeTables(_tables(positions, inverse_frequencies(cfg), table_scale(cfg)),
+                      None if cfg.local_rope_theta is None else
+                      _tables(positions, _plain_frequencies(cfg.local_rope_theta, cfg.head_dim), 1.0))
+
+
+def _tables(positions: jax.Array, inverse: jax.Array, scale: float) -> tuple[jax.Array, jax.Array]:
+    angles = positions.astype(jnp.float32)[:, None] * inverse[None, :]
     if scale == 1.0:
         return jnp.cos(angles), jnp.sin(angles)
     return jnp.cos(angles) * scale, jnp.sin(angles) * scale

@@ -24,7 +24,7 @@ from jpinfer.activations import activate
 from jpinfer.config import ModelConfig
 from jpinfer.models import quantized
 from jpinfer.models.params import Layer, Norm, Weights
-from jpinfer.models.rope import rope, rope_tables
+from jpinfer.models.rope import RopeTables, rope, rope_tables
 from jpinfer.native import kernels as native_kernels
 from jpinfer.native import native_available
 
@@ -214,7 +214,7 @@ def attention_block(
     layer: Layer,
     x: jax.Array,
     positions: jax.Array,
-    rope_cs: tuple[jax.Array, jax.Array] | None,
+    rope_cs: RopeTables | None,
     cache_k: jax.Array,
     cache_v: jax.Array,
     cfg: ModelConfig,
@@ -241,8 +241,9 @@ def attention_block(
     if cfg.qk_norm:
         q, k = norm(layer.q_norm, q, cfg), norm(layer.k_norm, k, cfg)
     if rope_cs is not None:
-        q = rope(q, rope_cs)
-        k = rope(k, rope_cs)
+        tables = rope_cs.for_window(window)
+        q = rope(q, tables)
+        k = rope(k, tables)
     if cfg.attn_scale is not None:  # the attention kernels scale by head_dim ** -0.5: the rest goes to q
         q = q * jnp.asarray(cfg.attn_scale * cfg.head_dim**0.5, q.dtype)
     at = (0, 0, positions[0], 0)
@@ -296,9 +297,9 @@ def embed(weights: Weights, tokens: jax.Array, positions: jax.Array, cfg: ModelC
 
 def step_inputs(
     weights: Weights, tokens: jax.Array, start: jax.Array, cfg: ModelConfig
-) -> tuple[jax.Array, jax.Array, tuple[jax.Array, jax.Array] | None]:
+) -> tuple[jax.Array, jax.Array, RopeTables | None]:
     """Embeddings (B, T, d) of T new tokens after ``start`` cached positions, their positions
-    (T,) and the rotary tables shared by every layer (None for learned positions)."""
+    (T,) and the rotary tables the layers share (None for learned positions)."""
     positions = start + jnp.arange(tokens.shape[1], dtype=jnp.int32)
     h = embed(weights, tokens, positions, cfg)
     rope_cs = rope_tables(positions, cfg) if cfg.positions == "rope" else None
@@ -309,7 +310,7 @@ def attention_residual(
     layer: Layer,
     h: jax.Array,
     positions: jax.Array,
-    rope_cs: tuple[jax.Array, jax.Array] | None,
+    rope_cs: RopeTables | None,
     cache_k: jax.Array,
     cache_v: jax.Array,
     cfg: ModelConfig,
