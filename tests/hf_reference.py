@@ -47,6 +47,15 @@ def tiny_config(arch: str) -> transformers.PretrainedConfig:
             query_pre_attn_scalar=20, sliding_window=4, sliding_window_pattern=3,
             rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 2000.0},
                              "sliding_attention": {"rope_type": "default", "rope_theta": 50.0}})
+    if arch == "falcon_new":  # ReLU-Falcon, the new layout: grouped q/k/v (2 kv heads), two LayerNorms side by side
+        return transformers.FalconConfig(**TINY, num_kv_heads=2, new_decoder_architecture=True, activation="relu",
+                                         ffn_hidden_size=48, bias=True)
+    if arch == "falcon_7b":  # the old layout: multi-query, one LayerNorm for attention and FFN, no biases
+        return transformers.FalconConfig(**TINY, new_decoder_architecture=False, multi_query=True,
+                                         parallel_attn=True, activation="relu", ffn_hidden_size=48)
+    if arch == "falcon_sequential":  # the old layout without parallel_attn: one key and value per head
+        return transformers.FalconConfig(**TINY, new_decoder_architecture=False, multi_query=False,
+                                         parallel_attn=False, activation="relu", bias=True)
     if arch == "phi3":  # q/k/v and gate/up fused in the checkpoint; a window in every layer
         return transformers.Phi3Config(**TINY, intermediate_size=40, num_key_value_heads=2, sliding_window=5,
                                        pad_token_id=0)

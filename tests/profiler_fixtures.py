@@ -31,6 +31,8 @@ GEMMA2_LIKE = dict(sandwich_norms=True, sliding_window=4, window_layers=(0,), at
                    attn_scale=0.3, embed_scale=32**0.5, tie_embeddings=True)
 # Gemma 3's: no caps; q/k norms, and the sliding layer rotates with a base of its own
 GEMMA3_LIKE = GEMMA2_LIKE | dict(attn_softcap=None, logit_softcap=None, qk_norm=True, local_rope_theta=50.0)
+# Falcon's (ReLU-Falcon): attention and FFN side by side, LayerNorms, biases, one key and value head
+FALCON_LIKE = dict(parallel_block=True, norm_kind="layernorm", qkv_bias=True, attn_out_bias=True, n_kv_heads=1)
 
 
 def tiny_engine(kind: str, seed: int = 0, n_layers: int = 2, **arch) -> Engine:

@@ -9,10 +9,10 @@ import torch
 from safetensors.numpy import load_file, save_file
 
 import jpinfer
-from jpinfer.models.hf_loader import CheckpointError, load_hf
+from jpinfer.models.hf_loader import CheckpointError, load_hf, parse_config
 from jpinfer.models.loading import load_model
 
-from hf_reference import make_model
+from hf_reference import make_model, tiny_config
 
 
 @pytest.fixture(scope="module")
@@ -166,3 +166,14 @@ def test_missing_shard(checkpoint, tmp_path):
     next(tmp_path.glob("model-00002-*.safetensors")).unlink()
     with pytest.raises(CheckpointError, match="shard file\\(s\\) missing: model-00002"):
         load_hf(tmp_path)
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"activation": "gelu"}, "Falcon activation 'gelu' is not supported yet"),
+    ({"alibi": True}, "ALiBi positions"),
+    ({"new_decoder_architecture": True, "parallel_attn": False, "num_ln_in_parallel_attn": 1}, "needs parallel_attn"),
+])
+def test_falcon_features_still_missing_are_named(changes, message, tmp_path):
+    config = tiny_config("falcon_new").to_dict() | {"architectures": ["FalconForCausalLM"]} | changes
+    with pytest.raises(CheckpointError, match=message):
+        parse_config(config, tmp_path)

@@ -22,7 +22,7 @@ from jpinfer.runtime.engine import FfnStrategy, FusedStepper, attend_length
 from jpinfer.runtime.sampling import Sampler
 from jpinfer.solver import InfeasibleBudgetError
 
-from profiler_fixtures import GEMMA2_LIKE, GEMMA3_LIKE, tiny_engine
+from profiler_fixtures import FALCON_LIKE, GEMMA2_LIKE, GEMMA3_LIKE, tiny_engine
 from tolerances import DECODER_ATOL
 
 PROMPT = [1, 5, 9, 2, 7]
@@ -109,11 +109,12 @@ def assert_decodes_like(engine, reference, new_tokens: int, *, rtol: float, atol
                                rtol=rtol, atol=atol)
 
 
-@pytest.mark.parametrize("kind, arch", [("swiglu", {}), ("relu", {}), ("geglu", GEMMA2_LIKE), ("geglu", GEMMA3_LIKE)],
-                         ids=["swiglu", "relu", "gemma2-like", "gemma3-like"])
+@pytest.mark.parametrize("kind, arch", [("swiglu", {}), ("relu", {}), ("geglu", GEMMA2_LIKE), ("geglu", GEMMA3_LIKE),
+                                        ("relu", FALCON_LIKE)],
+                         ids=["swiglu", "relu", "gemma2-like", "gemma3-like", "falcon-like"])
 def test_all_active_sparse_and_hybrid_decode_like_dense(kind, arch):
     """gemma2-like: the hybrid engine normalises the sum of its two partial FFN outputs (sandwich norms), each
-    layer attends within its own window."""
+    layer attends within its own window; falcon-like: the FFN reads the layer's input, beside the attention."""
     dense = tiny_engine(kind, **arch)
     predictors = all_active(dense)
     sparse = build_engine(dense.model, "sparse", predictors=predictors, capacity=dense.cfg.d_ff)

@@ -13,7 +13,7 @@ from hf_reference import make_model
 from tolerances import DECODER_ATOL
 
 ARCHS = ["llama", "llama_relu", "llama_drelu", "mistral", "qwen2", "qwen2_window", "qwen3", "phi3", "gemma2", "gemma3",
-         "opt", "llama3_rope", "linear_rope", "yarn_rope"]
+         "falcon_new", "falcon_7b", "falcon_sequential", "opt", "llama3_rope", "linear_rope", "yarn_rope"]
 FFN_KIND = {"llama_drelu": "drelu"}
 
 
@@ -47,7 +47,7 @@ def test_prefill_and_decode_logits_match_transformers(arch, tmp_path):
     assert int(cache.length) == 12
 
 
-@pytest.mark.parametrize("arch", ["llama", "opt", "phi3", "gemma2", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "opt", "phi3", "gemma2", "gemma3", "falcon_new"])
 def test_greedy_generation_matches_transformers(arch, tmp_path):
     ref, cfg, weights = _load(arch, tmp_path)
     prompt = [[5, 17, 3, 88]]

@@ -58,7 +58,7 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a decoder-only transformer (the Llama family, Gemma 2 and 3, or OPT).
+    """Architecture of a decoder-only transformer (the Llama family, Gemma 2 and 3, Falcon or OPT).
 
     Weight conventions (see models/params.py): every projection is stored as
     (out_features, in_features) and applied as W @ x; q|k|v and gate|up are fused.
@@ -90,12 +90,13 @@ class ModelConfig:
     attn_softcap: float | None = None  # Gemma 2: scores become cap * tanh(scores / cap) before the softmax
     logit_softcap: float | None = None  # Gemma 2: the same on the output logits
     sandwich_norms: bool = False  # Gemma 2/3: an RMSNorm on the attention's and the FFN's outputs too
+    parallel_block: bool = False  # Falcon: attention and FFN both read the layer's input; their sum is added
     embed_scale: float = 1.0  # Gemma: input embeddings times sqrt(d_model) (the tied head is not scaled)
     ffn_bias: bool = False  # OPT
     tie_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    architecture: str = "llama"  # informative: llama | mistral | qwen2 | qwen3 | phi3 | gemma2 | gemma3 | opt
+    architecture: str = "llama"  # informative: llama | mistral | qwen2 | qwen3 | phi3 | gemma2 | gemma3 | falcon | opt
     name: str = "model"
 
     def __post_init__(self) -> None:

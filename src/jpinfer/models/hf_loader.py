@@ -6,7 +6,8 @@ covers ReluLLaMA and ProSparse-style ReLU checkpoints), MistralForCausalLM, Qwen
 (q/k norms), Phi3ForCausalLM (q/k/v and gate/up fused in the checkpoint), Gemma2ForCausalLM (GeGLU, scaled
 embeddings, norms on the attention's and FFN's outputs, soft-capped scores and logits, sliding windows in
 every other layer), Gemma3ForCausalLM (Gemma 2 without the caps, with q/k norms, five sliding layers in six
-and their own RoPE base) and OPTForCausalLM (pre-LayerNorm variants).
+and their own RoPE base), FalconForCausalLM (ReLU-Falcon: attention and FFN side by side, the fused q/k/v of
+each layout) and OPTForCausalLM (pre-LayerNorm variants).
 """
 
 from __future__ import annotations
@@ -28,12 +29,12 @@ LLAMA_LIKE = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwe
               "Gemma3ForCausalLM": "gemma3"}
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # Phi-3 stores these projections fused: the checkpoint's tensor -> the separate ones it stacks, in order
-FUSED_IN_CHECKPOINT = {"self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+PHI3_FUSED = {"self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
                                                      "self_attn.v_proj.weight"),
                        "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")}
 ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu", "relu": "reglu", "gelu_pytorch_tanh": "geglu",
                "gelu_new": "geglu"}
-SUPPORTED = sorted([*LLAMA_LIKE, "OPTForCausalLM"])
+SUPPORTED = sorted([*LLAMA_LIKE, "OPTForCausalLM", "FalconForCausalLM"])
 
 
 def _rope(raw: dict[str, Any], path: pathlib.Path) -> tuple[float, RopeScaling | None]:
@@ -129,6 +130,8 @@ def parse_config(raw: dict[str, Any], path: pathlib.Path, ffn_kind: str | None =
     try:
         if arch == "OPTForCausalLM":
             return _parse_opt(raw, path, ffn_kind)
+        if arch == "FalconForCausalLM":
+            return _parse_falcon(raw, path, ffn_kind)
         return _parse_llama(raw, path, arch, ffn_kind)
     except KeyError as e:
         raise CheckpointError(f"{path}: config.json lacks the field {e.args[0]!r}") from None
@@ -224,10 +227,106 @@ def _parse_opt(raw: dict[str, Any], path: pathlib.Path, ffn_kind: str | None) ->
     )
 
 
-def _hf_to_ours(cfg: ModelConfig) -> dict[str, str]:
-    """Our tensor name -> Hugging Face name (both (out, in), nothing is transposed)."""
+def _parse_falcon(raw: dict[str, Any], path: pathlib.Path, ffn_kind: str | None) -> ModelConfig:
+    """Falcon's three layouts (transformers' FalconModel): the new decoder architecture (grouped q/k/v, one or
+    two LayerNorms side by side), the old one with multi-query attention (Falcon-7B) or one key and value per
+    head; attention and FFN side by side (``parallel_block``) except in the old layout without parallel_attn."""
+    if raw.get("alibi"):
+        raise CheckpointError(f"{path}: Falcon with ALiBi positions is not supported (rotary only)")
+    act = raw.get("activation", "gelu")
+    if act != "relu" or ffn_kind not in (None, "relu"):
+        raise CheckpointError(f"{path}: Falcon activation {act!r} is not supported yet: only ReLU-Falcon's relu "
+                              "(an ungated GELU FFN is not an FFN kind yet)")
+    new = bool(raw.get("new_decoder_architecture", False))
+    parallel = bool(raw.get("parallel_attn", True))
+    if new and not parallel and raw.get("num_ln_in_parallel_attn") == 1:
+        raise CheckpointError(f"{path}: Falcon's new architecture with one LayerNorm needs parallel_attn")
+    d, n_heads = raw["hidden_size"], raw["num_attention_heads"]
+    if new:
+        n_kv = raw.get("num_kv_heads") or n_heads
+    else:
+        n_kv = 1 if raw.get("multi_query", True) else n_heads
+    bias = bool(raw.get("bias", False))
+    theta, rope_scaling = _rope(raw, path)
+    return ModelConfig(
+        vocab_size=raw["vocab_size"],
+        d_model=d,
+        n_layers=raw["num_hidden_layers"],
+        n_heads=n_heads,
+        n_kv_heads=n_kv,
+        head_dim=d // n_heads,
+        d_ff=raw.get("ffn_hidden_size") or 4 * d,
+        ffn_kind="relu",
+        norm_kind="layernorm",
+        norm_eps=float(raw.get("layer_norm_epsilon") or 1e-5),
+        rope_theta=theta,
+        rope_scaling=rope_scaling,
+        max_position=raw.get("max_position_embeddings", 2048),
+        qkv_bias=bias,
+        attn_out_bias=bias,
+        ffn_bias=bias,
+        parallel_block=new or parallel,
+        tie_embeddings=bool(raw.get("tie_word_embeddings", True)),
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=_eos_ids(raw),
+        architecture="falcon",
+        name=raw.get("_name_or_path") or path.name,
+    )
+
+
+def _falcon_qkv_rows(raw: dict[str, Any], cfg: ModelConfig) -> np.ndarray:
+    """The rows of Falcon's fused query_key_value in [q heads; k heads; v heads] order (transformers'
+    ``FalconAttention._split_heads``): the new architecture groups each kv head's g queries with its key
+    and value, the old one without multi-query interleaves q, k, v per head, multi-query stacks them."""
+    h, kv, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    g = h // kv
+    if raw.get("new_decoder_architecture"):
+        def block(part: int, head: int) -> int:  # part 0: query head, 1: key, 2: value of kv head `head`
+            return (head // g) * (g + 2) + head % g if part == 0 else head * (g + 2) + g + part - 1
+    elif raw.get("multi_query", True):
+        def block(part: int, head: int) -> int:
+            return head if part == 0 else h + part - 1
+    else:
+        def block(part: int, head: int) -> int:
+            return head * 3 + part
+    blocks = [block(0, i) for i in range(h)] + [block(part, i) for part in (1, 2) for i in range(kv)]
+    return (np.asarray(blocks)[:, None] * hd + np.arange(hd)).ravel()
+
+
+def _fused_in_checkpoint(cfg: ModelConfig) -> dict[str, tuple[str, ...]]:
+    """Per layer, the checkpoint's fused tensors -> the separate ones they stack, in order (names under the
+    layer prefix; the separate names are those ``_hf_to_ours`` maps)."""
+    if cfg.architecture == "phi3":
+        return PHI3_FUSED
+    if cfg.architecture == "falcon":
+        return {f"self_attention.query_key_value.{kind}": tuple(f"self_attention.{p}.{kind}" for p in "qkv")
+                for kind in ("weight", "bias")}
+    return {}
+
+
+def _hf_to_ours(cfg: ModelConfig, raw: dict[str, Any]) -> tuple[dict[str, str], str]:
+    """Our tensor name -> Hugging Face name (both (out, in), nothing is transposed), and the prefix of a layer's
+    names (``{}`` the layer's index)."""
     names: dict[str, str] = {}
-    if cfg.architecture == "opt":
+    if cfg.architecture == "falcon":
+        names |= {"embed": "transformer.word_embeddings.weight", "final_norm.scale": "transformer.ln_f.weight",
+                  "final_norm.bias": "transformer.ln_f.bias"}
+        if raw.get("new_decoder_architecture") and raw.get("num_ln_in_parallel_attn") in (None, 2):
+            norms = {"attn_norm": "ln_attn", "ffn_norm": "ln_mlp"}
+        elif cfg.parallel_block:  # one LayerNorm feeds both
+            norms = {"attn_norm": "input_layernorm", "ffn_norm": "input_layernorm"}
+        else:
+            norms = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+        per_layer = {f"{ours}.{p}": f"{theirs}.{kind}" for ours, theirs in norms.items()
+                     for p, kind in (("scale", "weight"), ("bias", "bias"))}
+        per_layer |= {"wq": "self_attention.q.weight", "wk": "self_attention.k.weight",
+                      "wv": "self_attention.v.weight", "bq": "self_attention.q.bias", "bk": "self_attention.k.bias",
+                      "bv": "self_attention.v.bias", "wo": "self_attention.dense.weight",
+                      "bo": "self_attention.dense.bias", "w_up": "mlp.dense_h_to_4h.weight",
+                      "b_up": "mlp.dense_h_to_4h.bias", "w_down": "mlp.dense_4h_to_h.weight",
+                      "b_down": "mlp.dense_4h_to_h.bias"}
+        layer_prefix = "transformer.h.{}."
+    elif cfg.architecture == "opt":
         base = "model.decoder."
         names |= {
             "embed": base + "embed_tokens.weight",
@@ -285,7 +384,7 @@ def _hf_to_ours(cfg: ModelConfig) -> dict[str, str]:
     for i in range(cfg.n_layers):
         for ours, theirs in per_layer.items():
             names[f"layers.{i}.{ours}"] = layer_prefix.format(i) + theirs
-    return names
+    return names, layer_prefix
 
 
 def _safetensor_files(path: pathlib.Path) -> list[pathlib.Path]:
@@ -338,12 +437,16 @@ def load_hf(path: str | pathlib.Path, ffn_kind: str | None = None) -> tuple[Mode
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{config_file}: invalid JSON ({e})") from None
     cfg = parse_config(raw, path, ffn_kind)
-    mapping = {k: v for k, v in _hf_to_ours(cfg).items() if k in expected_shapes(cfg)}
-    fused = {f"model.layers.{i}.{name}": [f"model.layers.{i}.{part}" for part in parts]
-             for i in range(cfg.n_layers) for name, parts in FUSED_IN_CHECKPOINT.items()}
+    names, layer_prefix = _hf_to_ours(cfg, raw)
+    mapping = {k: v for k, v in names.items() if k in expected_shapes(cfg)}
+    fused = {layer_prefix.format(i) + name: [layer_prefix.format(i) + part for part in parts]
+             for i in range(cfg.n_layers) for name, parts in _fused_in_checkpoint(cfg).items()}
     found = _read_tensors(_safetensor_files(path), set(mapping.values()) | set(fused))
+    falcon_rows = _falcon_qkv_rows(raw, cfg) if cfg.architecture == "falcon" else None
     for name, parts in fused.items():  # split into the separate projections (build_weights fuses them again)
         if name in found:
+            if falcon_rows is not None and found[name].shape[0] == falcon_rows.size:
+                found[name] = found[name][falcon_rows]
             ours = {theirs: k for k, theirs in mapping.items()}
             sizes = [expected_shapes(cfg)[ours[part]][0] for part in parts]
             if found[name].shape[0] != sum(sizes):

@@ -1,4 +1,4 @@
-"""Dense reference decoder: Llama family (RoPE, GQA, RMSNorm, gated FFN), Gemma 2 and OPT.
+"""Dense reference decoder: Llama family (RoPE, GQA, RMSNorm, gated FFN), Gemma 2 and 3, Falcon and OPT.
 
 Pure functions over the ``Weights`` pytree. The FFN is a pluggable step: ``forward``
 takes a static ``ffn_impl`` and a traced ``ffn_state`` so that sparse FFNs (oracle
@@ -320,15 +320,16 @@ def attention_residual(
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """A layer up to its FFN: h + attention(norm(h)) within ``window`` (the layer's
     ``ModelConfig.layer_window``), the attention's output normalised too with ``sandwich_norms``.
-    Returns that residual stream, the normalised FFN input x and the layer's updated keys and values;
-    the layer's output is ``ffn_residual`` of the FFN of x (``forward``, or the hybrid engine's two
-    partial FFNs summed)."""
+    Returns that residual stream, the normalised FFN input x (of the layer's input h itself with
+    ``parallel_block``) and the layer's updated keys and values; the layer's output is ``ffn_residual``
+    of the FFN of x (``forward``, or the hybrid engine's two partial FFNs summed)."""
     attn, k, v = attention_block(layer, norm(layer.attn_norm, h, cfg), positions, rope_cs, cache_k, cache_v, cfg,
                                  attend, window=window)
     if cfg.sandwich_norms:
         attn = norm(layer.attn_out_norm, attn, cfg)
+    x = norm(layer.ffn_norm, h, cfg) if cfg.parallel_block else None
     h = h + attn
-    return h, norm(layer.ffn_norm, h, cfg), k, v
+    return h, norm(layer.ffn_norm, h, cfg) if x is None else x, k, v
 
 
 def ffn_residual(layer: Layer, h: jax.Array, y: jax.Array, cfg: ModelConfig) -> jax.Array:
