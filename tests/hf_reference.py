@@ -56,6 +56,9 @@ def tiny_config(arch: str) -> transformers.PretrainedConfig:
     if arch == "falcon_sequential":  # the old layout without parallel_attn: one key and value per head
         return transformers.FalconConfig(**TINY, new_decoder_architecture=False, multi_query=False,
                                          parallel_attn=False, activation="relu", bias=True)
+    if arch == "falcon_gelu":  # Falcon's own FFN: GELU (the erf form), no gate; the new layout on one LayerNorm
+        return transformers.FalconConfig(**TINY, num_kv_heads=2, new_decoder_architecture=True,
+                                         num_ln_in_parallel_attn=1, activation="gelu", ffn_hidden_size=48)
     if arch == "phi3":  # q/k/v and gate/up fused in the checkpoint; a window in every layer
         return transformers.Phi3Config(**TINY, intermediate_size=40, num_key_value_heads=2, sliding_window=5,
                                        pad_token_id=0)

@@ -10,7 +10,7 @@ import numpy as np
 from jpinfer import Engine, LoadedModel, ModelConfig
 from jpinfer.models import params, transformer
 
-from activation_reference import gate64
+from activation_reference import activation64, gate64
 
 
 class CharTokenizer:
@@ -69,11 +69,11 @@ def reference_scores(engine: Engine, tokens: np.ndarray, score: str = "product")
     out = []
     for layer, x in zip(engine.weights.layers, ffn_inputs(engine, tokens)):
         w_gate_up = np.asarray(layer.w_gate_up, np.float64)  # (out, in): gate rows, then up rows
-        gate_rows, up_rows = (None, w_gate_up) if cfg.ffn_kind == "relu" else np.split(w_gate_up, 2)
+        gate_rows, up_rows = (None, w_gate_up) if not cfg.has_gate else np.split(w_gate_up, 2)
         up = x @ up_rows.T + (0 if layer.b_up is None else np.asarray(layer.b_up, np.float64))
         relu = lambda v: np.maximum(v, 0.0)
-        if cfg.ffn_kind == "relu":
-            out.append(np.abs(relu(up)))
+        if not cfg.has_gate:
+            out.append(np.abs(activation64(cfg.ffn_kind, None, up)))
             continue
         g = x @ gate_rows.T
         act_g = gate64(cfg.ffn_kind, g)

@@ -169,7 +169,7 @@ def test_missing_shard(checkpoint, tmp_path):
 
 
 @pytest.mark.parametrize("changes, message", [
-    ({"activation": "gelu"}, "Falcon activation 'gelu' is not supported yet"),
+    ({"activation": "silu"}, "Falcon activation 'silu' is not supported"),
     ({"alibi": True}, "ALiBi positions"),
     ({"new_decoder_architecture": True, "parallel_attn": False, "num_ln_in_parallel_attn": 1}, "needs parallel_attn"),
 ])

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jpinfer.config import FFN_KINDS, ModelConfig
+from jpinfer.config import FFN_KINDS, UNGATED_KINDS, ModelConfig
 from jpinfer.models import params, transformer
 from jpinfer.sparse import neurons
 from jpinfer.sparse.op import all_rows_ffn, sparse_ffn
@@ -21,11 +21,11 @@ BACKENDS = ["xla", "gather", "pallas"]
 def _weights(kind, seed=0, d=D, n=N):
     rng = np.random.default_rng(seed)
     w = {
-        "w_gate": None if kind == "relu" else rng.standard_normal((d, n)) / np.sqrt(d),
+        "w_gate": None if kind in UNGATED_KINDS else rng.standard_normal((d, n)) / np.sqrt(d),
         "w_up": rng.standard_normal((d, n)) / np.sqrt(d),
         "w_down": rng.standard_normal((n, d)) / np.sqrt(n),
-        "b_up": rng.standard_normal(n) if kind == "relu" else None,
-        "b_down": rng.standard_normal(d) if kind == "relu" else None,
+        "b_up": rng.standard_normal(n) if kind in UNGATED_KINDS else None,
+        "b_down": rng.standard_normal(d) if kind in UNGATED_KINDS else None,
     }
     return w
 
@@ -203,7 +203,7 @@ def test_one_compilation_per_shape_and_capacity(backend):
 def test_full_list_equals_decoder_dense_ffn(kind):
     cfg = ModelConfig(
         vocab_size=32, d_model=64, n_layers=1, n_heads=2, n_kv_heads=2, head_dim=32, d_ff=80,
-        ffn_kind=kind, ffn_bias=kind == "relu", norm_kind="layernorm" if kind == "relu" else "rmsnorm",
+        ffn_kind=kind, ffn_bias=kind in UNGATED_KINDS, norm_kind="layernorm" if kind in UNGATED_KINDS else "rmsnorm",
     )
     layer = params.build_weights(cfg, params.init_random(cfg, seed=2, scale=0.2)).layers[0]
     x = jnp.asarray(np.random.default_rng(2).standard_normal((4, 64)), jnp.float32)

@@ -110,8 +110,8 @@ def assert_decodes_like(engine, reference, new_tokens: int, *, rtol: float, atol
 
 
 @pytest.mark.parametrize("kind, arch", [("swiglu", {}), ("relu", {}), ("geglu", GEMMA2_LIKE), ("geglu", GEMMA3_LIKE),
-                                        ("relu", FALCON_LIKE)],
-                         ids=["swiglu", "relu", "gemma2-like", "gemma3-like", "falcon-like"])
+                                        ("relu", FALCON_LIKE), ("gelu", FALCON_LIKE)],
+                         ids=["swiglu", "relu", "gemma2-like", "gemma3-like", "relu-falcon-like", "falcon-like"])
 def test_all_active_sparse_and_hybrid_decode_like_dense(kind, arch):
     """gemma2-like: the hybrid engine normalises the sum of its two partial FFN outputs (sandwich norms), each
     layer attends within its own window; falcon-like: the FFN reads the layer's input, beside the attention."""

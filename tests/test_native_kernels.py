@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jpinfer.config import UNGATED_KINDS
 from jpinfer.native import kernels as K
 from jpinfer.native import library
 from jpinfer.quant import int8, q4
@@ -90,7 +91,7 @@ def assert_within(got, ref, bound, what=""):
 
 
 def _ffn_case(rng, n, d, kind, bias=True):
-    R = 2 if kind == "relu" else 3
+    R = 2 if kind in UNGATED_KINDS else 3
     rows = (rng.standard_normal((n, R, d)) / np.sqrt(d)).astype(np.float32)
     b_up = rng.standard_normal(n).astype(np.float32) * 0.1 if bias else None
     return rows, b_up
@@ -443,7 +444,7 @@ def test_input_checks():
     with pytest.raises(ValueError, match="float32"):
         K.sparse_ffn(rows.astype(np.float16), x, ids, 4, kind="swiglu")
     with pytest.raises(ValueError, match="unknown FFN kind"):
-        K.sparse_ffn(rows, x, ids, 4, kind="gelu")
+        K.sparse_ffn(rows, x, ids, 4, kind="silu")
     with pytest.raises(ValueError, match="neuron-major"):
         K.sparse_ffn(rows, x, ids, 4, kind="relu")  # relu bundles have R = 2
     with pytest.raises(ValueError, match=r"x must be \(T, 16\)"):

@@ -26,8 +26,8 @@ from jpinfer.profiler import calibration as calibration_module
 from profiler_fixtures import ffn_inputs, reference_scores, reference_window_losses, thresholds_in_gaps, tiny_engine
 from tolerances import PPL_RTOL, SPARSITY_ATOL, U32
 
-KINDS = ("swiglu", "geglu", "reglu", "drelu", "relu")
-SMOOTH = ("swiglu", "geglu")  # inactive neurons small but not zero: calibrated thresholds
+KINDS = ("swiglu", "geglu", "reglu", "drelu", "relu", "gelu")
+SMOOTH = ("swiglu", "geglu", "gelu")  # inactive neurons small but not zero: calibrated thresholds
 
 
 def windows(n=5, t=16, seed=1):

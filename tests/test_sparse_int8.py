@@ -26,6 +26,7 @@ from test_native_kernels import BACKENDS, list_cases
 
 import jpinfer
 from jpinfer import GenerationConfig, JpinferError
+from jpinfer.config import UNGATED_KINDS
 from jpinfer.models import quantized, transformer
 from jpinfer.modes import build_engine
 from jpinfer.native import kernels as K
@@ -89,7 +90,7 @@ def bundles(kind, seed=0, n=N, d=D):
     """int8 bundles of a random layer quantized by the project's quantizer (one scale per row of w_gate_up and
     per output of w_down), a float32 b_up."""
     rng = np.random.default_rng(seed)
-    R = 2 if kind == "relu" else 3
+    R = 2 if kind in UNGATED_KINDS else 3
     gate_up = rng.standard_normal(((R - 1) * n, d)).astype(np.float32)
     down = rng.standard_normal((d, n)).astype(np.float32)
     down[:, ::9] *= 8  # a few strong neurons, as in real models

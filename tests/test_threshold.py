@@ -99,7 +99,7 @@ def numpy_threshold_ffn(layer, kind, x, input_thr, act_thr):
     return a @ w(layer.w_down).T + (0 if layer.b_down is None else w(layer.b_down))
 
 
-@pytest.mark.parametrize("kind", ["swiglu", "geglu", "relu", "drelu"])
+@pytest.mark.parametrize("kind", ["swiglu", "geglu", "relu", "drelu", "gelu"])
 @pytest.mark.parametrize("kinds", ["activation", "input", "both"])
 @pytest.mark.parametrize("tokens", [1, 5])
 def test_threshold_ffn_equals_numpy_zeroing_the_same_entries(kind, kinds, tokens):

@@ -13,7 +13,8 @@ from hf_reference import make_model
 from tolerances import DECODER_ATOL
 
 ARCHS = ["llama", "llama_relu", "llama_drelu", "mistral", "qwen2", "qwen2_window", "qwen3", "phi3", "gemma2", "gemma3",
-         "falcon_new", "falcon_7b", "falcon_sequential", "opt", "llama3_rope", "linear_rope", "yarn_rope"]
+         "falcon_new", "falcon_7b", "falcon_sequential", "falcon_gelu", "opt", "llama3_rope", "linear_rope",
+         "yarn_rope"]
 FFN_KIND = {"llama_drelu": "drelu"}
 
 

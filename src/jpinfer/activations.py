@@ -12,17 +12,20 @@ from jpinfer.config import FFN_KINDS
 
 # Kinds whose inactive neurons are small but not exactly zero: their activity needs a calibrated threshold
 # (the ReLU kinds' inactive neurons are exactly 0, threshold 0).
-SMOOTH_KINDS: tuple[str, ...] = ("swiglu", "geglu")
+SMOOTH_KINDS: tuple[str, ...] = ("swiglu", "geglu", "gelu")
 
 
 def activate(kind: str, gate: jax.Array | None, up: jax.Array) -> jax.Array:
     """Neuron activation a_i (``up`` includes ``b_up``); the FFN output is sum_i a_i * down_i (+ b_down).
 
     ``swiglu`` silu(g)*u, ``geglu`` gelu(g)*u (GELU's tanh form, Gemma's ``gelu_pytorch_tanh``),
-    ``reglu`` relu(g)*u, ``drelu`` relu(g)*relu(u), ``relu`` relu(u) (no gate, OPT).
+    ``reglu`` relu(g)*u, ``drelu`` relu(g)*relu(u), ``relu`` relu(u) (no gate, OPT), ``gelu`` gelu(u) (no gate,
+    the erf form: Falcon's).
     """
     if kind == "relu":
         return jax.nn.relu(up)
+    if kind == "gelu":
+        return jax.nn.gelu(up, approximate=False)
     if kind in SMOOTH_KINDS:
         return gate_activation(kind, gate) * up
     if kind == "reglu":

@@ -8,11 +8,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-FfnKind = Literal["swiglu", "geglu", "reglu", "drelu", "relu"]
+FfnKind = Literal["swiglu", "geglu", "reglu", "drelu", "relu", "gelu"]
 NormKind = Literal["rmsnorm", "layernorm"]
 PositionKind = Literal["rope", "learned"]
 
-FFN_KINDS: tuple[str, ...] = ("swiglu", "geglu", "reglu", "drelu", "relu")
+FFN_KINDS: tuple[str, ...] = ("swiglu", "geglu", "reglu", "drelu", "relu", "gelu")
+UNGATED_KINDS: tuple[str, ...] = ("relu", "gelu")  # an up projection only (OPT, Falcon): bundles of 2 rows
 ROPE_SCALINGS: tuple[str, ...] = ("linear", "llama3", "yarn", "factors")
 WEIGHT_FORMATS: tuple[str, ...] = ("float", "int8", "int4")  # jpinfer.load(weights=...); see jpinfer.models.quantized
 
@@ -133,8 +134,8 @@ class ModelConfig:
 
     @property
     def has_gate(self) -> bool:
-        """Whether the FFN has a gate projection (all kinds but OPT's plain ReLU)."""
-        return self.ffn_kind != "relu"
+        """Whether the FFN has a gate projection (all kinds but OPT's and Falcon's ungated ones)."""
+        return self.ffn_kind not in UNGATED_KINDS
 
     @property
     def q_dim(self) -> int:

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jpinfer.bench.protocol import fastest
-from jpinfer.config import ModelConfig
+from jpinfer.config import UNGATED_KINDS, ModelConfig
 from jpinfer.models import params, transformer
 from jpinfer.sparse import NeuronFFN, sparse_ffn
 from jpinfer.sparse.pallas_kernels import KERNELS
@@ -60,7 +60,7 @@ def random_chain(d_model: int, d_ff: int, kind: str, n_layers: int, dtype: Any, 
     """Weights drawn on the default device (numpy would take minutes for a 7B model's FFNs)."""
     cfg = ModelConfig(vocab_size=8, d_model=d_model, n_layers=n_layers, n_heads=1, n_kv_heads=1, head_dim=8,
                       d_ff=d_ff, ffn_kind=kind)
-    n_rows = 2 if kind == "relu" else 3
+    n_rows = 2 if kind in UNGATED_KINDS else 3
     empty = jnp.zeros((1, 1), dtype)
     ffns, dense = [], []
     for key in jax.random.split(jax.random.key(seed), n_layers):

@@ -27,7 +27,7 @@ import numpy as np
 
 from jpinfer.activations import activate
 from jpinfer.bench.protocol import fastest, load_average, machine, machine_line
-from jpinfer.config import ModelConfig
+from jpinfer.config import UNGATED_KINDS, ModelConfig
 from jpinfer.models import params, transformer
 from jpinfer.sparse import neurons
 from jpinfer.sparse.cpu_backend import huge_page_array, huge_page_ffn
@@ -71,7 +71,7 @@ def _cycle(f, arg_sets):
 def _layer(shape: Shape, rng: np.random.Generator, place) -> params.Layer:
     """A random FFN in the decoder's layout (fused gate|up rows, down (d, d_ff)); no attention."""
     w = lambda *s: place(rng.standard_normal(s, dtype=np.float32) / np.sqrt(s[1]))
-    n_in = 1 if shape.kind == "relu" else 2
+    n_in = 1 if shape.kind in UNGATED_KINDS else 2
     empty = jnp.zeros((1, 1), jnp.float32)
     return params.Layer(
         attn_norm=None, w_qkv=empty, wo=empty, ffn_norm=None,
@@ -83,7 +83,7 @@ def _separate_neuron_major(layer: params.Layer, kind: str, place) -> tuple:
     """(gate rows or None, up rows, down rows): three separate (d_ff, d) neuron-major matrices."""
     f = layer.w_down.shape[1]
     gate_up = np.asarray(layer.w_gate_up)
-    gate, up = (None, gate_up) if kind == "relu" else (gate_up[:f], gate_up[f:])
+    gate, up = (None, gate_up) if kind in UNGATED_KINDS else (gate_up[:f], gate_up[f:])
     copy = lambda w: None if w is None else place(np.ascontiguousarray(w))
     return copy(gate), copy(up), copy(np.asarray(layer.w_down).T)
 
@@ -119,7 +119,7 @@ def bench_shape(
         head_dim=8, d_ff=shape.d_ff, ffn_kind=shape.kind,
     )
     rng = np.random.default_rng(seed)
-    dense_bytes = (2 if shape.kind == "relu" else 3) * shape.d_model * shape.d_ff * 4
+    dense_bytes = (2 if shape.kind in UNGATED_KINDS else 3) * shape.d_model * shape.d_ff * 4
     copies = max(1, -(-CACHE_FLUSH_BYTES // dense_bytes))
     layers = [_layer(shape, rng, place) for _ in range(copies)]
     ffns = [neurons.from_layer(layer, shape.kind) for layer in layers]

@@ -6,8 +6,8 @@ covers ReluLLaMA and ProSparse-style ReLU checkpoints), MistralForCausalLM, Qwen
 (q/k norms), Phi3ForCausalLM (q/k/v and gate/up fused in the checkpoint), Gemma2ForCausalLM (GeGLU, scaled
 embeddings, norms on the attention's and FFN's outputs, soft-capped scores and logits, sliding windows in
 every other layer), Gemma3ForCausalLM (Gemma 2 without the caps, with q/k norms, five sliding layers in six
-and their own RoPE base), FalconForCausalLM (ReLU-Falcon: attention and FFN side by side, the fused q/k/v of
-each layout) and OPTForCausalLM (pre-LayerNorm variants).
+and their own RoPE base), FalconForCausalLM (ReLU-Falcon and GELU Falcon: attention and FFN side by side,
+the fused q/k/v of each layout) and OPTForCausalLM (pre-LayerNorm variants).
 """
 
 from __future__ import annotations
@@ -234,9 +234,8 @@ def _parse_falcon(raw: dict[str, Any], path: pathlib.Path, ffn_kind: str | None)
     if raw.get("alibi"):
         raise CheckpointError(f"{path}: Falcon with ALiBi positions is not supported (rotary only)")
     act = raw.get("activation", "gelu")
-    if act != "relu" or ffn_kind not in (None, "relu"):
-        raise CheckpointError(f"{path}: Falcon activation {act!r} is not supported yet: only ReLU-Falcon's relu "
-                              "(an ungated GELU FFN is not an FFN kind yet)")
+    if act not in ("relu", "gelu") or ffn_kind not in (None, act):
+        raise CheckpointError(f"{path}: Falcon activation {act!r} is not supported (relu: ReLU-Falcon, gelu)")
     new = bool(raw.get("new_decoder_architecture", False))
     parallel = bool(raw.get("parallel_attn", True))
     if new and not parallel and raw.get("num_ln_in_parallel_attn") == 1:
@@ -256,7 +255,7 @@ def _parse_falcon(raw: dict[str, Any], path: pathlib.Path, ffn_kind: str | None)
         n_kv_heads=n_kv,
         head_dim=d // n_heads,
         d_ff=raw.get("ffn_hidden_size") or 4 * d,
-        ffn_kind="relu",
+        ffn_kind=act,
         norm_kind="layernorm",
         norm_eps=float(raw.get("layer_norm_epsilon") or 1e-5),
         rope_theta=theta,

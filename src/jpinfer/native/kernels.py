@@ -24,13 +24,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jpinfer.activations import activate
+from jpinfer.config import UNGATED_KINDS
 from jpinfer.native.library import native_available, unavailable_reason
 from jpinfer.quant import int8, q4
 from jpinfer.quant.int8 import Int8Matrix
 from jpinfer.quant.q4 import Q4Matrix
 
 MAX_TOKENS = 8
-KINDS = {"swiglu": 0, "reglu": 1, "drelu": 2, "relu": 3, "geglu": 4}  # csrc/sparse_ffn.cc Kind
+KINDS = {"swiglu": 0, "reglu": 1, "drelu": 2, "relu": 3, "geglu": 4, "gelu": 5}  # csrc/sparse_ffn.cc Kind
 
 
 def _use_native(native: bool | None) -> bool:
@@ -101,9 +102,9 @@ def _check_ffn(rows, kind: str, b_up, b_down):
     if kind not in KINDS:
         raise ValueError(f"unknown FFN kind {kind!r}; supported: {', '.join(KINDS)}")
     rows = _f32(rows, "rows")
-    if rows.ndim != 3 or rows.shape[1] != (2 if kind == "relu" else 3):
-        raise ValueError(f"rows must be (n, {2 if kind == 'relu' else 3}, d) neuron-major bundles for kind {kind!r}, "
-                         f"got shape {tuple(rows.shape)}")
+    if rows.ndim != 3 or rows.shape[1] != (2 if kind in UNGATED_KINDS else 3):
+        raise ValueError(f"rows must be (n, {2 if kind in UNGATED_KINDS else 3}, d) neuron-major bundles for kind "
+                         f"{kind!r}, got shape {tuple(rows.shape)}")
     n, _, d = rows.shape
     b_up = None if b_up is None else _f32(b_up, "b_up", (n,))
     b_down = None if b_down is None else jnp.asarray(b_down)
@@ -163,7 +164,7 @@ def _check_int8_ffn(rows, scales, down_scales, kind: str, b_up, b_down):
     if kind not in KINDS:
         raise ValueError(f"unknown FFN kind {kind!r}; supported: {', '.join(KINDS)}")
     rows = jnp.asarray(rows)
-    R = 2 if kind == "relu" else 3
+    R = 2 if kind in UNGATED_KINDS else 3
     if rows.dtype != jnp.int8 or rows.ndim != 3 or rows.shape[1] != R:
         raise ValueError(f"rows must be int8 (n, {R}, d) neuron-major bundles for kind {kind!r}, "
                          f"got {rows.dtype} {tuple(rows.shape)}")

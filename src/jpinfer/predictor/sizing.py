@@ -25,6 +25,7 @@ from typing import Callable
 
 import numpy as np
 
+from jpinfer.config import UNGATED_KINDS
 from jpinfer.profiler import ActivationProfile
 
 RANKS: tuple[int, ...] = (16, 32, 64, 128, 256, 512)
@@ -46,7 +47,7 @@ def layer_cost(n_params: int, predicted: float, d_ff: int, neuron_params: int) -
 
 def neuron_params(ffn_kind: str, d_model: int) -> int:
     """Weights one neuron reads: gate row, up row and down column (no gate for kind relu)."""
-    return (2 if ffn_kind == "relu" else 3) * d_model
+    return (2 if ffn_kind in UNGATED_KINDS else 3) * d_model
 
 
 def predictor_params(rank: int, d_model: int, d_ff: int) -> int:

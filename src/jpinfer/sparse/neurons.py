@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jpinfer.config import FFN_KINDS, FfnKind
+from jpinfer.config import FFN_KINDS, UNGATED_KINDS, FfnKind
 from jpinfer.models import quantized
 from jpinfer.models.params import Layer
 
@@ -73,7 +73,7 @@ class NeuronFFN:
 
     @property
     def gated(self) -> bool:
-        return self.kind != "relu"
+        return self.kind not in UNGATED_KINDS
 
     def subset(self, positions, *, with_b_down: bool = True) -> tuple["NeuronFFN", np.ndarray]:
         """Compact copy holding the rows at ``positions`` (row indices of this layout).
@@ -116,8 +116,8 @@ def from_arrays(
     ``w_gate``/``w_up`` (n, d) (a row per neuron), ``w_down`` (d, n) (a column per neuron)."""
     if kind not in FFN_KINDS:
         raise ValueError(f"unknown FFN kind {kind!r}; supported: {', '.join(FFN_KINDS)}")
-    if (w_gate is None) != (kind == "relu"):
-        raise ValueError(f"FFN kind {kind!r} {'has no' if kind == 'relu' else 'needs a'} gate projection")
+    if (w_gate is None) != (kind in UNGATED_KINDS):
+        raise ValueError(f"FFN kind {kind!r} {'has no' if kind in UNGATED_KINDS else 'needs a'} gate projection")
     n, d = w_up.shape
     if tuple(w_down.shape) != (d, n):
         raise ValueError(f"w_down has shape {tuple(w_down.shape)}, expected {(d, n)} for w_up {(n, d)}")
@@ -143,14 +143,14 @@ def from_layer(layer: Layer, kind: FfnKind) -> NeuronFFN:
     if quantized.is_quantized(layer.w_gate_up) or quantized.is_quantized(layer.w_down):
         return _int8_from_layer(layer, kind)
     n = layer.w_down.shape[1]
-    gate, up = (layer.w_gate_up[:n], layer.w_gate_up[n:]) if kind != "relu" else (None, layer.w_gate_up)
+    gate, up = (None, layer.w_gate_up) if kind in UNGATED_KINDS else (layer.w_gate_up[:n], layer.w_gate_up[n:])
     return from_arrays(kind, gate, up, layer.w_down, layer.b_up, layer.b_down)
 
 
 def _int8_from_layer(layer: Layer, kind: FfnKind) -> NeuronFFN:
     gate_up, down = quantized.int8_copy(layer.w_gate_up), quantized.int8_copy(layer.w_down)
     d, n = down.shape
-    slots = 2 if kind != "relu" else 1
+    slots = 1 if kind in UNGATED_KINDS else 2
     if gate_up.shape != (slots * n, d):
         raise ValueError(f"w_gate_up has shape {gate_up.shape}, expected {(slots * n, d)} for kind {kind!r}")
     values = gate_up.values.reshape(slots, n, d)

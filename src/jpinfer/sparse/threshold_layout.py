@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jpinfer.activations import activate
-from jpinfer.config import FfnKind
+from jpinfer.config import UNGATED_KINDS, FfnKind
 from jpinfer.models import quantized
 from jpinfer.models.params import Layer
 from jpinfer.native import kernels as native_kernels
@@ -98,7 +98,7 @@ def from_layer(layer: Layer, kind: FfnKind, *, input_threshold: float | None, ac
     if neurons is not None:
         ids = jnp.asarray(neurons, jnp.int32)
         n = down.shape[1]
-        rows = jnp.concatenate([ids, ids + n]) if kind != "relu" else ids  # gate rows first, then up rows
+        rows = ids if kind in UNGATED_KINDS else jnp.concatenate([ids, ids + n])  # gate rows first, then up rows
         gate_up, down, b_up = _take(gate_up, rows, 0), _take(down, ids, 1), None if b_up is None else b_up[ids]
     return ThresholdLayout(
         gate_up=gate_up.T if input_sparse else gate_up,
@@ -194,7 +194,7 @@ def threshold_ffn(ffn: ThresholdLayout, x: jax.Array, *, backend: RowsBackend = 
     up = h[:, -n:]
     if ffn.b_up is not None:
         up = up + ffn.b_up.astype(jnp.float32)
-    a = activate(ffn.kind, h[:, :n] if ffn.kind != "relu" else None, up)
+    a = activate(ffn.kind, None if ffn.kind in UNGATED_KINDS else h[:, :n], up)
     y, n_neurons = _project(ffn.down, a, ffn.activation_sparse, ffn.activation_threshold, backend)
     if ffn.b_down is not None:
         y = y + ffn.b_down.astype(jnp.float32)

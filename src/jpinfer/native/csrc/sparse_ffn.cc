@@ -25,7 +25,9 @@
 namespace jpn {
 namespace {
 
-enum Kind : int32_t { kSwiglu = 0, kReglu = 1, kDrelu = 2, kRelu = 3, kGeglu = 4, kKinds = 5 };
+enum Kind : int32_t { kSwiglu = 0, kReglu = 1, kDrelu = 2, kRelu = 3, kGeglu = 4, kGelu = 5, kKinds = 6 };
+
+inline bool Gated(int32_t kind) { return kind != kRelu && kind != kGelu; }
 
 inline float Activate(int32_t kind, float g, float u) {
   switch (kind) {
@@ -34,6 +36,7 @@ inline float Activate(int32_t kind, float g, float u) {
       return 0.5f * g * (1.0f + std::tanh(0.7978845608028654f * (g + 0.044715f * g * g * g))) * u;
     case kReglu: return std::max(g, 0.0f) * u;
     case kDrelu: return std::max(g, 0.0f) * std::max(u, 0.0f);
+    case kGelu: return 0.5f * u * (1.0f + std::erf(u * 0.7071067811865476f));  // gelu(u), the erf form (Falcon)
     default: return std::max(u, 0.0f);  // kRelu: relu(u); std::max keeps a NaN like jax.nn.relu
   }
 }
@@ -131,7 +134,8 @@ ffi::Error CheckFfn(const ffi::Buffer<ffi::F32>& rows, const ffi::Buffer<ffi::F3
   if (rd.size() != 3 || xd.size() != 2 || ids.dimensions().size() != 1)
     return ffi::Error::InvalidArgument("jpinfer sparse ffn: rows (n, R, d), x (T, d), ids (K,) expected");
   if (kind < 0 || kind >= kKinds) return ffi::Error::InvalidArgument("jpinfer sparse ffn: unknown kind");
-  if (rd[1] != (kind == kRelu ? 2 : 3)) return ffi::Error::InvalidArgument("jpinfer sparse ffn: R must be 3 (2 for relu)");
+  if (rd[1] != (Gated(kind) ? 3 : 2))
+    return ffi::Error::InvalidArgument("jpinfer sparse ffn: R must be 3 (2 for relu and gelu)");
   if (xd[1] != rd[2] || xd[0] < 1 || xd[0] > kMaxTokens)
     return ffi::Error::InvalidArgument("jpinfer sparse ffn: x must be (T, d), 1 <= T <= 8");
   if (b_up.element_count() != 0 && int64_t(b_up.element_count()) != rd[0])
@@ -265,7 +269,7 @@ ffi::Error SparseFfnInt8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> rows, ff
     return ffi::Error::InvalidArgument("jpinfer sparse ffn int8: rows (n, R, d), x (T, d), ids (K,) expected");
   if (kind < 0 || kind >= kKinds) return ffi::Error::InvalidArgument("jpinfer sparse ffn int8: unknown kind");
   const int64_t n = rd[0], R = rd[1], d = rd[2], T = xd[0], P = R - 1;
-  if (R != (kind == kRelu ? 2 : 3))
+  if (R != (Gated(kind) ? 3 : 2))
     return ffi::Error::InvalidArgument("jpinfer sparse ffn int8: R must be 3 (2 for relu)");
   if (xd[1] != d || T < 1 || T > kMaxTokens)
     return ffi::Error::InvalidArgument("jpinfer sparse ffn int8: x must be (T, d), 1 <= T <= 8");
