@@ -1,7 +1,7 @@
-"""Tiny llama GGUF files for tests, written with gguf.GGUFWriter the way llama.cpp's converter does.
+"""Tiny GGUF files for tests, written with gguf.GGUFWriter the way llama.cpp's converter does.
 
 Weights start in jpinfer's flat convention (projections (out, in), as GGUF stores them);
-the writer permutes q/k rows for llama.cpp's adjacent-pair RoPE, and
+the writer permutes a llama's q/k rows for llama.cpp's adjacent-pair RoPE (qwen2 and qwen3 keep them), and
 quantizes with gguf.quants.quantize. A small byte-level BPE is trained with `tokenizers`
 so the file carries a real vocabulary, merges, token types and chat template.
 """
@@ -91,17 +91,22 @@ def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-# jpinfer name suffix -> GGUF name suffix, for per-layer and global tensors
+# jpinfer name suffix -> GGUF name suffix, for per-layer and global tensors (llama.cpp's names)
 LAYER_NAMES = {
-    "attn_norm.scale": "attn_norm",
-    "ffn_norm.scale": "ffn_norm",
-    "wq": "attn_q",
-    "wk": "attn_k",
-    "wv": "attn_v",
-    "wo": "attn_output",
-    "w_gate": "ffn_gate",
-    "w_up": "ffn_up",
-    "w_down": "ffn_down",
+    "attn_norm.scale": "attn_norm.weight",
+    "ffn_norm.scale": "ffn_norm.weight",
+    "wq": "attn_q.weight",
+    "wk": "attn_k.weight",
+    "wv": "attn_v.weight",
+    "wo": "attn_output.weight",
+    "w_gate": "ffn_gate.weight",
+    "w_up": "ffn_up.weight",
+    "w_down": "ffn_down.weight",
+    "bq": "attn_q.bias",
+    "bk": "attn_k.bias",
+    "bv": "attn_v.bias",
+    "q_norm.scale": "attn_q_norm.weight",
+    "k_norm.scale": "attn_k_norm.weight",
 }
 GLOBAL_NAMES = {"embed": "token_embd", "final_norm.scale": "output_norm", "lm_head": "output"}
 
@@ -110,13 +115,13 @@ def gguf_name(name: str) -> str:
     """GGUF tensor name of a jpinfer flat tensor name."""
     if name.startswith("layers."):
         _, i, suffix = name.split(".", 2)
-        return f"blk.{i}.{LAYER_NAMES[suffix]}.weight"
+        return f"blk.{i}.{LAYER_NAMES[suffix]}"
     return f"{GLOBAL_NAMES[name]}.weight"
 
 
-def to_gguf_layout(cfg: ModelConfig, name: str, w: np.ndarray) -> np.ndarray:
-    """A jpinfer tensor as llama.cpp stores it: q/k rows permuted."""
-    if w.ndim == 1 or name == "embed":
+def to_gguf_layout(cfg: ModelConfig, name: str, w: np.ndarray, arch: str = "llama") -> np.ndarray:
+    """A jpinfer tensor as llama.cpp stores it: a llama's q/k rows permuted."""
+    if w.ndim == 1 or name == "embed" or arch != "llama":
         return w
     rows = w
     if name.endswith(".wq"):
@@ -141,7 +146,8 @@ def write_gguf(
     type_overrides: dict[str, GGMLQuantizationType] | None = None,
     raw_tensors: dict[str, np.ndarray] | None = None,
 ) -> pathlib.Path:
-    """Write a llama GGUF: 2-D weights in ``qtype``, norms in F32 (as llama.cpp does).
+    """Write a GGUF of architecture ``arch``: 2-D weights in ``qtype``, norms and biases in F32 (as llama.cpp
+    does).
 
     ``tensors`` are in jpinfer's convention (any subset, to test missing tensors);
     ``raw_tensors`` are added as-is under GGUF names; ``metadata`` adds or replaces
@@ -149,16 +155,18 @@ def write_gguf(
     """
     fields: dict[str, Any] = {
         "general.name": cfg.name,
-        "llama.context_length": cfg.max_position,
-        "llama.embedding_length": cfg.d_model,
-        "llama.block_count": cfg.n_layers,
-        "llama.feed_forward_length": cfg.d_ff,
-        "llama.attention.head_count": cfg.n_heads,
-        "llama.attention.head_count_kv": cfg.n_kv_heads,
-        "llama.rope.freq_base": float(cfg.rope_theta),
-        "llama.attention.layer_norm_rms_epsilon": float(cfg.norm_eps),
-        "llama.rope.dimension_count": cfg.head_dim,
+        f"{arch}.context_length": cfg.max_position,
+        f"{arch}.embedding_length": cfg.d_model,
+        f"{arch}.block_count": cfg.n_layers,
+        f"{arch}.feed_forward_length": cfg.d_ff,
+        f"{arch}.attention.head_count": cfg.n_heads,
+        f"{arch}.attention.head_count_kv": cfg.n_kv_heads,
+        f"{arch}.rope.freq_base": float(cfg.rope_theta),
+        f"{arch}.attention.layer_norm_rms_epsilon": float(cfg.norm_eps),
+        f"{arch}.rope.dimension_count": cfg.head_dim,
     }
+    if cfg.head_dim != cfg.d_model // cfg.n_heads:
+        fields[f"{arch}.attention.key_length"] = fields[f"{arch}.attention.value_length"] = cfg.head_dim
     fields |= tokenizer_fields()
     fields |= metadata or {}
     writer = GGUFWriter(path, arch)
@@ -177,7 +185,7 @@ def write_gguf(
             writer.add_array(key, value)
     overrides = type_overrides or {}
     for name, w in tensors.items():
-        stored = to_gguf_layout(cfg, name, w)
+        stored = to_gguf_layout(cfg, name, w, arch)
         t = overrides.get(name, qtype if stored.ndim == 2 else GGMLQuantizationType.F32)
         data = quantize(stored, t)
         writer.add_tensor(gguf_name(name), data, raw_dtype=t if data.dtype == np.uint8 else None)

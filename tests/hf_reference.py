@@ -79,10 +79,13 @@ def _drelu_forward(mlp):
     return forward
 
 
-def make_model(arch: str, directory: pathlib.Path, seed: int = 0) -> torch.nn.Module:
-    """Build a random model, perturb norms and biases so they matter, save it, return it (eval mode)."""
+def make_model(arch: str, directory: pathlib.Path, seed: int = 0, **changes) -> torch.nn.Module:
+    """Build a random model (``changes``: config fields to set), perturb norms and biases so they matter, save
+    it, return it (eval mode)."""
     torch.manual_seed(seed)
     cfg = tiny_config(arch)
+    for field, value in changes.items():
+        setattr(cfg, field, value)
     cfg._attn_implementation = "eager"
     model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
     with torch.no_grad():

@@ -17,9 +17,11 @@ from jpinfer.config import ModelConfig, RopeScaling
 from jpinfer.models import default_model, params, transformer
 from jpinfer.models.default_model import DefaultModelMissing, default_model_path
 from jpinfer.models.gguf_loader import GGUFError, load_gguf, unpermute_rope_rows
+from jpinfer.models.hf_loader import load_hf
 from jpinfer.models.params import expected_shapes
 
 import gguf_fixtures as fx
+from hf_reference import make_model
 from tolerances import DECODER_ATOL
 
 QTYPES = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1]
@@ -172,8 +174,8 @@ def test_truncated_file(tmp_path, tiny_untied, keep):
 
 def test_unsupported_architecture(tmp_path, tiny_untied):
     cfg, tensors = tiny_untied
-    path = fx.write_gguf(tmp_path / "a.gguf", cfg, tensors, arch="qwen2")
-    with pytest.raises(GGUFError, match=r"a\.gguf: unsupported architecture 'qwen2'"):
+    path = fx.write_gguf(tmp_path / "a.gguf", cfg, tensors, arch="gemma2")
+    with pytest.raises(GGUFError, match=r"a\.gguf: unsupported architecture 'gemma2'"):
         load_gguf(path)
 
 
@@ -296,6 +298,11 @@ _HF_NAMES = {
     "w_down": "mlp.down_proj.weight",
     "attn_norm.scale": "input_layernorm.weight",
     "ffn_norm.scale": "post_attention_layernorm.weight",
+    "bq": "self_attn.q_proj.bias",
+    "bk": "self_attn.k_proj.bias",
+    "bv": "self_attn.v_proj.bias",
+    "q_norm.scale": "self_attn.q_norm.weight",
+    "k_norm.scale": "self_attn.k_norm.weight",
 }
 
 
@@ -327,6 +334,33 @@ def test_tiny_weights_equal_transformers(tmp_path, tiny_untied):
     theirs = hf_state_as_ours(path, ours)
     for name in ours:
         np.testing.assert_array_equal(ours[name], theirs[name], err_msg=name)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_qwen_files_decode_like_transformers(arch, tmp_path):
+    """A tiny transformers Qwen2 (q/k/v biases, tied head) or Qwen3 (q/k norms; head_dim 128, not d_model / heads:
+    the file says so in qwen3.attention.key_length, which transformers' GGUF reader takes as 128 without reading
+    it) written as llama.cpp's converter writes it (q/k rows kept: NEOX RoPE): transformers' own GGUF reader reads
+    the model's weights back from it (the file is what llama.cpp writes), and jpinfer's load of it scores like
+    the PyTorch model, prefill and decode."""
+    import torch  # the test extra
+
+    n_vocab = len(fx.tokenizer_fields()["tokenizer.ggml.tokens"])
+    ref = make_model(arch, tmp_path, vocab_size=n_vocab, head_dim=128 if arch == "qwen3" else 8)
+    hf_cfg, tensors = load_hf(tmp_path)
+    path = fx.write_gguf(tmp_path / "tiny.gguf", hf_cfg, tensors, Q.F32, arch=arch)
+    cfg, ours, _ = load_gguf(path)
+    assert (cfg.architecture, cfg.qkv_bias, cfg.qk_norm, cfg.head_dim) == (arch, arch == "qwen2", arch == "qwen3",
+                                                                           hf_cfg.head_dim)
+    theirs = hf_state_as_ours(path, [n for n in ours if n != "lm_head"])
+    for name in theirs:
+        np.testing.assert_array_equal(ours[name], theirs[name], err_msg=name)
+    tokens = np.random.default_rng(1).integers(0, n_vocab, size=(1, 12))
+    with torch.no_grad():
+        expected = ref.double()(torch.tensor(tokens)).logits.numpy()
+    weights = params.build_weights(cfg, ours)
+    np.testing.assert_allclose(np.asarray(transformer.score(weights, jnp.asarray(tokens), cfg)), expected,
+                               atol=DECODER_ATOL, rtol=0)
 
 
 # ---- the default model ----
@@ -363,7 +397,8 @@ def test_default_model_is_smollm2_135m(default_loaded):
 @pytest.mark.slow
 def test_default_weights_equal_transformers(default_loaded):
     _, ours, _ = default_loaded
-    names = ["embed", "final_norm.scale"] + [f"layers.{i}.{s}" for i in (0, 17, 29) for s in _HF_NAMES]
+    names = ["embed", "final_norm.scale"] + [f"layers.{i}.{s}" for i in (0, 17, 29) for s in _HF_NAMES
+                                             if f"layers.{i}.{s}" in ours]
     theirs = hf_state_as_ours(default_model_path(), names)
     for name in names:
         np.testing.assert_array_equal(ours[name], theirs[name], err_msg=name)

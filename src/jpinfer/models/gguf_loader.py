@@ -1,4 +1,4 @@
-"""Load a llama-architecture GGUF file (llama.cpp's format) into jpinfer's flat tensor dict.
+"""Load a GGUF file (llama.cpp's format) of architecture llama, qwen2 or qwen3 into jpinfer's flat tensor dict.
 
 The weights come back dequantized to float numpy arrays keyed and shaped like
 ``jpinfer.models.params.expected_shapes(cfg)`` (projections (out, in)), with the
@@ -38,16 +38,24 @@ SUPPORTED_TENSOR_TYPES: tuple[GGMLQuantizationType, ...] = (
 
 # GGUF layer tensor -> jpinfer name. Both are (out, in) in numpy order: nothing is transposed.
 _LAYER_TENSORS: dict[str, str] = {
-    "attn_norm": "attn_norm.scale",
-    "ffn_norm": "ffn_norm.scale",
-    "attn_q": "wq",
-    "attn_k": "wk",
-    "attn_v": "wv",
-    "attn_output": "wo",
-    "ffn_gate": "w_gate",
-    "ffn_up": "w_up",
-    "ffn_down": "w_down",
+    "attn_norm.weight": "attn_norm.scale",
+    "ffn_norm.weight": "ffn_norm.scale",
+    "attn_q.weight": "wq",
+    "attn_k.weight": "wk",
+    "attn_v.weight": "wv",
+    "attn_output.weight": "wo",
+    "ffn_gate.weight": "w_gate",
+    "ffn_up.weight": "w_up",
+    "ffn_down.weight": "w_down",
+    "attn_q.bias": "bq",  # qwen2
+    "attn_k.bias": "bk",
+    "attn_v.bias": "bv",
+    "attn_q_norm.weight": "q_norm.scale",  # qwen3
+    "attn_k_norm.weight": "k_norm.scale",
 }
+# The architectures read (general.architecture, also the prefix of their metadata keys). llama.cpp's converter
+# permutes llama's q/k rows for its adjacent-pair RoPE; qwen2 and qwen3 keep Hugging Face's halves (NEOX).
+ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
 _GLOBAL_TENSORS: dict[str, str] = {
     "token_embd": "embed",
     "output_norm": "final_norm.scale",
@@ -65,10 +73,10 @@ class GGUFError(CheckpointError):
 def load_gguf(
     path: os.PathLike | str, dtype=jnp.float32
 ) -> tuple[ModelConfig, dict[str, np.ndarray], Tokenizer]:
-    """Read a llama GGUF: (config, tensors keyed like ``expected_shapes(cfg)``, tokenizer).
+    """Read a GGUF (``ARCHITECTURES``): (config, tensors keyed like ``expected_shapes(cfg)``, tokenizer).
 
     Quantized tensors are dequantized to float32 and then cast to ``dtype`` (a numpy or
-    JAX dtype, e.g. ``jnp.bfloat16``). q/k projections are un-permuted from llama.cpp's
+    JAX dtype, e.g. ``jnp.bfloat16``). A llama file's q/k projections are un-permuted from llama.cpp's
     interleaved RoPE layout to Hugging Face's rotate-half layout.
     """
     path = pathlib.Path(path)
@@ -116,64 +124,67 @@ def config_from_metadata(metadata: dict[str, Any], has_output: bool, path: os.Pa
     """ModelConfig from llama.cpp's metadata keys (and the file's ``rope_freqs`` tensor, ``rope_factors``:
     how llama.cpp carries Llama 3.1's RoPE scaling); GGUFError for what jpinfer cannot run."""
     arch = metadata.get("general.architecture")
-    if arch != "llama":
-        raise GGUFError(path, f"unsupported architecture {arch!r}; jpinfer reads GGUF files of architecture 'llama'")
+    if arch not in ARCHITECTURES:
+        raise GGUFError(path, f"unsupported architecture {arch!r}; jpinfer reads GGUF files of architecture "
+                              f"{', '.join(ARCHITECTURES)}")
 
     def need(key: str):
         if key not in metadata:
             raise GGUFError(path, f"metadata key {key!r} is missing")
         return metadata[key]
 
-    if metadata.get("llama.expert_count", 0):
-        raise GGUFError(path, "mixture-of-experts llama models are not supported")
-    scaling = metadata.get("llama.rope.scaling.type", "none")
+    if metadata.get(f"{arch}.expert_count", 0):
+        raise GGUFError(path, f"mixture-of-experts {arch} models are not supported")
+    scaling = metadata.get(f"{arch}.rope.scaling.type", "none")
     if scaling not in ("none", "linear"):
         raise GGUFError(path, f"RoPE scaling {scaling!r} is not supported (unscaled, linear, or {ROPE_FREQS})")
     if scaling == "linear" and rope_factors is not None:
         raise GGUFError(path, f"both linear RoPE scaling and {ROPE_FREQS}: which one applies is not defined")
     tokens = need("tokenizer.ggml.tokens")
-    d_model = int(need("llama.embedding_length"))
-    n_heads = int(need("llama.attention.head_count"))
-    head_dim = int(metadata.get("llama.attention.key_length", d_model // n_heads))
-    rot_dim = int(metadata.get("llama.rope.dimension_count", head_dim))
+    d_model = int(need(f"{arch}.embedding_length"))
+    n_heads = int(need(f"{arch}.attention.head_count"))
+    head_dim = int(metadata.get(f"{arch}.attention.key_length", d_model // n_heads))
+    rot_dim = int(metadata.get(f"{arch}.rope.dimension_count", head_dim))
     if rot_dim != head_dim:
         raise GGUFError(path, f"partial RoPE (rope.dimension_count {rot_dim} != head dim {head_dim}) is not supported")
-    if metadata.get("llama.vocab_size", len(tokens)) != len(tokens):
+    if metadata.get(f"{arch}.vocab_size", len(tokens)) != len(tokens):
         raise GGUFError(
-            path, f"llama.vocab_size {metadata['llama.vocab_size']} disagrees with the {len(tokens)} tokens listed"
+            path, f"{arch}.vocab_size {metadata[f'{arch}.vocab_size']} disagrees with the {len(tokens)} tokens listed"
         )
     eos_ids = tuple(
         dict.fromkeys(int(metadata[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
                       if k in metadata)
     )
     bos = metadata.get("tokenizer.ggml.bos_token_id")
-    norm_eps = _float32_decimal(need("llama.attention.layer_norm_rms_epsilon"))
-    rope_theta = _float32_decimal(metadata.get("llama.rope.freq_base", 10000.0))
+    norm_eps = _float32_decimal(need(f"{arch}.attention.layer_norm_rms_epsilon"))
+    rope_theta = _float32_decimal(metadata.get(f"{arch}.rope.freq_base", 10000.0))
     rope_scaling = None
     try:
         if scaling == "linear":
-            rope_scaling = RopeScaling("linear", factor=float(need("llama.rope.scaling.factor")))
+            rope_scaling = RopeScaling("linear", factor=float(need(f"{arch}.rope.scaling.factor")))
         elif rope_factors is not None:
             rope_scaling = RopeScaling("factors", frequency_factors=rope_factors)
         return ModelConfig(
             vocab_size=len(tokens),
             d_model=d_model,
-            n_layers=int(need("llama.block_count")),
+            n_layers=int(need(f"{arch}.block_count")),
             n_heads=n_heads,
-            n_kv_heads=int(metadata.get("llama.attention.head_count_kv", n_heads)),
+            n_kv_heads=int(metadata.get(f"{arch}.attention.head_count_kv", n_heads)),
             head_dim=head_dim,
-            d_ff=int(need("llama.feed_forward_length")),
+            d_ff=int(need(f"{arch}.feed_forward_length")),
             ffn_kind="swiglu",
             norm_kind="rmsnorm",
             norm_eps=norm_eps,
             positions="rope",
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            max_position=int(need("llama.context_length")),
+            max_position=int(need(f"{arch}.context_length")),
             tie_embeddings=not has_output,
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=eos_ids,
-            architecture="llama",
+            qkv_bias=arch == "qwen2",
+            qk_norm=arch == "qwen3",
+            architecture=arch,
             name=str(metadata.get("general.name", pathlib.Path(path).stem)),
         )
     except ValueError as err:
@@ -192,7 +203,7 @@ def read_tensors(reader: GGUFReader, cfg: ModelConfig, path: os.PathLike | str,
     plan = _tensor_plan(cfg)
     unknown = sorted(set(by_name) - set(plan) - {ROPE_FREQS})  # rope_freqs: the config's (load_gguf)
     if unknown:
-        raise GGUFError(path, f"unsupported tensors for a llama model: {', '.join(unknown[:5])}")
+        raise GGUFError(path, f"unsupported tensors for a {cfg.architecture} model: {', '.join(unknown[:5])}")
     expected = expected_shapes(cfg)
     np_dtype = np.dtype(dtype)
     out: dict[str, np.ndarray] = {}
@@ -207,9 +218,9 @@ def read_tensors(reader: GGUFReader, cfg: ModelConfig, path: os.PathLike | str,
         if stored != expected[name]:
             raise GGUFError(path, f"tensor {gguf_name!r} has shape {stored}, but the metadata implies {expected[name]}")
         w = dequantize(t.data, t.tensor_type).reshape(stored)
-        if name.endswith(".wq"):
+        if name.endswith(".wq") and _permuted(cfg):
             w = unpermute_rope_rows(w, cfg.n_heads)
-        elif name.endswith(".wk"):
+        elif name.endswith(".wk") and _permuted(cfg):
             w = unpermute_rope_rows(w, cfg.n_kv_heads)
         out[name] = np.array(w, dtype=np_dtype, order="C")  # a copy: no view of the file
     return out
@@ -230,7 +241,7 @@ def read_q4_blocks(path: os.PathLike | str, cfg: ModelConfig) -> dict[str, q4.Q4
     float). q/k rows are un-permuted like the float ones (``unpermute_rope_rows``: whole rows move)."""
     path = pathlib.Path(path)
     by_name = _tensor_map(open_gguf(path))
-    heads = {"attn_q": cfg.n_heads, "attn_k": cfg.n_kv_heads}
+    heads = {"attn_q": cfg.n_heads, "attn_k": cfg.n_kv_heads} if _permuted(cfg) else {}
     out: dict[str, q4.Q4Matrix] = {}
     for i in range(cfg.n_layers):
         for fused, parts in _FUSED_TENSORS.items():
@@ -257,9 +268,15 @@ def _tensor_map(reader: GGUFReader) -> dict:
 def _tensor_plan(cfg: ModelConfig) -> dict[str, str]:
     """GGUF tensor name -> jpinfer name for every tensor the config needs."""
     plan = {f"{g}.weight": v for g, v in _GLOBAL_TENSORS.items() if not (g == "output" and cfg.tie_embeddings)}
+    needed = expected_shapes(cfg)
     for i in range(cfg.n_layers):
-        plan |= {f"blk.{i}.{g}.weight": f"layers.{i}.{n}" for g, n in _LAYER_TENSORS.items()}
+        plan |= {f"blk.{i}.{g}": f"layers.{i}.{n}" for g, n in _LAYER_TENSORS.items() if f"layers.{i}.{n}" in needed}
     return plan
+
+
+def _permuted(cfg: ModelConfig) -> bool:
+    """Whether llama.cpp's converter permuted the file's q/k rows (llama only: ``unpermute_rope_rows``)."""
+    return cfg.architecture == "llama"
 
 
 def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
