@@ -30,8 +30,8 @@ LLAMA_LIKE = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwe
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # Phi-3 stores these projections fused: the checkpoint's tensor -> the separate ones it stacks, in order
 PHI3_FUSED = {"self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
-                                                     "self_attn.v_proj.weight"),
-                       "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")}
+                                             "self_attn.v_proj.weight"),
+              "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")}
 ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu", "relu": "reglu", "gelu_pytorch_tanh": "geglu",
                "gelu_new": "geglu"}
 SUPPORTED = sorted([*LLAMA_LIKE, "OPTForCausalLM", "FalconForCausalLM"])

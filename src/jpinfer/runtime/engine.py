@@ -15,6 +15,7 @@ from jpinfer.config import ModelConfig
 from jpinfer.models import transformer
 from jpinfer.models.loading import LoadedModel
 from jpinfer.models.params import Weights
+from jpinfer.runtime.chat import chat_ids
 from jpinfer.runtime.sampling import Sampler, sample_next
 
 MIN_PROMPT_BUCKET = 16
@@ -227,7 +228,8 @@ class Engine:
 
         With ``chat=True`` a text prompt becomes one user message; a list of
         ``{"role", "content"}`` messages always goes through the chat template (whose text carries
-        the model's BOS where it wants one). Plain text gets the tokenizer's own special tokens, as
+        the model's BOS where it wants one); message contents are tokenized as plain text, so control
+        tokens written in them stay text (``runtime.chat``). Plain text gets the tokenizer's own special tokens, as
         transformers' ``tokenizer(text)`` and llama.cpp add them: a BOS for Llama 2/3 and Gemma, whose
         outputs degrade without it; none for the default model.
         """
@@ -240,9 +242,7 @@ class Engine:
             if chat or is_messages:
                 if not getattr(self.tokenizer, "chat_template", None):
                     raise ValueError("chat=True, but the model has no chat template")
-                messages = prompt if is_messages else [{"role": "user", "content": prompt}]
-                text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-                return [int(i) for i in self.tokenizer.encode(text, add_special_tokens=False)]
+                return chat_ids(self.tokenizer, prompt if is_messages else [{"role": "user", "content": prompt}])
             return [int(i) for i in self.tokenizer.encode(prompt, add_special_tokens=True)]
         ids = [int(i) for i in np.asarray(prompt).reshape(-1)]
         if not ids:
