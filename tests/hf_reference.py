@@ -37,9 +37,10 @@ def tiny_config(arch: str) -> transformers.PretrainedConfig:
     if arch == "qwen3":  # q/k norms; head_dim 12 is not hidden_size / heads (8)
         return transformers.Qwen3Config(**TINY, intermediate_size=40, num_key_value_heads=2, head_dim=12,
                                         tie_word_embeddings=True)
-    if arch == "gemma2":  # small soft caps, so that both bind; layers 0 and 2 slide over 4 positions
+    if arch == "gemma2":  # small soft caps, so that both bind; layers 0 and 2 slide over 4 positions; head_dim 16:
+        # decode steps run the native attention (head_dim a multiple of 8), soft cap included
         return transformers.Gemma2Config(**(TINY | {"num_hidden_layers": 3}), intermediate_size=40,
-                                         num_key_value_heads=2, head_dim=12, query_pre_attn_scalar=20,
+                                         num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=20,
                                          sliding_window=4, attn_logit_softcapping=3.0, final_logit_softcapping=4.0)
     if arch == "gemma3":  # layers 0, 1 and 3 slide over 4 positions with their own base; layer 2 is global, scaled
         return transformers.Gemma3TextConfig(

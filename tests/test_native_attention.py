@@ -25,8 +25,9 @@ pytestmark = pytest.mark.skipif(not library.native_available(),
                                 reason=f"native kernels unavailable: {library.unavailable_reason()}")
 
 
-def native_reference(q, k, v, positions, window):
-    return attention_reference(q, k, v, positions, window, dot_terms=q.shape[-1] / 8 + 3, combine_terms=40)
+def native_reference(q, k, v, positions, window, softcap=None):
+    return attention_reference(q, k, v, positions, window, dot_terms=q.shape[-1] / 8 + 3, combine_terms=40,
+                               softcap=softcap)
 
 
 def _operands(rng, B, T, H, KV, S, hd):
@@ -47,12 +48,14 @@ CASES = [  # B, T, H, KV, S, hd, positions, window
 ]
 
 
+@pytest.mark.parametrize("softcap", [None, 2.0], ids=["", "softcap"])
 @pytest.mark.parametrize("B, T, H, KV, S, hd, positions, window", CASES)
-def test_cached_attention_matches_float64(B, T, H, KV, S, hd, positions, window):
+def test_cached_attention_matches_float64(B, T, H, KV, S, hd, positions, window, softcap):
     rng = np.random.default_rng(S + T)
     q, k, v = _operands(rng, B, T, H, KV, S, hd)
-    got = np.asarray(jax.jit(lambda *a: K.cached_attention(*a, window=window))(q, k, v, np.int32(positions)))
-    ref, bound = native_reference(q, k, v, positions, window)
+    attend = jax.jit(lambda *a: K.cached_attention(*a, window=window, softcap=softcap))
+    got = np.asarray(attend(q, k, v, np.int32(positions)))
+    ref, bound = native_reference(q, k, v, positions, window, softcap)
     assert got.shape == q.shape and got.dtype == np.float32
     assert np.all(np.abs(got - ref) <= bound), np.max(np.abs(got - ref) / np.maximum(bound, 1e-30))
 
@@ -91,11 +94,12 @@ def test_inside_scan_and_bit_identical_for_any_thread_count():
         assert np.all(np.abs(one[i] - ref) <= bound)
 
 
-@pytest.mark.parametrize("bad", ["q_rank", "cache_shape", "dtype", "head_dim", "tokens", "positions", "window"])
+@pytest.mark.parametrize("bad", ["q_rank", "cache_shape", "dtype", "head_dim", "tokens", "positions", "window",
+                                 "softcap"])
 def test_bad_operands_are_refused_clearly(bad):
     rng = np.random.default_rng(6)
     q, k, v = _operands(rng, 1, 1, 4, 2, 32, 16)
-    positions, window = np.int32([5]), None
+    positions, window, softcap = np.int32([5]), None, None
     if bad == "q_rank":
         q = q[0]
     elif bad == "cache_shape":
@@ -109,10 +113,12 @@ def test_bad_operands_are_refused_clearly(bad):
         positions = np.arange(9, dtype=np.int32)
     elif bad == "positions":
         positions = np.int32([5, 6])
+    elif bad == "softcap":
+        softcap = 0.0
     else:
         window = 0
     with pytest.raises(ValueError):
-        K.cached_attention(q, k, v, positions, window=window)
+        K.cached_attention(q, k, v, positions, window=window, softcap=softcap)
 
 
 @pytest.mark.parametrize("sliding_window", [None, 24])

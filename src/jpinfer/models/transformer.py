@@ -100,16 +100,15 @@ def cached_attention(
 
     On the CPU, for decode-sized steps (T <= 8, float32, head_dim a multiple of 8) with the native
     kernels: one call that reads the cache in place up to the last position (``native.kernels.
-    cached_attention``; not with ``attn_softcap``, which it does not apply). XLA otherwise: it reads the
+    cached_attention``, soft cap included). XLA otherwise: it reads the
     first ``attend`` slots (static; None = all), which must hold every position so far. XLA:CPU copied
     those slots before its products, which with the softmax cost 1.4 of the default model's 8.7 ms int8
     decode step (docs/architecture.md).
     """
     xla = functools.partial(xla_cached_attention, cfg=cfg, attend=attend, window=window)
-    if not (native_kernels.cached_attention_fits(q, cache_k, cache_v) and native_available()
-            and cfg.attn_softcap is None):
+    if not (native_kernels.cached_attention_fits(q, cache_k, cache_v) and native_available()):
         return xla(q, cache_k, cache_v, positions)
-    native = functools.partial(native_kernels.cached_attention, window=window)
+    native = functools.partial(native_kernels.cached_attention, window=window, softcap=cfg.attn_softcap)
     return jax.lax.platform_dependent(q, cache_k, cache_v, positions, cpu=native, default=xla)
 
 

@@ -384,13 +384,15 @@ def cached_attention_fits(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array) 
             and q.shape[0] == cache_k.shape[0] and q.shape[2] % cache_k.shape[1] == 0)
 
 
-def cached_attention(q, cache_k, cache_v, positions, *, window: int | None = None) -> jax.Array:
+def cached_attention(q, cache_k, cache_v, positions, *, window: int | None = None,
+                     softcap: float | None = None) -> jax.Array:
     """Causal grouped-query attention of T new tokens over a KV cache, one native call that reads the
     cache in place: float32 (B, T, H, hd). q (B, T, H, hd) (rotary embedding applied); cache_k and
     cache_v (B, KV, S, hd) already holding the new tokens' keys and values; positions int32 (T,).
     Query head h reads kv head h // (H // KV); token t sees slots s <= positions[t] (and
-    s > positions[t] - window with a window), softmax(q . k / sqrt(hd)) weighting the values; a token
-    that sees no slot gets zeros. Slots after the last position are never read.
+    s > positions[t] - window with a window), softmax(q . k / sqrt(hd)) weighting the values (each score
+    s first made softcap * tanh(s / softcap) with a softcap: Gemma 2's); a token that sees no slot gets
+    zeros. Slots after the last position are never read.
 
     Native only (RuntimeError without the library): its XLA form is the model's own attention,
     ``models.transformer.cached_attention``, which calls this on the CPU."""
@@ -405,10 +407,12 @@ def cached_attention(q, cache_k, cache_v, positions, *, window: int | None = Non
         raise ValueError(f"positions must be {q.shape[1]} integers, got {positions.dtype} {tuple(positions.shape)}")
     if window is not None and window < 1:
         raise ValueError(f"window must be a positive number of slots or None, got {window}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be a positive number or None, got {softcap}")
     call = jax.ffi.ffi_call("jpinfer_cached_attention", jax.ShapeDtypeStruct(q.shape, jnp.float32),
                             vmap_method="sequential")
     return call(q, cache_k, cache_v, positions.astype(jnp.int32), scale=np.float32(q.shape[3] ** -0.5),
-                window=np.int64(window or 0))
+                softcap=np.float32(softcap or 0.0), window=np.int64(window or 0))
 
 
 __all__ = [

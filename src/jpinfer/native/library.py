@@ -24,7 +24,8 @@ import warnings
 
 import jax
 
-ABI_VERSION = 6  # 4: jpinfer_cached_attention, 5: FFN kind geglu, 6: gelu; csrc/info.cc jpinfer_native_abi_version
+ABI_VERSION = 7  # 4: jpinfer_cached_attention, 5: FFN kind geglu, 6: gelu, 7: the attention's softcap
+# (csrc/info.cc jpinfer_native_abi_version)
 LIBRARY_STEM = "_jpinfer_native"  # setup.py's extension jpinfer.native._jpinfer_native
 
 # FFI targets: the exported handler symbol, registered under the same name.

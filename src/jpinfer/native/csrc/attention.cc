@@ -2,7 +2,8 @@
 //   jpinfer_cached_attention  q (B, T, H, hd), cache k and v (B, KV, S, hd), positions (T,) int32
 //                             -> (B, T, H, hd) float32.
 // Query head h reads kv head h / (H / KV). Token t sees cache slots s with s <= positions[t] (and
-// s > positions[t] - window when window > 0); slots past the last token's position are never read,
+// s > positions[t] - window when window > 0); a score is q . k * scale, then softcap * tanh(score /
+// softcap) when softcap > 0 (Gemma 2); slots past the last token's position are never read,
 // so a decode step at position 40 of a 4096-slot cache reads 41 rows of each head's keys and values.
 // A token that sees no slot gets zeros.
 //
@@ -81,7 +82,7 @@ struct Shape {
 // One piece: queries Q = T * G of (b, kvh) against slots [s0, s1). For query i (token i / G) the
 // visible slots are [lo[t], hi[t]). Writes per query: max, sum of e^(score - max), and hd weighted sums.
 void Piece(const Shape& sh, const float* q, const float* k, const float* v, const int64_t* lo, const int64_t* hi,
-           float scale, int64_t b, int64_t kvh, int64_t s0, int64_t s1, float* out) {
+           float scale, float softcap, int64_t b, int64_t kvh, int64_t s0, int64_t s1, float* out) {
   const int64_t Q = sh.T * sh.G, hd = sh.hd, n = s1 - s0;
   // the group's queries, contiguous (Q, hd), token-major
   float* queries = Scratch(tl_queries, Q * hd);
@@ -106,6 +107,8 @@ void Piece(const Shape& sh, const float* q, const float* k, const float* v, cons
         for (int r = 0; r < 8; ++r) scores[(q0 + i) * stride + s + r] = block[i * 8 + r] * scale;
     }
   }
+  if (softcap > 0)
+    for (int64_t i = 0; i < Q * stride; ++i) scores[i] = softcap * std::tanh(scores[i] / softcap);
   for (int64_t i = 0; i < Q; ++i) {
     const int64_t t = i / sh.G;
     const int64_t a = std::max(lo[t], s0) - s0, z = std::min(hi[t], s1) - s0;  // visible, relative
@@ -154,7 +157,7 @@ void Piece(const Shape& sh, const float* q, const float* k, const float* v, cons
 
 ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> cache_k,
                                ffi::Buffer<ffi::F32> cache_v, ffi::Buffer<ffi::S32> positions,
-                               ffi::ResultBuffer<ffi::F32> out, float scale, int64_t window) {
+                               ffi::ResultBuffer<ffi::F32> out, float scale, float softcap, int64_t window) {
   const auto qd = q.dimensions(), kd = cache_k.dimensions(), vd = cache_v.dimensions(), od = out->dimensions();
   if (qd.size() != 4 || kd.size() != 4 || !std::equal(kd.begin(), kd.end(), vd.begin(), vd.end()) ||
       !std::equal(qd.begin(), qd.end(), od.begin(), od.end()) || int64_t(positions.element_count()) != qd[1] ||
@@ -185,7 +188,7 @@ ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
   ParallelFor(pool, pieces, sh.B * sh.KV * (used - first * kBlock) * sh.hd * 8, [&](int64_t piece) {
     const int64_t j = piece % blocks, bk = piece / blocks;
     const int64_t s0 = (first + j) * kBlock, s1 = std::min(s0 + kBlock, used);
-    Piece(sh, qp, kp, vp, lo, hi, scale, bk / sh.KV, bk % sh.KV, s0, s1, partial + piece * stride);
+    Piece(sh, qp, kp, vp, lo, hi, scale, softcap, bk / sh.KV, bk % sh.KV, s0, s1, partial + piece * stride);
   });
   // combine the blocks of each (b, kv head, query) in block order
   for (int64_t bk = 0; bk < sh.B * sh.KV; ++bk) {
@@ -226,4 +229,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jpinfer_cached_attention, jpn::CachedAttentionImpl
                                   .Arg<ffi::Buffer<ffi::S32>>()  // positions (T,)
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out (B, T, H, hd)
                                   .Attr<float>("scale")
+                                  .Attr<float>("softcap")
                                   .Attr<int64_t>("window"));
