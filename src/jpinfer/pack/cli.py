@@ -31,7 +31,7 @@ def add_arguments(p: argparse.ArgumentParser, command: str = "prepare") -> None:
     text.add_argument("--seed", type=int, default=DEFAULTS.seed)
     sparsity = p.add_argument_group("sparsity")
     sparsity.add_argument("--sparsity", type=float, default=DEFAULTS.sparsity,
-                          help="SwiGLU models: fraction of inactive neurons per layer the activity thresholds are "
+                          help="SwiGLU-like models: fraction of inactive neurons per layer the activity thresholds are "
                                f"calibrated for (default {DEFAULTS.sparsity}); also the threshold mode's activation "
                                "sparsity unless --threshold-sparsity is given")
     sparsity.add_argument("--threshold-sparsity", type=float, default=None,

@@ -41,10 +41,10 @@ class PackSettings:
     corpus / fields / window / seed: the text (as ``jpinfer.profile``); ``calibration_tokens`` of it
     calibrate the thresholds (twice as many are tokenized: greedy allocation holds out the second half),
     ``n_tokens`` are profiled, keeping ``n_samples`` predictor samples per layer.
-    sparsity: SwiGLU models' activity thresholds (what "active" means for the profile and the
+    sparsity: SwiGLU-like models' (no exact zeros) activity thresholds (what "active" means for the profile and the
     predictors), calibrated for this fraction of inactive neurons per layer.
     threshold_sparsity / input_sparsity / allocation: the threshold mode's targets (None:
-    ``threshold_sparsity`` = ``sparsity`` on SwiGLU models, exact zeros on ReLU kinds; input off).
+    ``threshold_sparsity`` = ``sparsity`` on SwiGLU-like models, exact zeros on ReLU kinds; input off).
     ranks / predictor_budget / recall / strong_recall / max_epochs: predictor training
     (``jpinfer.train_predictors``; ranks None = adaptive widths under the budget, compared by proxy
     trainings on ``search_samples`` samples for ``search_epochs`` epochs).

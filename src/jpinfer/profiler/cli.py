@@ -19,7 +19,8 @@ def add_arguments(p: argparse.ArgumentParser, command: str = "profile") -> None:
     p.add_argument("--window", type=int, default=512, help="tokens per window (default 512)")
     p.add_argument(
         "--sparsity", type=float, default=0.5,
-        help="SwiGLU models: target fraction of inactive neurons the thresholds are calibrated for (default 0.5)",
+        help="SwiGLU-like models (no exact zeros): target fraction of inactive neurons the thresholds are "
+             "calibrated for (default 0.5)",
     )
     p.add_argument("--samples", type=int, default=0, help="also keep this many predictor training samples per layer")
     p.add_argument("--activation-sparsity", type=float, default=None,

@@ -107,8 +107,9 @@ def profile(
     """Profile neuron activity of ``model`` (Engine, checkpoint path, or None: default model).
 
     ``corpus``: a file, bundled or ``datasets`` name, Corpus, or token windows (n, window).
-    SwiGLU models need thresholds: give a Calibration (calibration.py) or an array, or let the
-    profile calibrate uniform ones for ``sparsity`` on its first ``calibration_tokens``.
+    SwiGLU-like models (``activations.SMOOTH_KINDS``: no exact zeros) need thresholds: give a Calibration
+    (calibration.py) or an array, or let the profile calibrate uniform ones for ``sparsity`` on its first
+    ``calibration_tokens``.
     ``n_samples`` > 0 also stores that many (input, active mask) pairs per layer for the
     predictors (``meta["samples"]``, open with ``ActivationProfile.samples``).
     ``activation_sparsity`` / ``input_sparsity`` (fractions skipped) also calibrate the threshold
