@@ -119,13 +119,15 @@ def test_tiny_add_bos_token(tmp_path):
 @pytest.mark.parametrize(
     "fields, problem",
     [
-        ({"tokenizer.ggml.model": "llama"}, "tokenizer model 'llama' is not supported"),
+        ({"tokenizer.ggml.model": "bert"}, "tokenizer model 'bert' is not supported"),
+        ({"tokenizer.ggml.model": "llama"}, "tokenizer field 'tokenizer.ggml.scores' is missing"),
+        ({"tokenizer.ggml.model": "llama", "tokenizer.ggml.scores": [0.0]}, "1 token scores for"),
         ({"tokenizer.ggml.pre": "qwen2"}, "pre-tokenizer 'qwen2' is not supported"),
         ({"tokenizer.ggml.merges": None}, "tokenizer field 'tokenizer.ggml.merges' is missing"),
         ({"tokenizer.ggml.bos_token_id": 100000}, "tokenizer.ggml.bos_token_id = 100000 is outside the vocabulary"),
         ({"tokenizer.ggml.token_type": [1, 1]}, "2 token types for"),
     ],
-    ids=["spm-model", "pre", "no-merges", "bos-range", "types"],
+    ids=["unknown-model", "spm-no-scores", "spm-scores", "pre", "no-merges", "bos-range", "types"],
 )
 def test_tokenizer_errors_name_the_file(tmp_path, fields, problem):
     path = write_tiny(tmp_path, **fields)

@@ -1,9 +1,10 @@
-"""The tokenizer forms a Hugging Face directory comes in besides tokenizer.json: SentencePiece's tokenizer.model
-alone (Llama 2 fine-tunes, ReluLLaMA), against the sentencepiece library itself; and none at all, a model of
-token ids, against transformers' generate."""
+"""The tokenizer forms a checkpoint comes in besides tokenizer.json and byte-level BPE GGUFs: SentencePiece's
+tokenizer.model alone (Llama 2 fine-tunes, ReluLLaMA) and SentencePiece GGUFs, against the sentencepiece
+library itself; and none at all, a model of token ids, against transformers' generate."""
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 import numpy as np
@@ -14,8 +15,10 @@ import transformers
 
 import jpinfer
 from jpinfer.data import WIKITEXT2_TEST, WIKITEXT2_VALID
+from jpinfer.models.gguf_loader import load_gguf_tokenizer
 from jpinfer.models.tokenizer import load_hf_tokenizer
 
+import gguf_fixtures as fx
 from hf_reference import TINY, make_model
 
 VOCAB = 600  # a byte-fallback BPE: every held-out character encodes (no unknown ids)
@@ -83,3 +86,38 @@ def test_a_directory_without_a_tokenizer_loads_and_generates_from_ids(tmp_path):
     assert result.token_ids == expected[0, 4:].tolist() and result.text == ""
     with pytest.raises(ValueError, match="loaded without a tokenizer: pass token ids"):
         engine.generate("some text", max_new_tokens=2)
+
+
+@pytest.fixture(scope="module")
+def llama2_style_gguf(tmp_path_factory):
+    """A SentencePiece BPE trained like Llama 2's tokenizer (identity normalization, whitespace kept, byte
+    fallback, a space prefix) and a GGUF carrying it as llama.cpp's converter writes one (tokenizer model
+    ``llama``: pieces, scores, token types); returns (the GGUF's path, the trained processor)."""
+    root = tmp_path_factory.mktemp("llama2_tokenizer")
+    spm.SentencePieceTrainer.train(input=str(WIKITEXT2_VALID), model_prefix=str(root / "sp"), vocab_size=VOCAB,
+                                   model_type="bpe", byte_fallback=True, character_coverage=0.9995,
+                                   normalization_rule_name="identity", remove_extra_whitespaces=False,
+                                   unk_id=0, bos_id=1, eos_id=2, pad_id=-1, minloglevel=2)
+    sp = spm.SentencePieceProcessor(model_file=str(root / "sp.model"))
+    ids = range(sp.get_piece_size())
+    kinds = [2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 if sp.is_byte(i) else 1 for i in ids]
+    fields = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": [sp.id_to_piece(i) for i in ids],
+              "tokenizer.ggml.scores": [float(sp.get_score(i)) for i in ids], "tokenizer.ggml.token_type": kinds,
+              "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.unknown_token_id": 0,
+              "tokenizer.ggml.merges": None, "tokenizer.ggml.pre": None, "tokenizer.ggml.padding_token_id": None,
+              "tokenizer.ggml.add_bos_token": None, "tokenizer.chat_template": None}
+    cfg = dataclasses.replace(fx.tiny_config(), vocab_size=sp.get_piece_size())
+    return fx.write_gguf(root / "llama2.gguf", cfg, fx.random_tensors(cfg), metadata=fields), sp
+
+
+def test_a_sentencepiece_gguf_tokenizes_like_sentencepiece(llama2_style_gguf):
+    """llama.cpp's ``llama`` tokenizer model rebuilt with `tokenizers` (merges from the scores): the ids and
+    the text of held-out lines, and of whitespace the identity normalization keeps, equal sentencepiece's;
+    a BOS is added by default, as llama.cpp does for this model."""
+    path, sp = llama2_style_gguf
+    tok = load_gguf_tokenizer(path)
+    for text in [*held_out_lines(), "  two  spaces\tand\ttabs\n\nnew lines ", "naïve café 東京 🙂", "x"]:
+        ids = tok.encode(text, add_special_tokens=False)
+        assert ids == sp.encode(text), text
+        assert tok.decode(ids) == sp.decode(ids) == text, text
+    assert tok.encode("Hello") == [sp.bos_id(), *sp.encode("Hello")]

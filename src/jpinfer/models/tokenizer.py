@@ -2,10 +2,11 @@
 or SentencePiece's tokenizer.model alone; none at all: a model of token ids).
 
 transformers can read a GGUF tokenizer only with PyTorch installed; jpinfer must not
-need PyTorch at run time, so the byte-level BPE a GGUF describes (tokens, merges, token
-types, pre-tokenizer name, special ids, chat template) is rebuilt here with the
+need PyTorch at run time, so the tokenizer a GGUF describes is rebuilt here with the
 ``tokenizers`` library and wrapped as a transformers fast tokenizer, which brings
-encode/decode/apply_chat_template.
+encode/decode/apply_chat_template: a byte-level BPE (``gpt2``: tokens, merges, token types,
+pre-tokenizer name) or a SentencePiece BPE (``llama``: tokens, scores, token types; Llama 2's,
+Gemma's, Phi-3's), with the special ids and the chat template.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import os
 import pathlib
 from typing import Any, Mapping
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as RawTokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
@@ -23,8 +24,10 @@ from jpinfer.errors import CheckpointError
 Tokenizer = PreTrainedTokenizerFast
 
 # llama.cpp token types (tokenizer.ggml.token_type)
+_NORMAL = 1
 _CONTROL = 3
 _USER_DEFINED = 4
+_SPACE = "\u2581"  # SentencePiece's word boundary mark
 
 # Llama-3's split regex (llama.cpp's LLAMA_VOCAB_PRE_TYPE_LLAMA3).
 _LLAMA3_SPLIT = (
@@ -64,8 +67,51 @@ _PRE_TOKENIZERS = {
 }
 
 
+def _byte_level_bpe(metadata: Mapping[str, Any], tokens: list[str], need, source: str) -> RawTokenizer:
+    """llama.cpp's ``gpt2`` tokenizer model: byte-level BPE with the file's merges and pre-tokenizer."""
+    pre = metadata.get("tokenizer.ggml.pre", "default")
+    if pre not in _PRE_TOKENIZERS:
+        raise CheckpointError(
+            f"{source}: pre-tokenizer {pre!r} is not supported; supported: {', '.join(sorted(_PRE_TOKENIZERS))}"
+        )
+    merges = [tuple(m.split(" ", 1)) for m in need("tokenizer.ggml.merges")]
+    raw = RawTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+    raw.pre_tokenizer = pre_tokenizers.Sequence(_PRE_TOKENIZERS[pre]())
+    raw.decoder = decoders.ByteLevel()
+    return raw
+
+
+def _sentencepiece_bpe(metadata: Mapping[str, Any], tokens: list[str], types: list[int], need,
+                       source: str) -> RawTokenizer:
+    """llama.cpp's ``llama`` tokenizer model: SentencePiece BPE, whose pieces merge in the order of the merged
+    piece's score (highest first), with byte fallback (<0xNN> pieces), spaces written as U+2581 and, unless
+    the file says otherwise, one prepended to the text. The merges are read off the scores as transformers'
+    SentencePiece converter reads them: every split of a normal piece into two pieces of the vocabulary."""
+    scores = [float(x) for x in need("tokenizer.ggml.scores")]
+    if len(scores) != len(tokens):
+        raise CheckpointError(f"{source}: {len(scores)} token scores for {len(tokens)} tokens")
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = []
+    for piece, score, kind in zip(tokens, scores, types):
+        if kind != _NORMAL:
+            continue
+        local = [(piece[:i], piece[i:]) for i in range(1, len(piece)) if piece[:i] in vocab and piece[i:] in vocab]
+        merges += [(score, vocab[left], vocab[right], left, right) for left, right in local]
+    merges.sort(key=lambda m: (-m[0], m[1], m[2]))
+    unk = metadata.get("tokenizer.ggml.unknown_token_id")
+    raw = RawTokenizer(models.BPE(vocab=vocab, merges=[(m[3], m[4]) for m in merges], fuse_unk=True,
+                                  byte_fallback=True, unk_token=None if unk is None else tokens[int(unk)]))
+    prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
+    raw.normalizer = normalizers.Sequence(([normalizers.Prepend(_SPACE)] if prefix else [])
+                                          + [normalizers.Replace(" ", _SPACE)])
+    raw.decoder = decoders.Sequence([decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+                                    + ([decoders.Strip(" ", 1, 0)] if prefix else []))
+    return raw
+
+
 def tokenizer_from_gguf_metadata(metadata: Mapping[str, Any], source: str = "GGUF file") -> Tokenizer:
-    """The tokenizer a GGUF's ``tokenizer.*`` fields describe (byte-level BPE only).
+    """The tokenizer a GGUF's ``tokenizer.*`` fields describe: byte-level BPE (``gpt2``) or SentencePiece BPE
+    (``llama``).
 
     ``metadata`` maps GGUF keys to plain values (arrays as lists); ``source`` names the
     file in error messages.
@@ -77,24 +123,15 @@ def tokenizer_from_gguf_metadata(metadata: Mapping[str, Any], source: str = "GGU
         return metadata[key]
 
     kind = need("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise CheckpointError(
-            f"{source}: tokenizer model {kind!r} is not supported; jpinfer builds byte-level BPE ('gpt2') tokenizers"
-        )
-    pre = metadata.get("tokenizer.ggml.pre", "default")
-    if pre not in _PRE_TOKENIZERS:
-        raise CheckpointError(
-            f"{source}: pre-tokenizer {pre!r} is not supported; supported: {', '.join(sorted(_PRE_TOKENIZERS))}"
-        )
+    if kind not in ("gpt2", "llama"):
+        raise CheckpointError(f"{source}: tokenizer model {kind!r} is not supported; jpinfer builds byte-level BPE "
+                              "('gpt2') and SentencePiece BPE ('llama') tokenizers")
     tokens: list[str] = list(need("tokenizer.ggml.tokens"))
-    merges = [tuple(m.split(" ", 1)) for m in need("tokenizer.ggml.merges")]
-    types = list(metadata.get("tokenizer.ggml.token_type", [1] * len(tokens)))
+    types = list(metadata.get("tokenizer.ggml.token_type", [_NORMAL] * len(tokens)))
     if len(types) != len(tokens):
         raise CheckpointError(f"{source}: {len(types)} token types for {len(tokens)} tokens")
-
-    raw = RawTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
-    raw.pre_tokenizer = pre_tokenizers.Sequence(_PRE_TOKENIZERS[pre]())
-    raw.decoder = decoders.ByteLevel()
+    raw = (_byte_level_bpe(metadata, tokens, need, source) if kind == "gpt2"
+           else _sentencepiece_bpe(metadata, tokens, types, need, source))
     # Control tokens (<|im_start|>...) and user-defined ones are matched whole in raw text.
     raw.add_special_tokens(
         [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == _CONTROL]
@@ -111,7 +148,7 @@ def tokenizer_from_gguf_metadata(metadata: Mapping[str, Any], source: str = "GGU
             raise CheckpointError(f"{source}: tokenizer.ggml.{key} = {idx} is outside the vocabulary of {len(tokens)}")
         return tokens[int(idx)]
 
-    add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", False))
+    add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", kind == "llama"))  # llama.cpp's defaults
     add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
     specials = {
         "bos_token": token_of("bos_token_id"),
