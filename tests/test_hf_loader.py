@@ -9,7 +9,8 @@ import torch
 from safetensors.numpy import load_file, save_file
 
 import jpinfer
-from jpinfer.models.hf_loader import CheckpointError, load_hf, parse_config
+from jpinfer.models.hf_config import parse_config
+from jpinfer.models.hf_loader import CheckpointError, load_hf
 from jpinfer.models.loading import load_model
 
 from hf_reference import make_model, tiny_config
