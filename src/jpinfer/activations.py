@@ -26,18 +26,16 @@ def activate(kind: str, gate: jax.Array | None, up: jax.Array) -> jax.Array:
         return jax.nn.relu(up)
     if kind == "gelu":
         return jax.nn.gelu(up, approximate=False)
-    if kind in SMOOTH_KINDS:
-        return gate_activation(kind, gate) * up
-    if kind == "reglu":
-        return jax.nn.relu(gate) * up
     if kind == "drelu":
         return jax.nn.relu(gate) * jax.nn.relu(up)
+    if kind in FFN_KINDS:  # swiglu, geglu, reglu: the gate's nonlinearity times up
+        return gate_activation(kind, gate) * up
     raise ValueError(f"unknown FFN kind {kind!r}; supported: {', '.join(FFN_KINDS)}")
 
 
-
 def gate_activation(kind: str, gate: jax.Array) -> jax.Array:
-    """The gate's own nonlinearity (silu, gelu or relu): what the profiler's gate score compares."""
+    """The gate's own nonlinearity (silu, gelu or relu) of a gated kind: what the profiler's gate score
+    compares, and what ``activate`` multiplies up by."""
     if kind == "swiglu":
         return jax.nn.silu(gate)
     if kind == "geglu":

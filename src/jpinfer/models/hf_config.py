@@ -103,11 +103,12 @@ def _sliding_window(raw: dict[str, Any], arch: str, path: pathlib.Path) -> tuple
     return window, None if len(sliding) == n else sliding
 
 
-def _eos_ids(raw: dict[str, Any]) -> tuple[int, ...]:
+def _shared_fields(raw: dict[str, Any], path: pathlib.Path) -> dict[str, Any]:
+    """The ModelConfig fields every architecture reads the same way: vocabulary, depth, special ids, name."""
     eos = raw.get("eos_token_id")
-    if eos is None:
-        return ()
-    return tuple(eos) if isinstance(eos, list) else (int(eos),)
+    return dict(vocab_size=raw["vocab_size"], n_layers=raw["num_hidden_layers"], bos_token_id=raw.get("bos_token_id"),
+                eos_token_ids=() if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),),
+                name=raw.get("_name_or_path") or path.name)
 
 
 def parse_config(raw: dict[str, Any], path: pathlib.Path, ffn_kind: str | None = None) -> ModelConfig:
@@ -149,9 +150,8 @@ def _parse_llama(raw: dict[str, Any], path: pathlib.Path, arch: str, ffn_kind: s
     gemma = arch in GEMMA
     softcap = lambda field: float(raw[field]) if gemma and raw.get(field) else None
     return ModelConfig(
-        vocab_size=raw["vocab_size"],
+        **_shared_fields(raw, path),
         d_model=raw["hidden_size"],
-        n_layers=raw["num_hidden_layers"],
         n_heads=n_heads,
         n_kv_heads=raw.get("num_key_value_heads") or n_heads,
         head_dim=raw.get("head_dim") or raw["hidden_size"] // n_heads,
@@ -174,10 +174,7 @@ def _parse_llama(raw: dict[str, Any], path: pathlib.Path, arch: str, ffn_kind: s
         sandwich_norms=gemma,
         embed_scale=float(raw["hidden_size"]) ** 0.5 if gemma else 1.0,
         tie_embeddings=bool(raw.get("tie_word_embeddings", gemma)),
-        bos_token_id=raw.get("bos_token_id"),
-        eos_token_ids=_eos_ids(raw),
         architecture=LLAMA_LIKE[arch],
-        name=raw.get("_name_or_path") or path.name,
     )
 
 
@@ -194,9 +191,8 @@ def _parse_opt(raw: dict[str, Any], path: pathlib.Path, ffn_kind: str | None) ->
         raise CheckpointError(f"{path}: OPT without biases is not supported")
     n_heads = raw["num_attention_heads"]
     return ModelConfig(
-        vocab_size=raw["vocab_size"],
+        **_shared_fields(raw, path),
         d_model=d,
-        n_layers=raw["num_hidden_layers"],
         n_heads=n_heads,
         n_kv_heads=n_heads,
         head_dim=d // n_heads,
@@ -211,10 +207,7 @@ def _parse_opt(raw: dict[str, Any], path: pathlib.Path, ffn_kind: str | None) ->
         attn_out_bias=True,
         ffn_bias=True,
         tie_embeddings=bool(raw.get("tie_word_embeddings", True)),
-        bos_token_id=raw.get("bos_token_id"),
-        eos_token_ids=_eos_ids(raw),
         architecture="opt",
-        name=raw.get("_name_or_path") or path.name,
     )
 
 
@@ -239,9 +232,8 @@ def _parse_falcon(raw: dict[str, Any], path: pathlib.Path, ffn_kind: str | None)
     bias = bool(raw.get("bias", False))
     theta, rope_scaling = _rope(raw, path)
     return ModelConfig(
-        vocab_size=raw["vocab_size"],
+        **_shared_fields(raw, path),
         d_model=d,
-        n_layers=raw["num_hidden_layers"],
         n_heads=n_heads,
         n_kv_heads=n_kv,
         head_dim=d // n_heads,
@@ -257,8 +249,5 @@ def _parse_falcon(raw: dict[str, Any], path: pathlib.Path, ffn_kind: str | None)
         ffn_bias=bias,
         parallel_block=new or parallel,
         tie_embeddings=bool(raw.get("tie_word_embeddings", True)),
-        bos_token_id=raw.get("bos_token_id"),
-        eos_token_ids=_eos_ids(raw),
         architecture="falcon",
-        name=raw.get("_name_or_path") or path.name,
     )

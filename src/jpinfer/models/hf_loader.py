@@ -190,17 +190,18 @@ def load_hf(path: str | pathlib.Path, ffn_kind: str | None = None) -> tuple[Mode
         raise CheckpointError(f"{config_file}: invalid JSON ({e})") from None
     cfg = parse_config(raw, path, ffn_kind)
     names, layer_prefix = _hf_to_ours(cfg, raw)
-    mapping = {k: v for k, v in names.items() if k in expected_shapes(cfg)}
+    shapes = expected_shapes(cfg)
+    mapping = {k: v for k, v in names.items() if k in shapes}
     fused = {layer_prefix.format(i) + name: [layer_prefix.format(i) + part for part in parts]
              for i in range(cfg.n_layers) for name, parts in _fused_in_checkpoint(cfg).items()}
     found = _read_tensors(_safetensor_files(path), set(mapping.values()) | set(fused))
     falcon_rows = _falcon_qkv_rows(raw, cfg) if cfg.architecture == "falcon" else None
+    rows_of = {theirs: shapes[ours][0] for ours, theirs in mapping.items()}  # a separate tensor's row count
     for name, parts in fused.items():  # split into the separate projections (build_weights fuses them again)
         if name in found:
             if falcon_rows is not None and found[name].shape[0] == falcon_rows.size:
                 found[name] = found[name][falcon_rows]
-            ours = {theirs: k for k, theirs in mapping.items()}
-            sizes = [expected_shapes(cfg)[ours[part]][0] for part in parts]
+            sizes = [rows_of[part] for part in parts]
             if found[name].shape[0] != sum(sizes):
                 raise CheckpointError(f"{path}: tensor {name!r} has shape {found[name].shape}; the config implies "
                                       f"{sum(sizes)} rows ({' + '.join(map(str, sizes))})")

@@ -43,6 +43,7 @@ def chat_ids(tokenizer: Any, messages: Sequence[dict]) -> list[int]:
     check_messages(messages)
     nonce = secrets.token_hex(8)
     marks = [f"\ue000{nonce}.{i}\ue001" for i in range(len(messages))]
+
     def render(contents: list[str]) -> str:
         try:
             return tokenizer.apply_chat_template([{**m, "content": c} for m, c in zip(messages, contents)],
