@@ -30,7 +30,7 @@ import jpinfer
 from jpinfer.bench.protocol import machine, machine_line
 from jpinfer.config import WEIGHT_FORMATS
 from jpinfer.models import transformer
-from jpinfer.runtime.engine import attend_length
+from jpinfer.runtime.generation import attend_length
 
 
 def main() -> None:

@@ -54,7 +54,7 @@ from jpinfer.bench.modelled import (
 )
 from jpinfer.bench.results import publish
 from jpinfer.config import ModelConfig
-from jpinfer.runtime.engine import CACHE_ROUNDING, MIN_PROMPT_BUCKET
+from jpinfer.runtime.generation import CACHE_ROUNDING, MIN_PROMPT_BUCKET
 from jpinfer.solver import InfeasibleBudgetError, ModelSizes, model_sizes, preset, solve_placement
 from jpinfer.solver.cli import SHAPES
 

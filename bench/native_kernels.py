@@ -44,7 +44,7 @@ from jpinfer.models import transformer
 from jpinfer.native import kernels as K
 from jpinfer.native import library
 from jpinfer.quant import int8, q4
-from jpinfer.runtime.engine import attend_length
+from jpinfer.runtime.generation import attend_length
 
 
 def interleaved_medians(calls: dict, rounds: int) -> dict[str, float]:

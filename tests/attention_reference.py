@@ -22,7 +22,7 @@ U = 2.0 ** -24
 
 def attention_reference(q, k, v, positions, window, *, dot_terms: float, combine_terms: float,
                         softcap: float | None = None):
-    """(out float64 (B, T, H, hd), bound (B, T, H, hd)) for q (B, T, H, hd) at ``positions`` (T,) over
+    """(out float64 (B, T, H, hd), bound (B, T, H, hd)) for q (B, T, H, hd) at ``positions`` (T,) or (B, T) over
     caches k, v (B, KV, S, hd), scores soft-capped with ``softcap``; a query that sees no slot gets zeros
     (bound 0)."""
     q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
@@ -30,11 +30,12 @@ def attention_reference(q, k, v, positions, window, *, dot_terms: float, combine
     G = H // k.shape[1]
     out, bound = np.zeros(q.shape), np.zeros(q.shape)
     slots = np.arange(k.shape[2])
+    positions = np.broadcast_to(np.asarray(positions), (B, T))
     for b in range(B):
         for t in range(T):
-            visible = slots <= positions[t]
+            visible = slots <= positions[b, t]
             if window:
-                visible &= slots > positions[t] - window
+                visible &= slots > positions[b, t] - window
             n = int(visible.sum())
             if n == 0:
                 continue

@@ -11,7 +11,7 @@ import pytest
 
 from jpinfer import Engine, GenerationConfig, LoadedModel, ModelConfig
 from jpinfer.models import params, transformer
-from jpinfer.runtime.engine import MIN_ATTEND, attend_length
+from jpinfer.runtime.generation import MIN_ATTEND, attend_length
 
 from attention_reference import U, attention_reference
 from tolerances import DECODER_ATOL  # logits of a tiny 2-layer, d=32 decoder, as derived there; attending

@@ -18,7 +18,8 @@ from jpinfer.modes import build_engine
 from jpinfer.modes.placement import parse_budget
 from jpinfer.predictor import Predictors, PredictorWeights, profile_fingerprint, select_neurons, selection_mask
 from jpinfer.profiler import profile
-from jpinfer.runtime.engine import FfnStrategy, FusedStepper, attend_length
+from jpinfer.runtime.engine import FfnStrategy, FusedStepper
+from jpinfer.runtime.generation import attend_length
 from jpinfer.runtime.sampling import Sampler
 from jpinfer.solver import InfeasibleBudgetError
 

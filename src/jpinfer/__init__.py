@@ -14,7 +14,8 @@ from jpinfer.config import ModelConfig
 from jpinfer.errors import ArtifactError, CacheError, CheckpointError, JpinferError
 from jpinfer.models.loading import LoadedModel, load_model
 from jpinfer.profiler import ActivationProfile, profile
-from jpinfer.runtime.engine import Engine, FfnStrategy, GenerationConfig, GenerationResult
+from jpinfer.runtime.engine import Engine, FfnStrategy
+from jpinfer.runtime.generation import GenerationConfig, GenerationResult
 
 __all__ = [
     "load", "load_model", "generate", "Engine", "FfnStrategy", "GenerationConfig", "GenerationResult", "ModelConfig",

@@ -14,7 +14,8 @@ import jax
 from jpinfer.models.loading import LoadedModel, int4_model, load_model, parse_dtype
 from jpinfer.modes import ModeInputs, get_mode
 from jpinfer.profiler import ActivationProfile
-from jpinfer.runtime.engine import Engine, GenerationConfig, GenerationResult
+from jpinfer.runtime.engine import Engine
+from jpinfer.runtime.generation import GenerationConfig, GenerationResult
 
 _engines: dict[str, Engine] = {}
 

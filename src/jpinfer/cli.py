@@ -101,7 +101,7 @@ def add_arguments(p: argparse.ArgumentParser, command: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from jpinfer.api import load
-    from jpinfer.runtime.engine import GenerationConfig
+    from jpinfer.runtime.generation import GenerationConfig
 
     if args.command == "info":
         return _info(load(args.model, dtype=args.dtype, weights=args.weights), args)

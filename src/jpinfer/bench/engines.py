@@ -13,7 +13,8 @@ import time
 from typing import Callable, Mapping, Protocol
 
 from jpinfer.bench.protocol import Rounds, interleaved_rounds, load_average
-from jpinfer.runtime.engine import Engine, GenerationConfig
+from jpinfer.runtime.engine import Engine
+from jpinfer.runtime.generation import GenerationConfig
 
 
 @dataclasses.dataclass

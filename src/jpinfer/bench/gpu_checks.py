@@ -29,7 +29,8 @@ from jpinfer.bench.fixed_list import fixed_list_engine
 from jpinfer.bench.layer_offload import cast_floats
 from jpinfer.bench.results import error_text
 from jpinfer.models.loading import LoadedModel
-from jpinfer.runtime.engine import CACHE_ROUNDING, MIN_PROMPT_BUCKET, Engine, GenerationConfig, attend_length
+from jpinfer.runtime.engine import Engine
+from jpinfer.runtime.generation import CACHE_ROUNDING, MIN_PROMPT_BUCKET, GenerationConfig, attend_length
 from jpinfer.sparse import NeuronFFN
 
 BF16_U = 2.0**-8  # bfloat16's unit roundoff: 8 significant bits, round to nearest

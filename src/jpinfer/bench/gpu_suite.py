@@ -47,7 +47,8 @@ from jpinfer.config import ModelConfig
 from jpinfer.errors import CheckpointError
 from jpinfer.models.loading import LoadedModel
 from jpinfer.modes.devices import default_devices
-from jpinfer.runtime.engine import MIN_PROMPT_BUCKET, Engine, GenerationConfig
+from jpinfer.runtime.engine import Engine
+from jpinfer.runtime.generation import MIN_PROMPT_BUCKET, GenerationConfig
 
 SUITE_VERSION = 1
 MARKDOWN, DATA = "gpu_suite.md", "gpu_suite.json"

@@ -96,12 +96,13 @@ class LayerOffloadStepper:
     accelerator: Any
     name: str = "layer offload"
 
-    def new_cache(self, capacity: int) -> transformer.KVCache:
-        shape = (1, self.cfg.n_kv_heads, capacity, self.cfg.head_dim)
+    def new_cache(self, capacity: int, batch: int = 1, per_sequence: bool = False) -> transformer.KVCache:
+        shape = (batch, self.cfg.n_kv_heads, capacity, self.cfg.head_dim)
         zeros = lambda s, layer: jnp.zeros(shape, layer.wo.dtype, device=s.device)
         k = [zeros(s, layer) for s in self.segments for layer in s.layers]
         v = [zeros(s, layer) for s in self.segments for layer in s.layers]
-        return transformer.KVCache(k, v, jnp.zeros((), jnp.int32, device=self.accelerator))
+        length = jnp.zeros((batch,) if per_sequence else (), jnp.int32, device=self.accelerator)
+        return transformer.KVCache(k, v, length)
 
     def _run(self, tokens, cache, attend: int):
         h, positions, rope_cs = step_inputs(self.top, tokens, cache.length, cfg=self.cfg)
@@ -114,10 +115,15 @@ class LayerOffloadStepper:
             values += v
         return jax.device_put(h, self.accelerator), transformer.KVCache(keys, values, cache.length + tokens.shape[1])
 
-    def first(self, tokens, n_valid, cache, key, sampler, attend):
+    def first_logits(self, tokens, n_valid, cache, attend):
         h, cache = self._run(tokens, cache, attend)
-        token, key = sample_next_jit(_final_logits(self.top, h, n_valid - 1, cfg=self.cfg), key, sampler=sampler)
-        return token, dataclasses.replace(cache, length=cache.length - tokens.shape[1] + n_valid), key
+        logits = _final_logits(self.top, h, n_valid - 1, cfg=self.cfg)
+        return logits, dataclasses.replace(cache, length=cache.length - tokens.shape[1] + n_valid)
+
+    def first(self, tokens, n_valid, cache, key, sampler, attend):
+        logits, cache = self.first_logits(tokens, n_valid, cache, attend)
+        token, key = sample_next_jit(logits, key, sampler=sampler)
+        return token, cache, key
 
     def step_logits(self, token, cache, attend):
         h, cache = self._run(token[:, None], cache, attend)

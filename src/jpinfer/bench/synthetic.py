@@ -44,7 +44,8 @@ from jpinfer.models.params import Layer, Weights
 from jpinfer.modes.engines import hybrid_engine, sparse_engine
 from jpinfer.predictor.mlp import PredictorWeights
 from jpinfer.predictor.store import Predictors
-from jpinfer.runtime.engine import CACHE_ROUNDING, MIN_PROMPT_BUCKET, Engine
+from jpinfer.runtime.engine import Engine
+from jpinfer.runtime.generation import CACHE_ROUNDING, MIN_PROMPT_BUCKET
 from jpinfer.solver import synthetic_frequencies
 from jpinfer.solver.baselines import greedy
 

@@ -9,7 +9,9 @@
   most K neurons (``select_neurons``) and the sparse op computes only those; the FFN is kept once,
   neuron-major. Several tokens at once (prefill) compute every neuron (``all_rows_ffn``): the union
   of what a prompt's tokens activate is nearly the whole layer (docs/architecture.md, "Engine
-  modes"), so a list per token would only add work.
+  modes"), so a list per token would only add work. One token of each of several sequences (batched
+  decoding) reads every row once too, keeping each token's own selection (``all_rows_ffn``'s
+  ``keep``), so a sequence's output is what it would be alone.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from jpinfer.ffn.capacity import per_layer
 from jpinfer.models import transformer
 from jpinfer.models.loading import LoadedModel
 from jpinfer.models.params import Layer, Weights
-from jpinfer.predictor.mlp import PredictorWeights, predict_logits, select_neurons
+from jpinfer.predictor.mlp import PredictorWeights, predict_logits, select_neurons, selection_mask
 from jpinfer.runtime.engine import FfnStrategy
 from jpinfer.sparse import neurons
 from jpinfer.sparse.op import BACKENDS, all_rows_ffn, sparse_ffn
@@ -144,7 +146,13 @@ class PredictorListFFN(_ListedFFN):
 
     def __call__(self, i: int, layer: Layer, x: jax.Array, state: PredictorListState) -> tuple[jax.Array, None]:
         tokens = x.reshape(-1, x.shape[-1])
-        if tokens.shape[0] > 1:
+        if x.ndim > 1 and x.shape[-2] > 1:  # a prompt's positions
             return all_rows_ffn(state.ffn, tokens).reshape(x.shape), None
-        chosen = select_neurons(predict_logits(state.predictor, tokens[0]), state.predictor.cutoff, self.capacity[i])
+        # one token: its list (a 1-D selection runs one branch of its cond); one token per sequence of a
+        # batch: each with its own neurons
+        logits = predict_logits(state.predictor, tokens[0] if tokens.shape[0] == 1 else tokens)
+        chosen = select_neurons(logits, state.predictor.cutoff, self.capacity[i])
+        if tokens.shape[0] > 1:
+            keep = selection_mask(chosen, state.ffn.n_neurons)
+            return all_rows_ffn(state.ffn, tokens, keep).reshape(x.shape), None
         return sparse_ffn(state.ffn, tokens[0], chosen.ids, chosen.count, backend=self.backend).reshape(x.shape), None

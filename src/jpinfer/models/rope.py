@@ -80,22 +80,24 @@ class RopeTables(NamedTuple):
 
 
 def rope_tables(positions: jax.Array, cfg: ModelConfig) -> RopeTables:
-    """The rotary tables of a step at ``positions`` (T,)."""
+    """The rotary tables of a step at ``positions``: (T,), or (B, T) when each sequence of a batch is at
+    its own position (batched decoding)."""
     return RopeTables(_tables(positions, inverse_frequencies(cfg), table_scale(cfg)),
                       None if cfg.local_rope_theta is None else
                       _tables(positions, _plain_frequencies(cfg.local_rope_theta, cfg.head_dim), 1.0))
 
 
 def _tables(positions: jax.Array, inverse: jax.Array, scale: float) -> tuple[jax.Array, jax.Array]:
-    angles = positions.astype(jnp.float32)[:, None] * inverse[None, :]
+    angles = positions.astype(jnp.float32)[..., None] * inverse
     if scale == 1.0:
         return jnp.cos(angles), jnp.sin(angles)
     return jnp.cos(angles) * scale, jnp.sin(angles) * scale
 
 
 def rope(x: jax.Array, tables: tuple[jax.Array, jax.Array]) -> jax.Array:
-    """Rotary embedding, Hugging Face's rotate-half layout. x: (B, T, H, hd)."""
-    cos, sin = (t[None, :, None, :] for t in tables)
+    """Rotary embedding, Hugging Face's rotate-half layout. x: (B, T, H, hd); tables (T, hd/2) shared by
+    the batch, or (B, T, hd/2) one row per sequence."""
+    cos, sin = (t[..., None, :] for t in tables)
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)

@@ -50,7 +50,10 @@ class KVCache:
     cache after updating it made XLA:CPU copy the layer's whole slice, twice per layer and
     step (~24 MB per token on the default model, ~2.6 ms; docs/architecture.md).
 
-    ``length`` is the number of positions already written (shared by the batch).
+    ``length`` is the number of positions already written: a scalar shared by the batch, or one per
+    sequence, (batch,), when each sequence of a batch is at its own position (batched decoding: every
+    step then takes per-sequence positions (B, T), writes each sequence's keys at its own offset and
+    masks each sequence's attention by its own positions).
     """
 
     k: list[jax.Array]
@@ -58,10 +61,12 @@ class KVCache:
     length: jax.Array
 
     @classmethod
-    def create(cls, cfg: ModelConfig, batch: int, capacity: int, dtype=jnp.float32) -> "KVCache":
+    def create(cls, cfg: ModelConfig, batch: int, capacity: int, dtype=jnp.float32, *,
+               per_sequence: bool = False) -> "KVCache":
+        """An empty cache; ``per_sequence`` gives each sequence a length of its own."""
         shape = (batch, cfg.n_kv_heads, capacity, cfg.head_dim)
         zeros = lambda: [jnp.zeros(shape, dtype) for _ in range(cfg.n_layers)]
-        return cls(zeros(), zeros(), jnp.zeros((), jnp.int32))
+        return cls(zeros(), zeros(), jnp.zeros((batch,) if per_sequence else (), jnp.int32))
 
     @property
     def capacity(self) -> int:
@@ -94,9 +99,10 @@ def cached_attention(
     q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, positions: jax.Array, cfg: ModelConfig,
     attend: int | None = None, *, window: int | None,
 ) -> jax.Array:
-    """Causal grouped-query attention of the queries q (B, T, H, hd) at ``positions`` (T,) over a layer's
-    cache (B, KV, S, hd) that already holds their keys and values: (B, T, H, hd), float32 sums. Each query
-    sees the keys of the last ``window`` positions (the layer's ``ModelConfig.layer_window``; None: all).
+    """Causal grouped-query attention of the queries q (B, T, H, hd) at ``positions`` (T,), or (B, T) one
+    row per sequence, over a layer's cache (B, KV, S, hd) that already holds their keys and values:
+    (B, T, H, hd), float32 sums. Each query sees the keys of the last ``window`` positions (the layer's
+    ``ModelConfig.layer_window``; None: all).
 
     On the CPU, for decode-sized steps (T <= 8, float32, head_dim a multiple of 8) with the native
     kernels: one call that reads the cache in place up to the last position (``native.kernels.
@@ -119,6 +125,8 @@ def xla_cached_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, p
     slots; longer prompts: ``blocked_attention``."""
     keys, values = cache_k[:, :, :attend], cache_v[:, :, :attend]
     if q.shape[1] > ONE_SOFTMAX_TOKENS:
+        if positions.ndim != 1:
+            raise ValueError("steps of more than ONE_SOFTMAX_TOKENS tokens take one position row (a prefill)")
         return blocked_attention(q, keys, values, positions, cfg, window=window)
     return _one_softmax_attention(q, keys, values, positions, cfg, window)
 
@@ -130,17 +138,18 @@ def _one_softmax_attention(q: jax.Array, keys: jax.Array, values: jax.Array, pos
     qg = q.reshape(b, t, cfg.n_kv_heads, groups, cfg.head_dim)
     scores = jnp.einsum("btkgh,bksh->bkgts", qg, keys, preferred_element_type=jnp.float32)
     scores = _softcap(scores * (cfg.head_dim**-0.5), cfg.attn_softcap)
-    scores = jnp.where(_visible(jnp.arange(keys.shape[2]), positions, window)[None, None, None], scores, -jnp.inf)
+    visible = _visible(jnp.arange(keys.shape[2]), positions, window)  # (T, S) or (B, T, S)
+    scores = jnp.where(visible[None, None, None] if visible.ndim == 2 else visible[:, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
     out = jnp.einsum("bkgts,bksh->btkgh", probs, values, preferred_element_type=jnp.float32)
     return out.reshape(b, t, cfg.n_heads, cfg.head_dim)
 
 
 def _visible(key_positions: jax.Array, positions: jax.Array, window: int | None) -> jax.Array:
-    """(T, S): which keys each query sees (causal, and within the sliding window)."""
-    visible = key_positions[None, :] <= positions[:, None]
+    """(..., T, S) for positions (..., T): which keys each query sees (causal, and within the sliding window)."""
+    visible = key_positions <= positions[..., None]
     if window is not None:
-        visible &= key_positions[None, :] > positions[:, None] - window
+        visible &= key_positions > positions[..., None] - window
     return visible
 
 
@@ -224,7 +233,8 @@ def attention_block(
     """Causal grouped-query attention over the layer's cache plus the T new positions, each query within
     the layer's ``window`` (``ModelConfig.layer_window``; None: every earlier position).
 
-    x: (B, T, d) normalised input at ``positions`` (T,); ``rope_cs`` from ``rope_tables``
+    x: (B, T, d) normalised input at ``positions`` (T,), or (B, T) one row per sequence, each written at its
+    own offset; ``rope_cs`` from ``rope_tables``
     (None for learned positions). The new keys and values are written into the layer's
     cache in place (the caller donates it), so a step never copies the cache. Attention
     (``cached_attention``) reads at most the first ``attend`` cache slots (static; None = all),
@@ -245,12 +255,21 @@ def attention_block(
         k = rope(k, tables)
     if cfg.attn_scale is not None:  # the attention kernels scale by head_dim ** -0.5: the rest goes to q
         q = q * jnp.asarray(cfg.attn_scale * cfg.head_dim**0.5, q.dtype)
-    at = (0, 0, positions[0], 0)
-    cache_k = jax.lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype).transpose(0, 2, 1, 3), at)
-    cache_v = jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype).transpose(0, 2, 1, 3), at)
+    cache_k = _write(cache_k, k, positions)
+    cache_v = _write(cache_v, v, positions)
     out = cached_attention(q, cache_k, cache_v, positions, cfg, attend, window=window)
     out = out.reshape(b, t, cfg.q_dim).astype(x.dtype)
     return linear(out, layer.wo, layer.bo), cache_k, cache_v
+
+
+def _write(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
+    """The layer's cache (B, KV, S, hd) with the new keys or values (B, T, KV, hd) written at ``positions``:
+    one slice for a shared position row, a slice per sequence for (B, T) positions."""
+    new = new.astype(cache.dtype).transpose(0, 2, 1, 3)
+    if positions.ndim == 1:
+        return jax.lax.dynamic_update_slice(cache, new, (0, 0, positions[0], 0))
+    at_row = lambda c, n, p: jax.lax.dynamic_update_slice(c, n, (0, p[0], 0))
+    return jax.vmap(at_row)(cache, new, positions)
 
 
 def gate_and_up(layer: Layer, x: jax.Array, cfg: ModelConfig) -> tuple[jax.Array | None, jax.Array]:
@@ -288,7 +307,7 @@ def embed(weights: Weights, tokens: jax.Array, positions: jax.Array, cfg: ModelC
     else:
         h = jnp.moveaxis(jnp.take(weights.head, tokens, axis=1), 0, -1)
     if cfg.positions == "learned":
-        h = h + weights.positions[positions + cfg.position_offset][None]
+        h = h + weights.positions[positions + cfg.position_offset]  # (T, d) or (B, T, d): broadcasts
     if cfg.embed_scale != 1.0:
         h = h * jnp.asarray(cfg.embed_scale, h.dtype)
     return h
@@ -298,8 +317,9 @@ def step_inputs(
     weights: Weights, tokens: jax.Array, start: jax.Array, cfg: ModelConfig
 ) -> tuple[jax.Array, jax.Array, RopeTables | None]:
     """Embeddings (B, T, d) of T new tokens after ``start`` cached positions, their positions
-    (T,) and the rotary tables the layers share (None for learned positions)."""
-    positions = start + jnp.arange(tokens.shape[1], dtype=jnp.int32)
+    (T,) and the rotary tables the layers share (None for learned positions). A ``start`` per sequence
+    (B,) gives positions (B, T)."""
+    positions = start[..., None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
     h = embed(weights, tokens, positions, cfg)
     rope_cs = rope_tables(positions, cfg) if cfg.positions == "rope" else None
     return h, positions, rope_cs

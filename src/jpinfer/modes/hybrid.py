@@ -16,8 +16,10 @@ a ``ThresholdLayout`` of its neurons and keeps what the thresholds keep; there a
 
 The down projection is a sum over neurons, so hot + cold is exactly the FFN over the
 union of both lists; ``b_down`` lives in the hot part only. Prefill computes every neuron
-of both parts (``all_rows_ffn``). Without a GPU two simulated CPU devices play the two
-roles (device 0 the accelerator), so the split, its transfers and its merge run in tests.
+of both parts (``all_rows_ffn``); so does a step of several sequences (batched decoding), keeping
+each token's own selection in each part (a mask per token instead of a list). Without a GPU two
+simulated CPU devices play the two roles (device 0 the accelerator), so the split, its transfers and
+its merge run in tests.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import jax.numpy as jnp
 from jpinfer.config import ModelConfig
 from jpinfer.models import transformer
 from jpinfer.models.params import Layer, Weights
-from jpinfer.predictor.mlp import PredictorWeights, predict_logits, select_neurons
+from jpinfer.predictor.mlp import PredictorWeights, predict_logits, select_neurons, selection_mask
 from jpinfer.runtime.sampling import sample_next_jit
 from jpinfer.sparse import NeuronFFN, ThresholdLayout, all_rows_ffn, sparse_ffn, threshold_ffn
 
@@ -51,21 +53,27 @@ class AcceleratorLayer:
 
 
 def _part_list(logits: jax.Array, ids: jax.Array, cutoff: jax.Array, capacity: int):
-    """(positions in the part, valid count); an empty list for capacity 0."""
+    """One token's logits (n,): (positions in the part, valid count), an empty list for capacity 0. A batch's
+    tokens' logits (B, n): a boolean (B, part size) mask per token of the same selections."""
+    if logits.ndim == 2:
+        if capacity == 0:
+            return jnp.zeros((logits.shape[0], ids.shape[0]), bool)
+        return selection_mask(select_neurons(logits[:, ids], cutoff, capacity), ids.shape[0])
     if capacity == 0:
         return jnp.zeros((0,), jnp.int32), jnp.int32(0)
     chosen = select_neurons(logits[ids], cutoff, capacity)
     return chosen.ids, chosen.count
 
 
-def _part_ffn(ffn: NeuronFFN | ThresholdLayout, x: jax.Array, chosen: tuple[jax.Array, jax.Array] | None) -> jax.Array:
-    """One part's FFN output (B, T, d): over its listed neurons (decode) or all of them (prefill);
-    a threshold part keeps what its thresholds keep, per token."""
+def _part_ffn(ffn: NeuronFFN | ThresholdLayout, x: jax.Array,
+              chosen: tuple[jax.Array, jax.Array] | jax.Array | None) -> jax.Array:
+    """One part's FFN output (B, T, d): over its listed neurons (one token), each token's masked neurons (a
+    batch of sequences) or all of them (prefill); a threshold part keeps what its thresholds keep, per token."""
     tokens = x.reshape(-1, x.shape[-1])
     if isinstance(ffn, ThresholdLayout):
         return threshold_ffn(ffn, tokens)[0].reshape(x.shape)
-    if chosen is None:
-        return all_rows_ffn(ffn, tokens).reshape(x.shape)
+    if chosen is None or not isinstance(chosen, tuple):
+        return all_rows_ffn(ffn, tokens, chosen).reshape(x.shape)
     return sparse_ffn(ffn, tokens[0], *chosen).reshape(x.shape)
 
 
@@ -89,7 +97,8 @@ def _hot_part(part: AcceleratorLayer, x, *, capacity: tuple[int, int] | None):
     layers over 5 attention lengths took minutes), for one dispatch fewer per layer."""
     hot_list = cold_list = None
     if capacity is not None and part.predictor is not None:
-        logits = predict_logits(part.predictor, x.reshape(-1))
+        tokens = x.reshape(-1, x.shape[-1])  # decode: one token per sequence
+        logits = predict_logits(part.predictor, tokens[0] if tokens.shape[0] == 1 else tokens)
         hot_list = _part_list(logits, part.hot_ids, part.predictor.cutoff, capacity[0])
         cold_list = _part_list(logits, part.cold_ids, part.predictor.cutoff, capacity[1])
     return _part_ffn(part.hot, x, hot_list), cold_list
@@ -125,9 +134,9 @@ class HybridStepper:
     host: Any
     name: str = "hybrid"
 
-    def new_cache(self, capacity: int) -> transformer.KVCache:
+    def new_cache(self, capacity: int, batch: int = 1, per_sequence: bool = False) -> transformer.KVCache:
         with jax.default_device(self.accelerator):
-            return transformer.KVCache.create(self.cfg, 1, capacity, self.top.dtype)
+            return transformer.KVCache.create(self.cfg, batch, capacity, self.top.dtype, per_sequence=per_sequence)
 
     def _run(self, tokens, cache, attend: int, decode: bool):
         h, positions, rope_cs = _inputs(self.top, tokens, cache.length, cfg=self.cfg)
@@ -148,11 +157,15 @@ class HybridStepper:
                 y_cold = zeros
         return h, y_hot, y_cold, transformer.KVCache(keys, values, cache.length + tokens.shape[1])
 
-    def first(self, tokens, n_valid, cache, key, sampler, attend):
+    def first_logits(self, tokens, n_valid, cache, attend):
         h, y_hot, y_cold, cache = self._run(tokens, cache, attend, decode=False)
         logits = _final_logits(self.top, self.layers[-1].layer, h, y_hot, y_cold, n_valid - 1, cfg=self.cfg)
+        return logits, dataclasses.replace(cache, length=cache.length - tokens.shape[1] + n_valid)
+
+    def first(self, tokens, n_valid, cache, key, sampler, attend):
+        logits, cache = self.first_logits(tokens, n_valid, cache, attend)
         token, key = sample_next_jit(logits, key, sampler=sampler)
-        return token, dataclasses.replace(cache, length=cache.length - tokens.shape[1] + n_valid), key
+        return token, cache, key
 
     def step_logits(self, token, cache, attend):
         h, y_hot, y_cold, cache = self._run(token[:, None], cache, attend, decode=True)

@@ -388,8 +388,9 @@ def cached_attention(q, cache_k, cache_v, positions, *, window: int | None = Non
                      softcap: float | None = None) -> jax.Array:
     """Causal grouped-query attention of T new tokens over a KV cache, one native call that reads the
     cache in place: float32 (B, T, H, hd). q (B, T, H, hd) (rotary embedding applied); cache_k and
-    cache_v (B, KV, S, hd) already holding the new tokens' keys and values; positions int32 (T,).
-    Query head h reads kv head h // (H // KV); token t sees slots s <= positions[t] (and
+    cache_v (B, KV, S, hd) already holding the new tokens' keys and values; positions int32 (T,) shared by
+    the batch, or (B, T) one row per sequence (batched decoding: a sequence's output then does not depend
+    on the others'). Query head h reads kv head h // (H // KV); token t sees slots s <= positions[t] (and
     s > positions[t] - window with a window), softmax(q . k / sqrt(hd)) weighting the values (each score
     s first made softcap * tanh(s / softcap) with a softcap: Gemma 2's); a token that sees no slot gets
     zeros. Slots after the last position are never read.
@@ -403,8 +404,9 @@ def cached_attention(q, cache_k, cache_v, positions, *, window: int | None = Non
                          f"hd a multiple of 8 and H of KV; got q {q.dtype} {tuple(q.shape)}, caches "
                          f"{cache_k.dtype} {tuple(cache_k.shape)} and {cache_v.dtype} {tuple(cache_v.shape)}")
     positions = jnp.asarray(positions)
-    if positions.shape != (q.shape[1],) or not jnp.issubdtype(positions.dtype, jnp.integer):
-        raise ValueError(f"positions must be {q.shape[1]} integers, got {positions.dtype} {tuple(positions.shape)}")
+    if positions.shape not in ((q.shape[1],), q.shape[:2]) or not jnp.issubdtype(positions.dtype, jnp.integer):
+        raise ValueError(f"positions must be integers ({q.shape[1]},) or {tuple(q.shape[:2])}, got {positions.dtype} "
+                         f"{tuple(positions.shape)}")
     if window is not None and window < 1:
         raise ValueError(f"window must be a positive number of slots or None, got {window}")
     if softcap is not None and not softcap > 0:

@@ -24,7 +24,8 @@ import warnings
 
 import jax
 
-ABI_VERSION = 7  # 4: jpinfer_cached_attention, 5: FFN kind geglu, 6: gelu, 7: the attention's softcap
+# 4: jpinfer_cached_attention, 5: FFN kind geglu, 6: gelu, 7: the attention's softcap, 8: its per-sequence positions
+ABI_VERSION = 8
 # (csrc/info.cc jpinfer_native_abi_version)
 LIBRARY_STEM = "_jpinfer_native"  # setup.py's extension jpinfer.native._jpinfer_native
 

@@ -15,12 +15,10 @@ from jpinfer.config import ModelConfig
 from jpinfer.models import transformer
 from jpinfer.models.loading import LoadedModel
 from jpinfer.models.params import Weights
+from jpinfer.runtime.batch import BatchDecoder, generate_together
 from jpinfer.runtime.chat import chat_ids
+from jpinfer.runtime.generation import GenerationConfig, GenerationResult, TextStream, attend_length, generation_shapes
 from jpinfer.runtime.sampling import Sampler, sample_next
-
-MIN_PROMPT_BUCKET = 16
-CACHE_ROUNDING = 256
-MIN_ATTEND = 128  # each rung is one more compilation of the step; below 128 slots attention is cheap
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,80 +39,6 @@ class FfnStrategy:
 DENSE = FfnStrategy()
 
 
-@dataclasses.dataclass(frozen=True)
-class GenerationConfig:
-    """How to generate. ``temperature`` 0 is greedy; the same ``seed`` gives the same output.
-    ``ignore_eos`` generates ``max_new_tokens`` tokens whatever the model emits (fixed-length
-    benchmarks; stop strings still stop)."""
-
-    max_new_tokens: int = 64
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-    stop: tuple[str, ...] = ()
-    chat: bool = False
-    ignore_eos: bool = False
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
-        self.sampler  # validates temperature, top_k, top_p
-
-    @property
-    def sampler(self) -> Sampler:
-        return Sampler(float(self.temperature), int(self.top_k), float(self.top_p))
-
-
-@dataclasses.dataclass
-class GenerationResult:
-    """One prompt's output. Times in seconds; ``finish_reason`` is 'eos', 'stop' or 'length'."""
-
-    text: str
-    token_ids: list[int]
-    prompt_token_ids: list[int]
-    finish_reason: str
-    prefill_s: float
-    step_s: list[float]
-
-    @property
-    def decode_s(self) -> float:
-        return float(sum(self.step_s))
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        return len(self.step_s) / self.decode_s if self.step_s else float("nan")
-
-    @property
-    def prefill_tokens_per_s(self) -> float:
-        return len(self.prompt_token_ids) / self.prefill_s
-
-
-def _bucket(n: int) -> int:
-    """Prompt lengths are padded to powers of two so prefill compiles a few times, not per length."""
-    return max(MIN_PROMPT_BUCKET, 1 << (n - 1).bit_length())
-
-
-def attend_length(n: int, capacity: int) -> int:
-    """Cache slots a step reads to see n positions: the next of 128, 192, 256, 384, 512, ...
-    (each step of the ladder at most 1.5x the last), capped at the cache capacity.
-
-    Attention then reads at most 1.5x the used part of the cache (or 128 slots) instead of all
-    of it, and a generation compiles the decode step once per rung it reaches (a few times),
-    not per position; starting at 128 keeps short generations to one compilation. Reading all 512
-    slots of a cache instead of the used prefix made a default-model decode step 1.13-1.15x slower
-    (docs/architecture.md).
-    """
-    length = MIN_ATTEND
-    while length < n:
-        length = length * 3 // 2 if length & (length - 1) == 0 else length // 3 * 4
-    return min(length, capacity)
-
-
 @functools.partial(jax.jit, static_argnames=("cfg", "sampler", "ffn_impl", "attend"), donate_argnames=("cache",))
 def _first_token(weights, tokens, n_valid, cache, key, cfg, sampler, ffn_impl=None, ffn_state=None, attend=None):
     step_logits, cache = transformer.prefill(weights, tokens, n_valid, cache, cfg, ffn_impl, ffn_state, attend)
@@ -131,11 +55,20 @@ def _next_token(weights, token, cache, key, cfg, sampler, ffn_impl=None, ffn_sta
 
 class Stepper(Protocol):
     """How an engine runs its model: the KV cache, the prefill that samples the first token,
-    and one decode step. ``attend`` is the static number of cache slots attention reads."""
+    and one decode step. ``attend`` is the static number of cache slots attention reads.
+
+    ``new_cache(capacity, batch, per_sequence)``: ``batch`` sequences of ``capacity`` slots; with
+    ``per_sequence`` each sequence has a length of its own (``runtime.batch``: every step then takes one
+    token per sequence, each at its own position)."""
 
     name: str
 
-    def new_cache(self, capacity: int) -> Any: ...
+    def new_cache(self, capacity: int, batch: int = 1, per_sequence: bool = False) -> Any: ...
+
+    def first_logits(self, tokens: jax.Array, n_valid: jax.Array, cache: Any, attend: int) -> tuple[jax.Array, Any]:
+        """Prefill a right-padded prompt (1, T) of which ``n_valid`` tokens are real: (float32 logits (1, V) at the
+        last real position, the cache holding the prompt)."""
+        ...
 
     def first(self, tokens: jax.Array, n_valid: jax.Array, cache: Any, key: jax.Array, sampler: Sampler,
               attend: int) -> tuple[jax.Array, Any, jax.Array]: ...
@@ -160,8 +93,13 @@ class FusedStepper:
     def name(self) -> str:
         return self.ffn.name
 
-    def new_cache(self, capacity: int) -> transformer.KVCache:
-        return transformer.KVCache.create(self.model.cfg, 1, capacity, self.model.weights.dtype)
+    def new_cache(self, capacity: int, batch: int = 1, per_sequence: bool = False) -> transformer.KVCache:
+        return transformer.KVCache.create(self.model.cfg, batch, capacity, self.model.weights.dtype,
+                                          per_sequence=per_sequence)
+
+    def first_logits(self, tokens, n_valid, cache, attend):
+        return transformer.prefill(self.model.weights, tokens, n_valid, cache, self.model.cfg, self.ffn.impl,
+                                   self.ffn.state, attend)
 
     def first(self, tokens, n_valid, cache, key, sampler, attend):
         return _first_token(self.model.weights, tokens, n_valid, cache, key, self.model.cfg, sampler, self.ffn.impl,
@@ -252,14 +190,16 @@ class Engine:
             raise ValueError(f"token ids out of range [0, {self.cfg.vocab_size}): {bad[:5]}")
         return ids
 
-    def _eos_ids(self) -> set[int]:
+    def eos_ids(self) -> set[int]:
+        """The token ids that end a generation: the config's and the tokenizer's."""
         ids = set(self.cfg.eos_token_ids)
         eos = getattr(self.tokenizer, "eos_token_id", None)
         if eos is not None:
             ids.add(int(eos))
         return ids
 
-    def _decode(self, ids: list[int]) -> str:
+    def decode_text(self, ids: list[int]) -> str:
+        """Text of generated ids, special tokens left out ('' without a tokenizer)."""
         if self.tokenizer is None:
             return ""
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -275,10 +215,11 @@ class Engine:
     def generate(
         self, prompt: str | Sequence[int] | Sequence[str], config: GenerationConfig | None = None, **kwargs
     ) -> GenerationResult | list[GenerationResult]:
-        """Generate for one prompt (text or token ids) or a list of text prompts."""
+        """Generate for one prompt (text or token ids) or a list of text prompts. A list is decoded
+        together (``runtime.batch``: up to ``batch.MAX_SLOTS`` sequences a step, each as it would be alone)."""
         config = config or GenerationConfig(**kwargs)
         if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(p, str) for p in prompt):
-            return [self.generate(p, config) for p in prompt]
+            return generate_together(self, [self.encode_prompt(p, chat=config.chat) for p in prompt], config)
         result = None
         for event in self.events(prompt, config):
             if isinstance(event, GenerationResult):
@@ -286,16 +227,11 @@ class Engine:
         return result
 
     def _shapes(self, n_prompt: int, max_new_tokens: int) -> tuple[int, int, int]:
-        """(prompt bucket, KV cache capacity, tokens that fit) for a prompt of n tokens."""
-        if n_prompt >= self.cfg.max_position:
-            raise ValueError(
-                f"prompt has {n_prompt} tokens but the model's context is {self.cfg.max_position}: "
-                "shorten the prompt"
-            )
-        max_new = min(max_new_tokens, self.cfg.max_position - n_prompt)
-        bucket = _bucket(n_prompt)
-        capacity = -(-(bucket + max_new) // CACHE_ROUNDING) * CACHE_ROUNDING
-        return bucket, max(bucket, min(capacity, self.cfg.max_position)), max_new
+        return generation_shapes(n_prompt, max_new_tokens, self.cfg.max_position)
+
+    def batch_decoder(self, slots: int, capacity: int) -> BatchDecoder:
+        """A decoder of up to ``slots`` sequences together, ``capacity`` cache slots each (``runtime.batch``)."""
+        return BatchDecoder(self, slots, capacity)
 
     def _start(self, prompt_ids: list[int], max_new_tokens: int, sampler: Sampler, seed: int):
         """Prefill and sample the first token; returns (token, cache, key, tokens that fit)."""
@@ -365,7 +301,7 @@ class Engine:
         """
         prompt_ids = self.encode_prompt(prompt, chat=config.chat)
         sampler, n = config.sampler, len(prompt_ids)
-        eos_ids = set() if config.ignore_eos else self._eos_ids()
+        eos_ids = set() if config.ignore_eos else self.eos_ids()
         t0 = time.perf_counter()
         token, cache, key, max_new = self._start(prompt_ids, config.max_new_tokens, sampler, config.seed)
         ahead = self._step(token, cache, key, sampler, n) if max_new > 1 else None
@@ -373,48 +309,27 @@ class Engine:
         last = time.perf_counter()
         prefill_s = last - t0
 
-        out: list[int] = []
+        text = TextStream(self.decode_text, config.stop)
         step_s: list[float] = []
-        text = emitted = ""
         finish = "length"
         while token_id not in eos_ids:
-            out.append(token_id)
-            text = self._decode(out)
-            cut = _find_stop(text, config.stop)
-            if cut is not None:
-                text, finish = text[:cut], "stop"
-            safe = len(text) if cut is not None else _safe_prefix(text, config.stop)
-            if safe > len(emitted):
-                yield text[len(emitted) : safe]
-                emitted = text[:safe]
-            if ahead is None or finish == "stop":
+            piece = text.push(token_id)
+            if piece:
+                yield piece
+            if text.stopped:
+                finish = "stop"
+                break
+            if ahead is None:
                 break
             token, cache, key = ahead
-            ahead = self._step(token, cache, key, sampler, n + len(out)) if len(out) + 1 < max_new else None
+            ahead = self._step(token, cache, key, sampler, n + len(text.ids)) if len(text.ids) + 1 < max_new else None
             token_id = int(np.asarray(token)[0])
             now = time.perf_counter()
             step_s.append(now - last)
             last = now
         else:
             finish = "eos"
-        if len(text) > len(emitted):  # the held-back tail: no stop string completed it
-            yield text[len(emitted) :]
-        yield GenerationResult(text, out, prompt_ids, finish, prefill_s, step_s)
-
-
-def _find_stop(text: str, stops: tuple[str, ...]) -> int | None:
-    hits = [text.find(s) for s in stops if s in text]
-    return min(hits) if hits else None
-
-
-def _safe_prefix(text: str, stops: tuple[str, ...]) -> int:
-    """Length of text that can be shown: hold back an incomplete character and any stop-string prefix."""
-    end = len(text)
-    while end and text[end - 1] == "\ufffd":
-        end -= 1
-    for s in stops:
-        for k in range(min(len(s) - 1, end), 0, -1):
-            if text[:end].endswith(s[:k]):
-                end = min(end, len(text[:end]) - k)
-                break
-    return end
+        tail = text.rest()  # the held-back tail: no stop string completed it
+        if tail:
+            yield tail
+        yield GenerationResult(text.text, text.ids, prompt_ids, finish, prefill_s, step_s)

@@ -66,14 +66,48 @@ def sample(logits: jax.Array, key: jax.Array, sampler: Sampler) -> jax.Array:
         kth = jax.lax.top_k(logits, min(sampler.top_k, logits.shape[-1]))[0][:, -1:]
         logits = jnp.where(logits < kth, -jnp.inf, logits)
     if sampler.top_p < 1.0:
-        sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
-        probs = jax.nn.softmax(sorted_logits, axis=-1)
-        # Keep the smallest prefix whose mass reaches top_p (always at least one token).
-        mass_before = jnp.cumsum(probs, axis=-1) - probs
-        cutoff_index = jnp.sum(mass_before < sampler.top_p, axis=-1, keepdims=True) - 1
-        cutoff = jnp.take_along_axis(sorted_logits, cutoff_index, axis=-1)
-        logits = jnp.where(logits < cutoff, -jnp.inf, logits)
+        logits = _nucleus(logits, sampler.top_p)
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+def _nucleus(logits: jax.Array, top_p: float | jax.Array) -> jax.Array:
+    """Logits (B, V) outside the smallest prefix (by decreasing logit) whose mass reaches ``top_p`` (a scalar
+    or one per row) set to -inf; at least one token is always kept."""
+    sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    cutoff_index = jnp.sum(mass_before < jnp.reshape(top_p, (-1, 1)), axis=-1, keepdims=True) - 1
+    cutoff = jnp.take_along_axis(sorted_logits, cutoff_index, axis=-1)
+    return jnp.where(logits < cutoff, -jnp.inf, logits)
+
+
+@jax.jit
+def sample_rows(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: jax.Array,
+                top_p: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``sample_next`` for a batch of requests, each row with its own settings and key: (next token ids
+    (B,), the keys for the step after (B, 2)). logits (B, V) float32; keys (B, 2) uint32 (``PRNGKey``s);
+    temperature (B,) (0: greedy), top_k (B,) (0: off), top_p (B,) (1: off).
+
+    The settings are traced, not static as ``Sampler``'s: one compiled step serves every mix of requests
+    in a batch. A row gets what ``sample_next`` gives that request alone with the same logits and key (the
+    same split, filters and draw; tested), so a request's output does not depend on its batch. Sorting
+    the vocabulary for top-k / top-p runs only when some row samples.
+    """
+    split = jax.vmap(jax.random.split)(keys)
+    keys, subs = split[:, 0], split[:, 1]
+    greedy = argmax(logits)
+
+    def one_row(row, key, t, k, p):
+        row = row / jnp.where(t > 0, t, 1.0)
+        kth = jnp.sort(row)[::-1][jnp.clip(k - 1, 0, row.shape[0] - 1)]
+        row = jnp.where((k > 0) & (row < kth), -jnp.inf, row)[None]
+        row = jnp.where(p < 1.0, _nucleus(row, p), row)
+        return jax.random.categorical(key, row, axis=-1)[0].astype(jnp.int32)
+
+    def drawn():
+        return jnp.where(temperature > 0, jax.vmap(one_row)(logits, subs, temperature, top_k, top_p), greedy)
+
+    return jax.lax.cond(jnp.any(temperature > 0), drawn, lambda: greedy), keys
 
 
 def sample_next(logits: jax.Array, key: jax.Array, sampler: Sampler) -> tuple[jax.Array, jax.Array]:

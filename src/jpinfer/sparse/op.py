@@ -151,7 +151,7 @@ def _gathered_ffn(rows: jax.Array, b_up: jax.Array | None, x: jax.Array, ids: ja
 
 
 @jax.jit
-def all_rows_ffn(ffn: NeuronFFN, x: jax.Array) -> jax.Array:
+def all_rows_ffn(ffn: NeuronFFN, x: jax.Array, keep: jax.Array | None = None) -> jax.Array:
     """FFN output over every neuron of ``ffn`` (a whole layer, or its hot or cold part), as
     dense products over the neuron-major rows: ``sparse_ffn`` with the full list, for many
     tokens at once (prefill), where a batch of tokens activates most neurons anyway.
@@ -163,6 +163,9 @@ def all_rows_ffn(ffn: NeuronFFN, x: jax.Array) -> jax.Array:
 
     Int8 bundles run the dense int8 FFN's products (``quant.int8.product``: W8A8, the XLA form) on
     their column blocks.
+
+    ``keep`` (T, n) boolean zeroes each token's other neurons' activations: the FFN over a list per token
+    (a batch of sequences, each with its own predicted neurons), reading every row once.
 
     x: (d,) or (T, d); returns x's shape and dtype, ``b_down`` added when the layout has it.
     """
@@ -184,7 +187,8 @@ def all_rows_ffn(ffn: NeuronFFN, x: jax.Array) -> jax.Array:
     up = project(n_proj - 1)
     if ffn.b_up is not None:
         up = up + ffn.b_up.astype(jnp.float32)
-    y = down(activate(ffn.kind, project(0) if n_proj == 2 else None, up))
+    act = activate(ffn.kind, project(0) if n_proj == 2 else None, up)
+    y = down(act if keep is None else jnp.where(keep.reshape(act.shape), act, 0))
     if ffn.b_down is not None:
         y = y + ffn.b_down.astype(jnp.float32)
     return y.astype(x.dtype).reshape(x.shape)

@@ -1,8 +1,9 @@
 // Causal grouped-query attention of 1..8 new tokens over the KV cache, read in place:
-//   jpinfer_cached_attention  q (B, T, H, hd), cache k and v (B, KV, S, hd), positions (T,) int32
-//                             -> (B, T, H, hd) float32.
-// Query head h reads kv head h / (H / KV). Token t sees cache slots s with s <= positions[t] (and
-// s > positions[t] - window when window > 0); a score is q . k * scale, then softcap * tanh(score /
+//   jpinfer_cached_attention  q (B, T, H, hd), cache k and v (B, KV, S, hd), positions (T,) or (B, T)
+//                             int32 -> (B, T, H, hd) float32.
+// Positions (T,) are shared by the batch; (B, T) give each sequence its own (batched decoding, every
+// sequence at its own length). Query head h reads kv head h / (H / KV). Token t of sequence b sees cache
+// slots s with s <= positions[b, t] (and s > positions[b, t] - window when window > 0); a score is q . k * scale, then softcap * tanh(score /
 // softcap) when softcap > 0 (Gemma 2); slots past the last token's position are never read,
 // so a decode step at position 40 of a 4096-slot cache reads 41 rows of each head's keys and values.
 // A token that sees no slot gets zeros.
@@ -18,7 +19,9 @@
 // against the block's own maxima, and sums the probability-weighted value rows (read once). The
 // pieces' (max, sum, weighted values) are combined in block order on the calling thread, the
 // split-softmax rule: out = sum_j e^(m_j - M) acc_j / sum_j e^(m_j - M) l_j, M = max_j m_j. The
-// partition depends on the shapes and positions only, so results do not depend on the thread count.
+// partition depends on the shapes and positions only, so results do not depend on the thread count;
+// a sequence's pieces end at its own last position and blocks it cannot see are skipped, so its output
+// does not depend on the other sequences of the batch either.
 #include "float_rows.h"
 
 namespace jpn {
@@ -80,10 +83,20 @@ struct Shape {
 };
 
 // One piece: queries Q = T * G of (b, kvh) against slots [s0, s1). For query i (token i / G) the
-// visible slots are [lo[t], hi[t]). Writes per query: max, sum of e^(score - max), and hd weighted sums.
+// visible slots are [lo[t], hi[t]) (sequence b's rows). Writes per query: max, sum of e^(score - max),
+// and hd weighted sums; a max of -inf for a query that sees nothing here (nothing read when no query does).
 void Piece(const Shape& sh, const float* q, const float* k, const float* v, const int64_t* lo, const int64_t* hi,
            float scale, float softcap, int64_t b, int64_t kvh, int64_t s0, int64_t s1, float* out) {
   const int64_t Q = sh.T * sh.G, hd = sh.hd, n = s1 - s0;
+  bool seen = false;
+  for (int64_t t = 0; t < sh.T; ++t) seen |= lo[t] < s1 && hi[t] > s0;
+  if (!seen || n <= 0) {
+    for (int64_t i = 0; i < Q; ++i) {
+      out[i * (hd + 2)] = -INFINITY;
+      std::fill(out + i * (hd + 2) + 1, out + (i + 1) * (hd + 2), 0.0f);
+    }
+    return;
+  }
   // the group's queries, contiguous (Q, hd), token-major
   float* queries = Scratch(tl_queries, Q * hd);
   for (int64_t t = 0; t < sh.T; ++t)
@@ -160,21 +173,26 @@ ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
                                ffi::ResultBuffer<ffi::F32> out, float scale, float softcap, int64_t window) {
   const auto qd = q.dimensions(), kd = cache_k.dimensions(), vd = cache_v.dimensions(), od = out->dimensions();
   if (qd.size() != 4 || kd.size() != 4 || !std::equal(kd.begin(), kd.end(), vd.begin(), vd.end()) ||
-      !std::equal(qd.begin(), qd.end(), od.begin(), od.end()) || int64_t(positions.element_count()) != qd[1] ||
+      !std::equal(qd.begin(), qd.end(), od.begin(), od.end()) ||
+      (int64_t(positions.element_count()) != qd[1] && int64_t(positions.element_count()) != qd[0] * qd[1]) ||
       qd[0] != kd[0] || qd[3] != kd[3] || qd[1] < 1 || qd[1] > kMaxTokens ||
       kd[1] < 1 || qd[2] % kd[1] != 0 || kd[3] % 8 != 0)
     return ffi::Error::InvalidArgument(
-        "jpinfer cached attention: q (B, T, H, hd), caches (B, KV, S, hd), positions (T,), T <= 8, "
+        "jpinfer cached attention: q (B, T, H, hd), caches (B, KV, S, hd), positions (T,) or (B, T), T <= 8, "
         "H a multiple of KV, hd a multiple of 8");
   const Shape sh{qd[0], qd[1], qd[2], kd[1], kd[2], kd[3], qd[2] / kd[1]};
-  int64_t lo[kMaxTokens], hi[kMaxTokens], used = 0;
-  for (int64_t t = 0; t < sh.T; ++t) {
-    const int64_t p = positions.typed_data()[t];
-    hi[t] = Clamp(p + 1, 0, sh.S);
-    lo[t] = window > 0 ? Clamp(p - window + 1, 0, hi[t]) : 0;
-    used = std::max(used, hi[t]);
+  // visible slots [lo, hi) per (sequence, token); shared positions are repeated for every sequence
+  const bool shared = int64_t(positions.element_count()) == sh.T;
+  std::vector<int64_t> lo(sh.B * sh.T), hi(sh.B * sh.T), used_by(sh.B, 0);
+  int64_t used = 0;
+  for (int64_t bt = 0; bt < sh.B * sh.T; ++bt) {
+    const int64_t p = positions.typed_data()[shared ? bt % sh.T : bt];
+    hi[bt] = Clamp(p + 1, 0, sh.S);
+    lo[bt] = window > 0 ? Clamp(p - window + 1, 0, hi[bt]) : 0;
+    used_by[bt / sh.T] = std::max(used_by[bt / sh.T], hi[bt]);
+    used = std::max(used, hi[bt]);
   }
-  const int64_t first = *std::min_element(lo, lo + sh.T) / kBlock;  // blocks before every window: skipped
+  const int64_t first = *std::min_element(lo.begin(), lo.end()) / kBlock;  // blocks before every window: skipped
   const int64_t blocks = CeilDiv(used, kBlock) - first;
   const int64_t Q = sh.T * sh.G, stride = Q * (sh.hd + 2);
   float* o = out->typed_data();
@@ -187,8 +205,9 @@ ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
   const float *qp = q.typed_data(), *kp = cache_k.typed_data(), *vp = cache_v.typed_data();
   ParallelFor(pool, pieces, sh.B * sh.KV * (used - first * kBlock) * sh.hd * 8, [&](int64_t piece) {
     const int64_t j = piece % blocks, bk = piece / blocks;
-    const int64_t s0 = (first + j) * kBlock, s1 = std::min(s0 + kBlock, used);
-    Piece(sh, qp, kp, vp, lo, hi, scale, softcap, bk / sh.KV, bk % sh.KV, s0, s1, partial + piece * stride);
+    const int64_t b = bk / sh.KV, s0 = (first + j) * kBlock, s1 = std::min(s0 + kBlock, used_by[b]);
+    Piece(sh, qp, kp, vp, lo.data() + b * sh.T, hi.data() + b * sh.T, scale, softcap, b, bk % sh.KV, s0, s1,
+          partial + piece * stride);
   });
   // combine the blocks of each (b, kv head, query) in block order
   for (int64_t bk = 0; bk < sh.B * sh.KV; ++bk) {
@@ -226,7 +245,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jpinfer_cached_attention, jpn::CachedAttentionImpl
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q (B, T, H, hd)
                                   .Arg<ffi::Buffer<ffi::F32>>()  // cache k (B, KV, S, hd)
                                   .Arg<ffi::Buffer<ffi::F32>>()  // cache v (B, KV, S, hd)
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // positions (T,)
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // positions (T,) or (B, T)
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out (B, T, H, hd)
                                   .Attr<float>("scale")
                                   .Attr<float>("softcap")
