@@ -30,6 +30,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "place": ("jpinfer.solver.cli", "place the hottest neurons on the accelerator under a memory budget"),
     "prepare": ("jpinfer.pack.cli", "profile, thresholds, predictors and placement of a model, as one pack"),
     "cache": ("jpinfer.cache_cli", "what the cache directory holds; prune what no current key reaches"),
+    "serve": ("jpinfer.serve.cli", "an OpenAI-compatible HTTP server (chat and completions, streaming, batching)"),
 }
 
 
