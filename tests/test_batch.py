@@ -12,6 +12,7 @@ from test_modes import half_masks, predictors_for, random_predictor
 from jpinfer import GenerationConfig
 from jpinfer.models import quantized, transformer
 from jpinfer.modes import build_engine
+from jpinfer.native import native_available
 from jpinfer.profiler.sparsity import SparsityThresholds
 from jpinfer.runtime.batch import MAX_SLOTS, BatchDecoder
 from jpinfer.runtime.sampling import Sampler, sample_next, sample_rows
@@ -223,3 +224,20 @@ def test_decoder_arguments_and_slots():
     assert first not in decoder.step()
     third = decoder.add([4, 4, 4], GenerationConfig(max_new_tokens=1))
     assert third.result is not None and third.result.finish_reason == "length" and decoder.free_slots == 1
+
+
+@pytest.mark.skipif(not native_available(), reason="native kernels unavailable")
+def test_a_batch_step_runs_the_native_few_token_products_and_keeps_nan_rows():
+    """2-8 tokens: every float32 projection and the head through the native few-token products (their
+    numerics: tests/test_native_kernels.py); a NaN hidden state still gives NaN logits (the head's rows
+    product skips nothing for it)."""
+    engine = engine_for("dense")
+    cfg, weights = engine.cfg, engine.weights
+    cache = transformer.KVCache.create(cfg, 3, 32, per_sequence=True)
+    hlo = jax.jit(lambda w, t, c: transformer.decode_step(w, t, c, cfg)).lower(
+        weights, jnp.zeros(3, jnp.int32), cache).as_text()
+    assert "jpinfer_float_matvec" in hlo and "jpinfer_threshold_rows" in hlo
+    h = jnp.asarray(np.random.default_rng(0).normal(size=(3, cfg.d_model)), jnp.float32).at[1, 4].set(jnp.nan)
+    logits = np.asarray(transformer.logits(weights, h, cfg))
+    assert np.isnan(logits[1]).all() and np.isfinite(logits[[0, 2]]).all()
+    np.testing.assert_allclose(logits[[0, 2]], np.asarray(h)[[0, 2]] @ np.asarray(weights.head), rtol=0, atol=DECODER_ATOL)

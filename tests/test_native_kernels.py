@@ -337,6 +337,34 @@ def test_int8_matvec_exact(shape, T, native):
     assert np.array_equal(np.asarray(y), ref)
 
 
+# ------------------------------------------------------------------ float32, a few tokens
+
+@pytest.mark.parametrize("native", BACKENDS)
+@pytest.mark.parametrize("T", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("shape", [(37, 100), (130, 576), (6, 3)])
+def test_float_matvec_matches_float64_and_each_token_alone(shape, T, native):
+    """W @ x per token: within the dot-product bound of float64 (in / 8 terms a lane, 3 lane additions, the
+    in % 8 tail, + 16), rows past a multiple of 4 and inputs past a multiple of 8 included; each token bit
+    for bit what it gives alone (batched decoding's invariance), and for any thread count."""
+    rng = np.random.default_rng(T + shape[0])
+    w = rng.standard_normal(shape).astype(np.float32)
+    x = rng.standard_normal((T, shape[1])).astype(np.float32)
+    ref = x.astype(np.float64) @ w.astype(np.float64).T
+    magnitude = np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64).T
+    bound = (shape[1] / 8 + 3 + shape[1] % 8 + 16) * 2.0**-24 * magnitude
+    run = jax.jit(lambda w, x: K.float_matvec(w, x, native=native))
+    y = np.asarray(run(w, x))
+    assert y.shape == (T, shape[0]) and np.all(np.abs(y - ref) <= bound)
+    if native:
+        for t in range(T):
+            np.testing.assert_array_equal(y[t], np.asarray(run(w, x[t : t + 1]))[0])
+        np.testing.assert_array_equal(on_one_thread(lambda: np.asarray(run(w, x))), y)
+    with pytest.raises(ValueError):
+        K.float_matvec(w[0], x, native=native)
+    with pytest.raises(ValueError):
+        K.float_matvec(w, x[:, :-1], native=native)
+
+
 # ------------------------------------------------------------------ 4-bit
 
 def q8_blocks_reference(x):

@@ -87,12 +87,25 @@ def norm(p: Norm, x: jax.Array, cfg: ModelConfig) -> jax.Array:
 
 def linear(x: jax.Array, w: jax.Array | quantized.QuantizedMatrix, b: jax.Array | None = None) -> jax.Array:
     """x (..., in) through an (out, in) weight: W @ x per token, plus the bias, in x's dtype.
-    A quantized weight runs through ``quantized.matmul`` (W8A8, W4A8)."""
+    A quantized weight runs through ``quantized.matmul`` (W8A8, W4A8); float32 ones for 2-8 tokens (a batch's
+    decode step) through the native few-token product on the CPU (``native.kernels.float_matvec``: XLA:CPU's
+    products of 2-8 rows ran at a third of its one-row bandwidth, docs/architecture.md)."""
     if quantized.is_quantized(w):
         y = quantized.matmul(x, w).astype(x.dtype)
+    elif _few_tokens(x, w):
+        xla = lambda x, w: jnp.einsum("...i,oi->...o", x, w)
+        native = lambda x, w: native_kernels.float_matvec(w, x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
+        y = jax.lax.platform_dependent(x, w, cpu=native, default=xla)
     else:
         y = jnp.einsum("...i,oi->...o", x, w)
     return y if b is None else y + b
+
+
+def _few_tokens(x: jax.Array, w: jax.Array) -> bool:
+    """Whether float32 x holds 2 to MAX_TOKENS tokens for a float32 matrix, with the native kernels loaded."""
+    tokens = x.size // x.shape[-1] if x.shape[-1] else 0
+    return (x.dtype == w.dtype == jnp.float32 and w.ndim == 2 and 2 <= tokens <= native_kernels.MAX_TOKENS
+            and native_available())
 
 
 def cached_attention(
@@ -396,7 +409,19 @@ def logits(weights: Weights, h: jax.Array, cfg: ModelConfig) -> jax.Array:
     a quantized head's (vocab, d) rows (``quantized.matmul``); soft-capped with ``logit_softcap``."""
     if quantized.is_quantized(weights.head):
         return _softcap(quantized.matmul(h, weights.head), cfg.logit_softcap)
-    return _softcap(jnp.dot(h, weights.head, preferred_element_type=jnp.float32), cfg.logit_softcap)
+    xla = lambda h, head: jnp.dot(h, head, preferred_element_type=jnp.float32)
+    if not _few_tokens(h, weights.head):
+        return _softcap(xla(h, weights.head), cfg.logit_softcap)
+
+    def native(h, head):  # the (d, vocab) head is input-major: the rows product over every row, each read once
+        flat = h.reshape(-1, h.shape[-1])
+        # four tokens a call: 8 took 14 ms over the default model's head, two calls of 4 take 11
+        y = jnp.concatenate([native_kernels.threshold_rows_product(head, flat[i : i + 4], -jnp.inf)[0]
+                             for i in range(0, flat.shape[0], 4)])
+        y = jnp.where(jnp.isnan(flat).any(-1, keepdims=True), jnp.nan, y)  # a NaN input is no row to skip
+        return y.reshape(*h.shape[:-1], -1)
+
+    return _softcap(jax.lax.platform_dependent(h, weights.head, cpu=native, default=xla), cfg.logit_softcap)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "ffn_impl", "attend"), donate_argnames=("cache",))

@@ -331,6 +331,28 @@ def threshold_rows_product_int8(values, scales, x, threshold, *, native: bool | 
     return (y[0], counts[0]) if flat else (y, counts)
 
 
+# ---------------------------------------------------------------- float32, a few tokens
+
+def float_matvec(w, x, *, native: bool | None = None) -> jax.Array:
+    """W @ x per token, float32 (T, out) (or (out,)) for w float32 (out, in) and 1-8 tokens x (T, in): each
+    row read once for all tokens (batched decoding's products; ``models.transformer.linear`` picks it for
+    2-8 tokens on the CPU). A token's result does not depend on the others (fixed-order sums). Its XLA form
+    is the einsum."""
+    w = _f32(w, "w")
+    if w.ndim != 2:
+        raise ValueError(f"w must be an (out, in) matrix, got shape {tuple(w.shape)}")
+    out, inp = w.shape
+    x2, flat = _tokens(x, inp)
+    if _use_native(native):
+        call = lambda xt: jax.ffi.ffi_call("jpinfer_float_matvec", jax.ShapeDtypeStruct((xt.shape[0], out),
+                                                                                        jnp.float32),
+                                           vmap_method="sequential")(w, xt)
+        y = _per_group(call, x2)
+    else:
+        y = jnp.einsum("ti,oi->to", x2, w, precision=jax.lax.Precision.HIGHEST)
+    return y[0] if flat else y
+
+
 # ---------------------------------------------------------------- int8 (W8A8)
 
 def int8_matvec(values, scales, x, *, native: bool | None = None) -> jax.Array:
@@ -420,5 +442,6 @@ def cached_attention(q, cache_k, cache_v, positions, *, window: int | None = Non
 __all__ = [
     "MAX_TOKENS", "KINDS", "cached_attention", "cached_attention_fits", "sparse_ffn", "sparse_ffn_int8",
     "xla_sparse_ffn_int8", "sparse_activations",
-    "listed_rows_sum", "threshold_rows_product", "threshold_rows_product_int8", "int8_matvec", "q4_matvec",
+    "listed_rows_sum", "threshold_rows_product", "threshold_rows_product_int8", "float_matvec", "int8_matvec",
+    "q4_matvec",
 ]

@@ -24,8 +24,9 @@ import warnings
 
 import jax
 
-# 4: jpinfer_cached_attention, 5: FFN kind geglu, 6: gelu, 7: the attention's softcap, 8: its per-sequence positions
-ABI_VERSION = 8
+# 4: jpinfer_cached_attention, 5: FFN kind geglu, 6: gelu, 7: the attention's softcap, 8: its per-sequence
+# positions, 9: jpinfer_float_matvec
+ABI_VERSION = 9
 # (csrc/info.cc jpinfer_native_abi_version)
 LIBRARY_STEM = "_jpinfer_native"  # setup.py's extension jpinfer.native._jpinfer_native
 
@@ -38,6 +39,7 @@ TARGETS = (
     "jpinfer_threshold_rows",
     "jpinfer_threshold_rows_int8",
     "jpinfer_int8_matvec",
+    "jpinfer_float_matvec",
     "jpinfer_q4_0_matvec",
     "jpinfer_q4_1_matvec",
     "jpinfer_cached_attention",

@@ -1,0 +1,101 @@
+// Float32 products of a few tokens with a whole (out, in) matrix, each row read once for all of them:
+//   jpinfer_float_matvec  w (out, in) float32, x (T, in) float32, 1 <= T <= 8 -> y (T, out) = W @ x per token.
+//
+// Why: batched decoding (jpinfer.runtime.batch) multiplies up to 8 tokens by every projection, and
+// XLA:CPU's products of 2-8 rows run far under the bandwidth its one-row products reach: the default
+// model's (3072, 576) gate/up product took 0.72 ms for 8 rows against 0.25 ms for one, its (49152, 576)
+// head 13.8 ms against 4.7 (2-core EPYC, 2026-12-03), so an 8-sequence step cost 3.8x a one-sequence step.
+// A step reads every weight once however many tokens it carries: here each tile of 4 rows is loaded
+// once from memory and every token passes over it while it is in L1, so T tokens cost little more than one.
+// (One token stays on XLA: its matrix-vector product is as fast, docs/architecture.md.)
+//
+// Parallel split: blocks of kRows rows per piece; a (token, row) value is Tile's fixed-order sum whatever
+// T and the split are, so a token's output does not depend on its batch or the thread count.
+#include "float_rows.h"
+
+namespace jpn {
+namespace {
+
+constexpr int64_t kRows = 64;  // rows per piece: 64 x 2.3 KiB at in = 576, the default model's width
+constexpr int kTileRows = 4;
+// Tokens per tile: R x TT accumulators, R row vectors and one x vector in registers (16 ymm with AVX2,
+// 32 with AVX-512). Per 8 columns a tile loads R + TT vectors for R x TT multiply-adds: Dots' layout
+// (8 rows, every token) loads 9 for 8 and ran the (3072, 576) product at 4x its one-token time for 8
+// tokens (0.45 against 0.11 ms, 2-core EPYC, 2026-12-03).
+#ifdef __AVX512F__
+constexpr int kTileTokens = 4;
+#else
+constexpr int kTileTokens = 2;
+#endif
+
+// out[t * R + r] = sum_j rows[r][j] * x[t * in + j] for R rows and TT tokens: per (token, row) 8 float lanes
+// summed in column order, then HSum, then the in % 8 tail in order: the same arithmetic for any tile,
+// so a token's result does not depend on which tokens share its tile.
+template <int R, int TT>
+inline void Tile(const float* const* rows, const float* x, int64_t in, float* out) {
+  const int64_t in8 = in & ~int64_t(7);
+  __m256 acc[TT][R];
+#pragma GCC unroll 16
+  for (int t = 0; t < TT; ++t)
+    for (int r = 0; r < R; ++r) acc[t][r] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < in8; j += 8) {
+    __m256 w[R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) w[r] = _mm256_loadu_ps(rows[r] + j);
+#pragma GCC unroll 4
+    for (int t = 0; t < TT; ++t) {
+      const __m256 xv = _mm256_loadu_ps(x + t * in + j);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) acc[t][r] = _mm256_fmadd_ps(w[r], xv, acc[t][r]);
+    }
+  }
+  for (int t = 0; t < TT; ++t)
+    for (int r = 0; r < R; ++r) {
+      float v = HSum(acc[t][r]);
+      for (int64_t j = in8; j < in; ++j) v = std::fma(rows[r][j], x[t * in + j], v);
+      out[t * R + r] = v;
+    }
+}
+
+template <int R>
+inline void TileTokens(int tt, const float* const* rows, const float* x, int64_t in, float* out) {
+  WithCount<kTileTokens>(tt, [&](auto n) { Tile<R, decltype(n)::value>(rows, x, in, out); });
+}
+
+ffi::Error FloatMatvecImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::F32> x,
+                           ffi::ResultBuffer<ffi::F32> y) {
+  const auto wd = w.dimensions(), xd = x.dimensions();
+  if (wd.size() != 2 || xd.size() != 2 || xd[1] != wd[1] || xd[0] < 1 || xd[0] > kMaxTokens)
+    return ffi::Error::InvalidArgument("jpinfer float matvec: w (out, in), x (T, in), 1 <= T <= 8");
+  const int64_t out = wd[0], in = wd[1], T = xd[0];
+  const float *W = w.typed_data(), *X = x.typed_data();
+  float* Y = y->typed_data();
+  ParallelFor(pool, CeilDiv(out, kRows), out * in * 4, [&](int64_t piece) {
+    const int64_t r0 = piece * kRows, r1 = std::min(out, r0 + kRows);
+    float block[kTileTokens * kTileRows];
+    for (int64_t r = r0; r < r1; r += kTileRows) {
+      const int p = int(std::min<int64_t>(kTileRows, r1 - r));
+      const float* rows[kTileRows];
+      for (int i = 0; i < kTileRows; ++i) rows[i] = W + std::min(r + i, r1 - 1) * in;  // tail rows: repeats
+      for (int64_t t0 = 0; t0 < T; t0 += kTileTokens) {
+        const int n = int(std::min<int64_t>(kTileTokens, T - t0));
+        TileTokens<kTileRows>(n, rows, X + t0 * in, in, block);
+        for (int t = 0; t < n; ++t)
+          for (int i = 0; i < p; ++i) Y[(t0 + t) * out + r + i] = block[t * kTileRows + i];
+      }
+    }
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jpn
+
+namespace ffi = xla::ffi;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jpinfer_float_matvec, jpn::FloatMatvecImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // w (out, in)
+                                  .Arg<ffi::Buffer<ffi::F32>>()    // x (T, in)
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y (T, out)
