@@ -240,4 +240,5 @@ def test_a_batch_step_runs_the_native_few_token_products_and_keeps_nan_rows():
     h = jnp.asarray(np.random.default_rng(0).normal(size=(3, cfg.d_model)), jnp.float32).at[1, 4].set(jnp.nan)
     logits = np.asarray(transformer.logits(weights, h, cfg))
     assert np.isnan(logits[1]).all() and np.isfinite(logits[[0, 2]]).all()
-    np.testing.assert_allclose(logits[[0, 2]], np.asarray(h)[[0, 2]] @ np.asarray(weights.head), rtol=0, atol=DECODER_ATOL)
+    expected = np.asarray(h)[[0, 2]] @ np.asarray(weights.head)
+    np.testing.assert_allclose(logits[[0, 2]], expected, rtol=0, atol=DECODER_ATOL)

@@ -87,12 +87,13 @@ def norm(p: Norm, x: jax.Array, cfg: ModelConfig) -> jax.Array:
 
 def linear(x: jax.Array, w: jax.Array | quantized.QuantizedMatrix, b: jax.Array | None = None) -> jax.Array:
     """x (..., in) through an (out, in) weight: W @ x per token, plus the bias, in x's dtype.
-    A quantized weight runs through ``quantized.matmul`` (W8A8, W4A8); float32 ones for 2-8 tokens (a batch's
-    decode step) through the native few-token product on the CPU (``native.kernels.float_matvec``: XLA:CPU's
-    products of 2-8 rows ran at a third of its one-row bandwidth, docs/architecture.md)."""
+    A quantized weight runs through ``quantized.matmul`` (W8A8, W4A8); float32 ones for 1-8 tokens (decode
+    steps, one sequence or a batch) through the native product on the CPU (``native.kernels.float_matvec``:
+    XLA:CPU's products of 2-8 rows ran at a third of its one-row bandwidth, and one kernel for both makes a
+    sequence's output in a batch bit for bit its output alone; docs/architecture.md)."""
     if quantized.is_quantized(w):
         y = quantized.matmul(x, w).astype(x.dtype)
-    elif _few_tokens(x, w):
+    elif _decode_sized(x, w):
         xla = lambda x, w: jnp.einsum("...i,oi->...o", x, w)
         native = lambda x, w: native_kernels.float_matvec(w, x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
         y = jax.lax.platform_dependent(x, w, cpu=native, default=xla)
@@ -101,10 +102,10 @@ def linear(x: jax.Array, w: jax.Array | quantized.QuantizedMatrix, b: jax.Array 
     return y if b is None else y + b
 
 
-def _few_tokens(x: jax.Array, w: jax.Array) -> bool:
-    """Whether float32 x holds 2 to MAX_TOKENS tokens for a float32 matrix, with the native kernels loaded."""
+def _decode_sized(x: jax.Array, w: jax.Array) -> bool:
+    """Whether float32 x holds 1 to MAX_TOKENS tokens for a float32 matrix, with the native kernels loaded."""
     tokens = x.size // x.shape[-1] if x.shape[-1] else 0
-    return (x.dtype == w.dtype == jnp.float32 and w.ndim == 2 and 2 <= tokens <= native_kernels.MAX_TOKENS
+    return (x.dtype == w.dtype == jnp.float32 and w.ndim == 2 and 1 <= tokens <= native_kernels.MAX_TOKENS
             and native_available())
 
 
@@ -410,7 +411,7 @@ def logits(weights: Weights, h: jax.Array, cfg: ModelConfig) -> jax.Array:
     if quantized.is_quantized(weights.head):
         return _softcap(quantized.matmul(h, weights.head), cfg.logit_softcap)
     xla = lambda h, head: jnp.dot(h, head, preferred_element_type=jnp.float32)
-    if not _few_tokens(h, weights.head):
+    if not _decode_sized(h, weights.head):
         return _softcap(xla(h, weights.head), cfg.logit_softcap)
 
     def native(h, head):  # the (d, vocab) head is input-major: the rows product over every row, each read once

@@ -7,7 +7,10 @@
 // head 13.8 ms against 4.7 (2-core EPYC, 2026-12-03), so an 8-sequence step cost 3.8x a one-sequence step.
 // A step reads every weight once however many tokens it carries: here each tile of 4 rows is loaded
 // once from memory and every token passes over it while it is in L1, so T tokens cost little more than one.
-// (One token stays on XLA: its matrix-vector product is as fast, docs/architecture.md.)
+// One token runs Dots (blocks of 8 rows, the next block prefetched), whose sums are Tile's bit for bit:
+// the decoder runs every float32 decode product here, one token or eight, so a sequence's output in a
+// batch is exactly its output alone (with XLA's one-row product beside native few-token ones, rounding
+// differences flipped the threshold mode's keep decisions: 10 of 32 greedy answers differed).
 //
 // Parallel split: blocks of kRows rows per piece; a (token, row) value is Tile's fixed-order sum whatever
 // T and the split are, so a token's output does not depend on its batch or the thread count.
@@ -73,6 +76,18 @@ ffi::Error FloatMatvecImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, ffi::B
   ParallelFor(pool, CeilDiv(out, kRows), out * in * 4, [&](int64_t piece) {
     const int64_t r0 = piece * kRows, r1 = std::min(out, r0 + kRows);
     float block[kTileTokens * kTileRows];
+    if (T == 1) {  // one token: Dots' blocks of 8 rows with the next block prefetched (the same sums as Tile's)
+      for (int64_t r = r0; r < r1; r += 8) {
+        const int p = int(std::min<int64_t>(8, r1 - r));
+        const float *rows[8], *next[8];
+        for (int i = 0; i < 8; ++i) {
+          rows[i] = W + std::min(r + i, r1 - 1) * in;
+          next[i] = W + std::min(r + 8 + i, out - 1) * in;
+        }
+        DotsN(p, rows, X, 1, in, Y + r, r + 8 < out ? next : nullptr);
+      }
+      return;
+    }
     for (int64_t r = r0; r < r1; r += kTileRows) {
       const int p = int(std::min<int64_t>(kTileRows, r1 - r));
       const float* rows[kTileRows];
