@@ -161,10 +161,16 @@ def _xla_project(matrix: Matrix, x: jax.Array, input_major: bool, threshold: jax
     scale is that of x with the skipped entries zeroed) and sums the kept rows in int32."""
     is_int8 = isinstance(matrix, Int8Matrix)
     if not input_major:
+        dense = lambda x, m: jnp.einsum("ti,oi->to", x.astype(m.dtype), m, preferred_element_type=jnp.float32)
         if quantized.is_quantized(matrix):
             product = quantized.matmul(x, matrix)
+        elif matrix.dtype == x.dtype == jnp.float32 and x.shape[0] <= native_kernels.MAX_TOKENS and native_available():
+            # the decoder's own decode product (``transformer.linear``): one token or a batch's, the same sums,
+            # so a sequence's keep decisions downstream do not depend on its batch
+            native = lambda x, m: native_kernels.float_matvec(m, x)
+            product = jax.lax.platform_dependent(x, matrix, cpu=native, default=dense)
         else:
-            product = jnp.einsum("ti,oi->to", x.astype(matrix.dtype), matrix, preferred_element_type=jnp.float32)
+            product = dense(x, matrix)
         return product, jnp.full(x.shape[:1], x.shape[1], jnp.int32)
     if x.shape[0] == 1:
         ids, count = kept(x[0], threshold)
