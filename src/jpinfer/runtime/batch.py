@@ -159,10 +159,14 @@ class BatchDecoder:
 
     def check(self, n_prompt: int) -> None:
         """A ValueError when a prompt of n tokens leaves no room for a token in this decoder's slots."""
+        self._prompt_bucket(n_prompt)
+
+    def _prompt_bucket(self, n_prompt: int) -> int:
+        """The padded length a prompt of n tokens prefills at (``check``'s errors first)."""
         if n_prompt >= self.capacity:
             raise ValueError(f"prompt has {n_prompt} tokens but this decoder's context is {self.capacity} tokens: "
                              "shorten the prompt")
-        generation_shapes(n_prompt, 1, self.engine.cfg.max_position)
+        return min(generation_shapes(n_prompt, 1, self.engine.cfg.max_position)[0], self.capacity)
 
     def add(self, prompt_ids: list[int], config: GenerationConfig) -> BatchedRequest:
         """Prefill a prompt into a free slot and sample its first token; it decodes from the next ``step``.
@@ -171,8 +175,7 @@ class BatchDecoder:
         if not self.free_slots:
             raise RuntimeError("no free slot: step until a sequence finishes, or remove one")
         n = len(prompt_ids)
-        self.check(n)
-        bucket = min(generation_shapes(n, 1, self.engine.cfg.max_position)[0], self.capacity)
+        bucket = self._prompt_bucket(n)
         slot = self.running.index(None)
         t0 = time.perf_counter()
         padded = np.zeros((1, bucket), np.int32)
@@ -238,15 +241,15 @@ def generate_together(engine: BatchEngine, prompts: list[list[int]], config: Gen
     decoder = BatchDecoder(engine, min(slots, len(prompts)), max(capacity for _, capacity, _ in shapes))
     pending = collections.deque(range(len(prompts)))
     results: dict[int, GenerationResult] = {}
-    index: dict[int, int] = {}
+    index: dict[BatchedRequest, int] = {}  # requests hash by identity
     while pending or decoder.busy:
         while pending and decoder.free_slots:
             i = pending.popleft()
             request = decoder.add(prompts[i], config)
-            index[id(request)] = i
+            index[request] = i
             if request.result is not None:
                 results[i] = request.result
         for request in decoder.step():
             if request.result is not None:
-                results[index[id(request)]] = request.result
+                results[index[request]] = request.result
     return [results[i] for i in range(len(prompts))]

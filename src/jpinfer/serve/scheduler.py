@@ -49,7 +49,7 @@ class Scheduler:
 
     def __init__(self, engine: Any, slots: int, context: int, max_waiting: int) -> None:
         self.engine = engine
-        self.slots, self.context_arg, self.max_waiting = slots, context, max_waiting
+        self.slots, self.max_waiting = slots, max_waiting
         self.decoder = engine.batch_decoder(slots, context)
         self._waiting: collections.deque[Job] = collections.deque()
         self._running: list[Job] = []
@@ -142,7 +142,7 @@ class Scheduler:
                 for job in self._running:
                     job.emit("error", f"generation failed: {type(error).__name__}: {error}")
                 self._running.clear()
-                self.decoder = self.engine.batch_decoder(self.slots, self.context_arg)
+                self.decoder = self.engine.batch_decoder(self.slots, self.decoder.capacity)
 
     def _admit(self, job: Job) -> None:
         try:
