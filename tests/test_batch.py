@@ -107,8 +107,10 @@ def run_batched(engine, todo, slots: int, join_every: int = 2):
     return [results[i] for i in range(len(todo))], [streamed[i] for i in range(len(todo))], widest
 
 
-ENGINES = ["dense", "int8", "threshold", "sparse", "sparse-clipped", "hybrid", "threshold-hybrid", "gemma2-like",
-           "falcon-like", "learned-positions"]
+# the modes the issue names run by default; the other variants (each ~9 s) with the slow tests, in CI
+ENGINES = ["dense", "int8", "threshold", "sparse", "hybrid"] + [
+    pytest.param(name, marks=pytest.mark.slow)
+    for name in ("sparse-clipped", "threshold-hybrid", "gemma2-like", "falcon-like", "learned-positions")]
 
 
 @pytest.mark.parametrize("name", ENGINES)

