@@ -36,6 +36,8 @@ COMMANDS = {
                     "--out bench/results/long_context.md",
     "first_run": "python bench/first_run.py --out bench/results/first_run.md",
     "accuracy_curves": "python bench/accuracy_curves.py --out bench/results/accuracy_curves.md",
+    "model_wide": "python bench/model_wide.py --out bench/results/model_wide.md",
+    "serve": "python bench/serve.py --clients 16 --out bench/results/serve.md",
     "decode_speed": "python bench/decode_speed.py --out bench/results/decode_speed.md",
     "modelled_speed": "python bench/modelled_speed.py --out bench/results/modelled_speed.md",
     "placement_share": "python bench/placement_share.py --out bench/results/placement_share.md",
@@ -119,6 +121,7 @@ def accuracy() -> list[str]:
                 out.append(f"- Fewest bytes within 1.05x dense perplexity, {label}: {best['method']} ({setting}), "
                            f"{best['bytes']:.3f} of the dense FFN's bytes at {best['ppl_vs_dense']:.3f}x.")
         out += ["", source("accuracy_curves"), ""]
+    out += model_wide()
     bench = load("bench")
     if bench is not None:
         # the bench has always reported the matching prefix (jpinfer.bench.compare, protocol.prefix_agreement)
@@ -295,6 +298,47 @@ def kernels() -> list[str]:
     return out
 
 
+def model_wide() -> list[str]:
+    """The threshold mode's FFN-only against model-wide (attention too) points, at the bytes of all weights."""
+    out = ["### Model-wide threshold sparsity (the attention's products too)", ""]
+    data = load("model_wide")
+    if data is None:
+        return out + missing(COMMANDS["model_wide"])
+    out += [f"{machine_line(data['machine'])} WikiText-2 test perplexity (dense {data['dense_ppl']:.2f}) against the "
+            "bytes of all weights a decode step reads (the tied head included), and decode speed of the points "
+            "timed.", ""]
+    rows = [[r["point"], r["describe"], f"{r['ppl_ratio']:.3f}", f"{r['bytes_ratio']:.3f}",
+             fmt(r.get("speedup"), ".2f")] for r in data["rows"]]
+    out += table(["point", "thresholds", "perplexity x dense", "bytes x dense", "decode x dense"], rows)
+    for label, family in (("the FFN alone", "ffn"), ("model-wide", "all")):
+        within = [r for r in data["rows"] if r["family"].startswith(family) and r["ppl_ratio"] <= 1.05]
+        if within:
+            best = min(within, key=lambda r: r["bytes_ratio"])
+            out.append(f"- Fewest bytes within 1.05x dense perplexity, {label}: {best['describe']}, "
+                       f"{best['bytes_ratio']:.3f} of dense at {best['ppl_ratio']:.3f}x.")
+    return out + ["", source("model_wide"), ""]
+
+
+def serving() -> list[str]:
+    out = ["## Serving", ""]
+    data = load("serve")
+    if data is None:
+        return out + missing(COMMANDS["serve"])
+    out += [f"{machine_line(data['machine'])} `jpinfer serve` under {data['clients']} concurrent streamed greedy "
+            f"chat requests of {data['tokens']} tokens; 'equal': answers equal to the request run alone; step: the "
+            "batched decode step with every slot full against the one-slot step.", ""]
+    rows = []
+    for mode, by_slots in data["modes"].items():
+        one = by_slots["1"]
+        for slots, r in by_slots.items():
+            rows.append([mode, slots, f"{r['complete']}/{r['requests']}", f"{r['equal_to_alone']}/{r['requests']}",
+                         f"{r['tokens_per_s']:.1f}", f"{r['tokens_per_s'] / one['tokens_per_s']:.2f}",
+                         f"{r['step_s'] * 1e3:.1f}", f"{r['step_s'] / one['step_s']:.2f}"])
+    out += table(["mode", "slots", "complete", "equal", "output tok/s", "x 1 slot", "step ms", "x 1-slot step"],
+                 rows)
+    return out + ["", source("serve"), ""]
+
+
 def quantized_weights() -> list[str]:
     out = ["## Quantized weights", ""]
     data = load("quantized")
@@ -339,7 +383,8 @@ def activity() -> list[str]:
     return out
 
 
-SECTIONS: list[Callable[[], list[str]]] = [setup, accuracy, speed, gpu, quantized_weights, placement, kernels, activity]
+SECTIONS: list[Callable[[], list[str]]] = [setup, accuracy, speed, serving, gpu, quantized_weights, placement, kernels,
+                                          activity]
 
 
 def render() -> str:

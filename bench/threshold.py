@@ -29,7 +29,13 @@ import jax
 jax.config.update("jax_num_cpu_devices", 2)
 
 import jpinfer  # noqa: E402
-from jpinfer.bench.accuracy import cached_profile, parse_point, trained  # noqa: E402
+from jpinfer.bench.accuracy import (  # noqa: E402
+    cached_profile,
+    calibration_windows,
+    parse_point,
+    trained,
+    wikitext_windows,
+)
 from jpinfer.bench.engines import JaxEngine, decode_tok_s, speed_rounds, weights_read_per_token  # noqa: E402
 from jpinfer.bench.protocol import (  # noqa: E402
     AGREEMENT_LABELS,
@@ -46,7 +52,7 @@ from jpinfer.ffn import PredictorMaskFFN, ThresholdRowsFFN, evaluate, layer_capa
 from jpinfer.modes import build_engine  # noqa: E402
 from jpinfer.modes.engines import threshold_states  # noqa: E402
 from jpinfer.predictor.fit import retune  # noqa: E402
-from jpinfer.profiler import calibration, sparsity, token_windows  # noqa: E402
+from jpinfer.profiler import calibration, sparsity  # noqa: E402
 
 WINDOW = 512
 
@@ -69,8 +75,8 @@ def main() -> None:
     dense = jpinfer.load()
     cfg = dense.cfg
     n_cal = args.calibration_windows
-    valid = token_windows("wikitext2-valid", dense.tokenizer, window=WINDOW, n_tokens=2 * n_cal * WINDOW).tokens
-    test = token_windows("wikitext2-test", dense.tokenizer, window=WINDOW, n_tokens=args.test_windows * WINDOW).tokens
+    valid = calibration_windows(dense.tokenizer, n_cal)
+    test = wikitext_windows(dense.tokenizer, args.test_windows)
     prompts = [dense.encode_prompt(t, chat=True)[:128] for t in chatgpt_prompts()[: args.prompts]]
     dense_ppl, _ = evaluate(dense, test, progress=True)
 

@@ -107,6 +107,8 @@ def test_prepare_again_reuses_every_stage(made, model, pack_dir):
     ({"objective": "latency"}, ("placement",)),
     ({"threshold_sparsity": 0.3}, ("thresholds",)),
     ({"input_sparsity": 0.2}, ("thresholds",)),
+    ({"attention_sparsity": 0.2}, ("thresholds",)),
+    ({"model_wide_sparsity": 0.3}, ("thresholds",)),
     ({"n_samples": 256}, ("profile", "predictors", "placement")),
     ({"sparsity": 0.6}, ("profile", "thresholds", "predictors", "placement")),  # thresholds follow sparsity
     ({"calibration_tokens": 512}, STAGES),

@@ -256,7 +256,7 @@ def test_greedy_calibration_averages_the_target_per_kind():
         calibrate_sparsity(dense, windows(), input=0.4, method="greedy")
     with pytest.raises(ValueError, match="0 <= s < 1"):
         calibrate_sparsity(dense, windows(), input=1.0)
-    with pytest.raises(ValueError, match="activation= and/or input="):
+    with pytest.raises(ValueError, match="activation=, input= and/or attention="):
         calibrate_sparsity(dense, windows())
     with pytest.raises(ValueError, match="activation=0.0"):
         calibrate_sparsity(tiny_engine("relu"), windows(), activation=0.5)
@@ -354,7 +354,7 @@ def test_bad_threshold_mode_arguments_are_clear_errors():
         build_engine(dense.model, "hybrid", thresholds=given(dense.cfg, 0.1))
     with pytest.raises(JpinferError, match="for 3 layers"):
         build_engine(dense.model, "threshold", thresholds=given(tiny_engine("swiglu", n_layers=3).cfg, 0.1))
-    with pytest.raises(ValueError, match="activation or input"):
+    with pytest.raises(ValueError, match="at least one kind"):
         SparsityThresholds(None, None, {}, {}, "given")
     with pytest.raises(ValueError, match="finite and >= 0"):
         given(dense.cfg, -1.0)

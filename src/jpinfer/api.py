@@ -46,7 +46,8 @@ def load(
     ``ActivationProfile`` or its file) and ``gpu_budget`` ("6GB", "512MiB", bytes, or a
     fraction of the model's weights; the solver places the neurons), or a ``placement`` (a
     ``solver.Placement`` or one boolean mask per layer, True = accelerator). ``"threshold"``
-    (training-free: small activations and FFN inputs skipped) needs ``thresholds`` (a
+    (training-free: small activations and FFN inputs skipped, and the attention products' small inputs
+    where the thresholds have them: model-wide sparsity) needs ``thresholds`` (a
     ``profiler.SparsityThresholds``) or a ``profile`` carrying them; ``"hybrid"`` given
     ``thresholds`` (or ``"profile"``: the profile's) instead of predictors splits that mode over
     the accelerator and the CPU.

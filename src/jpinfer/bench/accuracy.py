@@ -43,6 +43,12 @@ def wikitext_windows(tokenizer: Any, n_windows: int, window: int = WINDOW) -> np
     return token_windows(str(WIKITEXT2_TEST), tokenizer, window=window, n_tokens=n_windows * window).tokens
 
 
+def calibration_windows(tokenizer: Any, n_windows: int, window: int = WINDOW) -> np.ndarray:
+    """2 x ``n_windows`` windows of WikiText-2 *valid*: the first half calibrates thresholds, greedy allocations
+    hold out the second (never test text)."""
+    return token_windows("wikitext2-valid", tokenizer, window=window, n_tokens=2 * n_windows * window).tokens
+
+
 def score(engine: Any, dense: LoadedModel, windows: np.ndarray, activity_thresholds: np.ndarray | None) -> Accuracy:
     """The engine's accuracy on ``windows`` (``dense``: the same model with its dense FFN;
     ``activity_thresholds``: what "active" means for the clipped-active count, None: not counted).

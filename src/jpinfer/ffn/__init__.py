@@ -31,11 +31,12 @@ from jpinfer.ffn.listed import (
 )
 from jpinfer.ffn.masked import MaskState, PredictorMaskFFN, ScoreMaskFFN, mask_states
 from jpinfer.ffn.perplexity import evaluate, perplexity
-from jpinfer.ffn.threshold_rows import ThresholdRowsFFN
+from jpinfer.ffn.threshold_rows import ThresholdLayer, ThresholdRowsFFN
 
 __all__ = [
     "BLOCK", "Capacity", "layer_capacities", "part_capacities", "per_layer", "whole_blocks",
     "OracleAux", "OracleListFFN", "OracleState", "PredictorListFFN", "PredictorListState", "oracle_state",
     "oracle_strategy", "MaskState", "PredictorMaskFFN", "ScoreMaskFFN", "mask_states", "evaluate", "perplexity",
+    "ThresholdLayer",
     "ThresholdRowsFFN",
 ]

@@ -1,9 +1,11 @@
 """The ``threshold`` mode's FFN: training-free activation and input sparsity (no predictor).
 
-Per layer the state is the FFN laid out for threshold sparsity (``sparse.ThresholdLayout``: the
-decoder's FFN matrices are replaced, not copied), with the layer's calibrated thresholds. One
-token reads only the kept rows; several (prefill) run dense products with the same entries
-zeroed (``sparse.threshold_ffn``). Aux, per token: FFN input dimensions and neurons kept.
+Per layer the state (``ThresholdLayer``) is the FFN laid out for threshold sparsity
+(``sparse.ThresholdLayout``: the decoder's FFN matrices are replaced, not copied), with the layer's
+calibrated thresholds, and, where model-wide sparsity is on, the attention's q|k|v and output
+products laid out for input sparsity (``sparse.ThresholdProjection``, through the decoder's
+``project`` seam). One token reads only the kept rows; several (prefill) run dense products with
+the same entries zeroed. Aux, per token: FFN input dimensions and neurons kept.
 """
 
 from __future__ import annotations
@@ -13,13 +15,26 @@ import dataclasses
 import jax
 
 from jpinfer.errors import JpinferError
+from jpinfer.models import transformer
 from jpinfer.models.params import Layer
-from jpinfer.sparse import ROWS_BACKENDS, ThresholdLayout, threshold_ffn
+from jpinfer.sparse import ROWS_BACKENDS, ThresholdLayout, ThresholdProjection, threshold_ffn, threshold_projection
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class ThresholdLayer:
+    """A layer's threshold-mode state: its FFN, and its attention's "qkv" and "o" products read by input
+    rows (None: that product dense, from the decoder's matrix)."""
+
+    ffn: ThresholdLayout
+    qkv: ThresholdProjection | None = None
+    o: ThresholdProjection | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class ThresholdRowsFFN:
-    """Static ``ffn_impl``: the layer's ``ThresholdLayout`` state applied to x."""
+    """Static ``ffn_impl``: the layer's ``ThresholdLayer`` state applied to x (and to the attention's
+    products, ``project``)."""
 
     backend: str = "auto"
 
@@ -27,5 +42,12 @@ class ThresholdRowsFFN:
         if self.backend not in ROWS_BACKENDS:
             raise JpinferError(f"backend must be one of {ROWS_BACKENDS}, got {self.backend!r}")
 
-    def __call__(self, i: int, layer: Layer, x: jax.Array, state: ThresholdLayout) -> tuple[jax.Array, dict]:
-        return threshold_ffn(state, x, backend=self.backend)
+    def __call__(self, i: int, layer: Layer, x: jax.Array, state: ThresholdLayer) -> tuple[jax.Array, dict]:
+        return threshold_ffn(state.ffn, x, backend=self.backend)
+
+    def project(self, i: int, layer: Layer, name: str, x: jax.Array, state: ThresholdLayer) -> jax.Array:
+        """The attention's ``name`` product ("qkv" or "o") of x: its kept input rows, or dense."""
+        proj = getattr(state, name)
+        if proj is None:
+            return transformer.dense_projection(layer, name, x)
+        return threshold_projection(proj, x, backend=self.backend)[0]

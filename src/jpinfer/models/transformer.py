@@ -9,6 +9,12 @@ without touching attention.
 input (..., d_model), ``y`` the FFN output including ``b_down``, ``aux`` any pytree
 (``None`` for nothing) that ``forward`` returns per layer. ``state`` is
 ``ffn_state[layer_index]`` (``None`` when no state is given).
+
+The attention's two products have the same seam: an ``ffn_impl`` that also defines
+``project(layer_index, layer, name, x, state) -> y`` computes the fused q|k|v product (name "qkv",
+x the normalised attention input, y (..., q_dim + 2 kv_dim) with ``b_qkv``) and the output product
+("o", x the attention's output (..., q_dim), y (..., d_model) with ``bo``) with the layer's state;
+without it they are the decoder's ``linear`` (the threshold mode's input sparsity on q|k|v and o).
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ from jpinfer.native import kernels as native_kernels
 from jpinfer.native import native_available
 
 FfnImpl = Callable[[int, Layer, jax.Array, Any], tuple[jax.Array, Any]]
+# (name, x) -> y: a layer's attention product "qkv" or "o" with its bias (``layer_projection``)
+Projection = Callable[[str, jax.Array], jax.Array]
 
 # Steps of more than ONE_SOFTMAX_TOKENS tokens run blocked_attention (QUERY_BLOCK queries, KEY_BLOCK keys a
 # block). Up to 512 (the perplexity, profiling and SmoothQuant calibration windows) the one softmax stays:
@@ -243,6 +251,7 @@ def attention_block(
     attend: int | None = None,
     *,
     window: int | None,
+    project: Projection | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Causal grouped-query attention over the layer's cache plus the T new positions, each query within
     the layer's ``window`` (``ModelConfig.layer_window``; None: every earlier position).
@@ -253,11 +262,13 @@ def attention_block(
     cache in place (the caller donates it), so a step never copies the cache. Attention
     (``cached_attention``) reads at most the first ``attend`` cache slots (static; None = all),
     which must hold every position so far: a decode step at position 40 of a 2048-slot cache
-    reads 128 slots (XLA) or 41 (the native kernel), not 2048.
+    reads 128 slots (XLA) or 41 (the native kernel), not 2048. ``project`` computes the q|k|v and
+    output products (``layer_projection``; None: ``linear`` with the layer's weights).
     Returns the output projection (B, T, d) and the layer's updated keys and values.
     """
     b, t, _ = x.shape
-    qkv = linear(x, layer.w_qkv, layer.b_qkv)
+    project = project or functools.partial(dense_projection, layer)
+    qkv = project("qkv", x)
     q = qkv[..., : cfg.q_dim].reshape(b, t, cfg.n_heads, cfg.head_dim)
     k = qkv[..., cfg.q_dim : cfg.q_dim + cfg.kv_dim].reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
     v = qkv[..., cfg.q_dim + cfg.kv_dim :].reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
@@ -273,7 +284,20 @@ def attention_block(
     cache_v = _write(cache_v, v, positions)
     out = cached_attention(q, cache_k, cache_v, positions, cfg, attend, window=window)
     out = out.reshape(b, t, cfg.q_dim).astype(x.dtype)
-    return linear(out, layer.wo, layer.bo), cache_k, cache_v
+    return project("o", out), cache_k, cache_v
+
+
+def dense_projection(layer: Layer, name: str, x: jax.Array) -> jax.Array:
+    """The layer's q|k|v ("qkv") or output ("o") product of x with its bias, as loaded."""
+    w, b = (layer.w_qkv, layer.b_qkv) if name == "qkv" else (layer.wo, layer.bo)
+    return linear(x, w, b)
+
+
+def layer_projection(ffn_impl: FfnImpl | None, layer_index: int, layer: Layer, state: Any) -> Projection | None:
+    """The attention products of layer ``layer_index`` under ``ffn_impl``: its ``project`` bound to the layer
+    and its state, or None (the dense products) when it has none (module docstring)."""
+    project = getattr(ffn_impl, "project", None)
+    return None if project is None else functools.partial(project, layer_index, layer, state=state)
 
 
 def _write(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
@@ -350,14 +374,16 @@ def attention_residual(
     attend: int | None = None,
     *,
     window: int | None,
+    project: Projection | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """A layer up to its FFN: h + attention(norm(h)) within ``window`` (the layer's
     ``ModelConfig.layer_window``), the attention's output normalised too with ``sandwich_norms``.
     Returns that residual stream, the normalised FFN input x (of the layer's input h itself with
     ``parallel_block``) and the layer's updated keys and values; the layer's output is ``ffn_residual``
-    of the FFN of x (``forward``, or the hybrid engine's two partial FFNs summed)."""
+    of the FFN of x (``forward``, or the hybrid engine's two partial FFNs summed). ``project`` as in
+    ``attention_block``."""
     attn, k, v = attention_block(layer, norm(layer.attn_norm, h, cfg), positions, rope_cs, cache_k, cache_v, cfg,
-                                 attend, window=window)
+                                 attend, window=window, project=project)
     if cfg.sandwich_norms:
         attn = norm(layer.attn_out_norm, attn, cfg)
     x = norm(layer.ffn_norm, h, cfg) if cfg.parallel_block else None
@@ -394,11 +420,12 @@ def forward(
     h, positions, rope_cs = step_inputs(weights, tokens, start, cfg)
     aux, keys, values = [], [], []
     for i, layer in enumerate(weights.layers):
+        state = None if ffn_state is None else ffn_state[i]
         h, x, k, v = attention_residual(layer, h, positions, rope_cs, cache.k[i], cache.v[i], cfg, attend,
-                                        window=cfg.layer_window(i))
+                                        window=cfg.layer_window(i), project=layer_projection(ffn_impl, i, layer, state))
         keys.append(k)
         values.append(v)
-        y, aux_i = impl(i, layer, x, None if ffn_state is None else ffn_state[i])
+        y, aux_i = impl(i, layer, x, state)
         h = ffn_residual(layer, h, y, cfg)
         aux.append(aux_i)
     cache = KVCache(keys, values, start + tokens.shape[1])

@@ -13,6 +13,7 @@ In each the decoder's FFN matrices are replaced by the mode's layout, not copied
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, Sequence
 
 import jax
@@ -20,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jpinfer.errors import JpinferError
-from jpinfer.ffn import PredictorListFFN, PredictorListState, ThresholdRowsFFN
+from jpinfer.ffn import PredictorListFFN, PredictorListState, ThresholdLayer, ThresholdRowsFFN
 from jpinfer.models.loading import LoadedModel
 from jpinfer.models.params import Layer
 from jpinfer.modes.devices import default_devices, host_dtype_for
@@ -58,16 +59,30 @@ def _layer_thresholds(thresholds: SparsityThresholds, layer: int) -> dict[str, f
     return dict(input_threshold=pick(thresholds.input), activation_threshold=pick(thresholds.activation))
 
 
-def threshold_states(model: LoadedModel, thresholds: SparsityThresholds) -> list[ThresholdLayout]:
-    """Per layer the FFN laid out for ``thresholds`` (None for a kind: that kind off)."""
+def threshold_states(model: LoadedModel, thresholds: SparsityThresholds) -> list[ThresholdLayer]:
+    """Per layer the FFN laid out for ``thresholds`` (None for a kind: that kind off), and the attention's
+    q|k|v and output products where their kinds are on."""
     _check_layers(model, thresholds)
-    return [threshold_layout.from_layer(layer, model.cfg.ffn_kind, **_layer_thresholds(thresholds, i))
-            for i, layer in enumerate(model.weights.layers)]
+    states = []
+    for i, layer in enumerate(model.weights.layers):
+        ffn = threshold_layout.from_layer(layer, model.cfg.ffn_kind, **_layer_thresholds(thresholds, i))
+        qkv, o = (None if getattr(thresholds, kind) is None else
+                  threshold_layout.projection_from(*matrix, float(getattr(thresholds, kind)[i]))
+                  for kind, matrix in (("qkv", (layer.w_qkv, layer.b_qkv)), ("o", (layer.wo, layer.bo))))
+        states.append(ThresholdLayer(ffn, qkv, o))
+    return states
 
 
 def threshold_engine(model: LoadedModel, thresholds: SparsityThresholds, backend: str = "auto") -> Engine:
-    """One device; each layer's FFN matrices replaced by their threshold-sparsity layout."""
-    weights = dataclasses.replace(model.weights, layers=[without_ffn(layer) for layer in model.weights.layers])
+    """One device; each layer's FFN matrices, and the attention's where they are read sparsely, replaced by
+    their threshold-sparsity layout."""
+    drop = {}
+    if thresholds.qkv is not None:
+        drop |= {"w_qkv": None, "b_qkv": None}
+    if thresholds.o is not None:
+        drop |= {"wo": None, "bo": None}
+    weights = dataclasses.replace(model.weights, layers=[dataclasses.replace(without_ffn(layer), **drop)
+                                                         for layer in model.weights.layers])
     strategy = FfnStrategy(ThresholdRowsFFN(backend), threshold_states(model, thresholds), "threshold")
     return Engine(LoadedModel(model.cfg, weights, model.tokenizer, model.source), strategy)
 
@@ -85,7 +100,12 @@ def hybrid_engine(model: LoadedModel, predictors: Predictors | None, hot_masks: 
                   host_dtype: Any = None, thresholds: SparsityThresholds | None = None) -> Engine:
     """Hot neurons (``hot_masks[layer]``, boolean (d_ff,)) on the accelerator, the rest on the host
     in ``host_dtype`` (default ``host_dtype_for``). The predictor picks each part's neurons, or, with
-    ``thresholds`` instead (and no predictors or capacity), each part applies the threshold mode."""
+    ``thresholds`` instead (and no predictors or capacity), each part applies the threshold mode's FFN
+    thresholds (the attention runs whole on the accelerator: its "qkv" and "o" thresholds are not applied,
+    with a warning)."""
+    if thresholds is not None and (thresholds.qkv is not None or thresholds.o is not None):
+        warnings.warn("the hybrid mode applies the FFN's thresholds only: the attention's q|k|v and output "
+                      "products run dense on the accelerator", stacklevel=2)
     accelerator, host = devices or default_devices()
     host_dtype = host_dtype_for(model.weights.dtype, host) if host_dtype is None else host_dtype
     cfg = model.cfg

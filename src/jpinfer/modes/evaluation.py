@@ -19,7 +19,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from jpinfer.ffn import PredictorListFFN, PredictorMaskFFN, ThresholdRowsFFN, mask_states
+from jpinfer.ffn import PredictorListFFN, PredictorMaskFFN, ThresholdLayer, ThresholdRowsFFN, mask_states
 from jpinfer.models.loading import LoadedModel
 from jpinfer.modes.hybrid import HybridStepper
 from jpinfer.runtime.engine import Engine, FfnStrategy
@@ -54,8 +54,9 @@ def decode_equivalent(engine: Engine, dense: LoadedModel, activity_thresholds: n
     return engine.model, engine.ffn
 
 
-def _threshold_state(layer, part: threshold_layout.ThresholdLayout, kind: str) -> threshold_layout.ThresholdLayout:
-    """The whole layer's threshold FFN with the thresholds a hybrid part applies."""
+def _threshold_state(layer, part: threshold_layout.ThresholdLayout, kind: str) -> ThresholdLayer:
+    """The whole layer's threshold FFN with the thresholds a hybrid part applies (its attention dense)."""
     pick = lambda on, value: float(jnp.asarray(value)) if on else None
-    return threshold_layout.from_layer(layer, kind, input_threshold=pick(part.input_sparse, part.input_threshold),
-                                activation_threshold=pick(part.activation_sparse, part.activation_threshold))
+    return ThresholdLayer(threshold_layout.from_layer(
+        layer, kind, input_threshold=pick(part.input_sparse, part.input_threshold),
+        activation_threshold=pick(part.activation_sparse, part.activation_threshold)))

@@ -38,6 +38,13 @@ def add_arguments(p: argparse.ArgumentParser, command: str = "prepare") -> None:
                           help="threshold mode: fraction of neurons skipped (default: --sparsity)")
     sparsity.add_argument("--input-sparsity", type=float, default=None,
                           help="threshold mode: fraction of FFN input dimensions skipped (default: off)")
+    sparsity.add_argument("--attention-sparsity", type=float, default=None,
+                          help="threshold mode: fraction of the inputs of the attention's q|k|v and output products "
+                               "skipped (model-wide sparsity; default: off)")
+    sparsity.add_argument("--model-wide-sparsity", type=float, default=None,
+                          help="threshold mode: fraction of the bytes of every matrix read by rows skipped (FFN and "
+                               "attention), spread over layers and matrices by a held-out loss estimate; instead of "
+                               "the per-kind fractions")
     sparsity.add_argument("--allocation", choices=("uniform", "greedy"), default=DEFAULTS.allocation,
                           help="threshold mode: the same fraction in every layer, or greedy (held-out loss estimate)")
     predictors = p.add_argument_group("predictors")
@@ -75,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
         corpus=args.corpus, fields=tuple(args.fields), window=args.window, seed=args.seed,
         calibration_tokens=args.calibration_tokens, n_tokens=args.n_tokens, n_samples=args.samples,
         sparsity=args.sparsity, threshold_sparsity=args.threshold_sparsity, input_sparsity=args.input_sparsity,
+        attention_sparsity=args.attention_sparsity, model_wide_sparsity=args.model_wide_sparsity,
         allocation=args.allocation, ranks=args.rank, search_samples=args.search_samples,
         search_epochs=args.search_epochs, predictor_budget=args.predictor_budget, recall=args.recall,
         strong_recall=args.strong_recall, max_epochs=args.epochs, gpu_budget=args.gpu_budget,

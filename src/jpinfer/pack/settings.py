@@ -23,7 +23,7 @@ from jpinfer import artifacts
 from jpinfer.activations import SMOOTH_KINDS
 from jpinfer.errors import JpinferError
 from jpinfer.modes.placement import parse_budget
-from jpinfer.profiler.sparsity import check_targets
+from jpinfer.profiler.sparsity import check_model_wide, check_targets
 
 # Bump a stage's version when what it computes changes; its key (and those after it) change with it.
 STAGE_VERSIONS = {"calibration": 1, "profile": 1, "thresholds": 1, "predictors": 1, "placement": 1}
@@ -43,8 +43,11 @@ class PackSettings:
     ``n_tokens`` are profiled, keeping ``n_samples`` predictor samples per layer.
     sparsity: SwiGLU-like models' (no exact zeros) activity thresholds (what "active" means for the profile and the
     predictors), calibrated for this fraction of inactive neurons per layer.
-    threshold_sparsity / input_sparsity / allocation: the threshold mode's targets (None:
-    ``threshold_sparsity`` = ``sparsity`` on SwiGLU-like models, exact zeros on ReLU kinds; input off).
+    threshold_sparsity / input_sparsity / attention_sparsity / allocation: the threshold mode's targets (None:
+    ``threshold_sparsity`` = ``sparsity`` on SwiGLU-like models, exact zeros on ReLU kinds; input and attention
+    off; attention: the inputs of the q|k|v and output products). model_wide_sparsity instead: the fraction of the
+    bytes of every matrix read by rows skipped, spread over layers and kinds (``profiler.sparsity.
+    model_wide_thresholds``; greedy, held out like greedy allocation).
     ranks / predictor_budget / recall / strong_recall / max_epochs: predictor training
     (``jpinfer.train_predictors``; ranks None = adaptive widths under the budget, compared by proxy
     trainings on ``search_samples`` samples for ``search_epochs`` epochs).
@@ -64,6 +67,8 @@ class PackSettings:
     sparsity: float = 0.5
     threshold_sparsity: float | None = None
     input_sparsity: float | None = None
+    attention_sparsity: float | None = None
+    model_wide_sparsity: float | None = None
     allocation: str = "uniform"
     ranks: int | None = None
     search_samples: int = 8192
@@ -92,7 +97,10 @@ class PackSettings:
             raise JpinferError(f"sparsity is the fraction of inactive neurons: give 0 <= s < 1, got {self.sparsity!r}")
         try:
             check_targets(self.threshold_sparsity if self.threshold_sparsity is not None else self.sparsity,
-                          self.input_sparsity, self.allocation)
+                          self.input_sparsity, self.allocation, attention=self.attention_sparsity)
+            if self.model_wide_sparsity is not None:
+                check_model_wide(self.model_wide_sparsity,
+                                 (self.threshold_sparsity, self.input_sparsity, self.attention_sparsity))
         except ValueError as e:
             raise JpinferError(f"threshold mode settings: {e}") from None
         if self.ranks is not None and (not isinstance(self.ranks, int) or self.ranks < 1):
@@ -120,10 +128,14 @@ class PackSettings:
         return cls(**data)
 
     def threshold_targets(self, ffn_kind: str) -> dict[str, Any]:
-        """The threshold mode's targets for a model of ``ffn_kind`` (ReLU kinds skip exact zeros)."""
+        """The threshold mode's targets for a model of ``ffn_kind`` (ReLU kinds skip exact zeros). "attention"
+        only when set: the record (and the thresholds stage's key) of a pack without it stays what it was."""
         activation = 0.0 if ffn_kind not in SMOOTH_KINDS else (
             self.sparsity if self.threshold_sparsity is None else self.threshold_sparsity)
-        return {"activation": activation, "input": self.input_sparsity, "allocation": self.allocation}
+        if self.model_wide_sparsity is not None:
+            return {"model_wide": self.model_wide_sparsity}
+        attention = {} if self.attention_sparsity is None else {"attention": self.attention_sparsity}
+        return {"activation": activation, "input": self.input_sparsity, "allocation": self.allocation} | attention
 
 
 def stage_inputs(settings: PackSettings, ffn_kind: str, dtype: str) -> dict[str, dict[str, Any]]:

@@ -33,7 +33,8 @@ from jpinfer.pack.store import FILES, Pack, PackError, PackMismatchError
 from jpinfer.predictor import SearchConfig, TrainConfig, train_predictors
 from jpinfer.predictor.store import Predictors
 from jpinfer.profiler import ActivationProfile, Corpus, SamplesError, profile, sensitivity, token_windows, uniform
-from jpinfer.profiler.sparsity import from_histograms, histograms
+from jpinfer.profiler.calibration import ATTENTION
+from jpinfer.profiler.sparsity import from_histograms, histograms, model_wide_kinds, model_wide_thresholds
 from jpinfer.solver import Placement, measure_hardware, preset
 
 LOADERS: dict[str, Callable[[pathlib.Path], Any]] = {
@@ -88,16 +89,29 @@ def _profile(run: _Run) -> ActivationProfile:
 
 def _thresholds(run: _Run) -> Any:
     targets = run.settings.threshold_targets(run.model.cfg.ffn_kind)
-    kinds = {"activation": targets["activation"], "input": targets["input"]}
+    wide = targets.get("model_wide")
+    attention = targets.get("attention")
+    kinds = {"activation": targets.get("activation"), "input": targets.get("input"), "qkv": attention, "o": attention}
+    greedy = wide is not None or targets["allocation"] == "greedy"
     hists, sensitivities = run.result("calibration"), None
-    if targets["allocation"] == "greedy":
+    if (attention is not None or wide is not None) and not set(ATTENTION) <= set(hists):
+        # a calibration written before the attention's histograms existed: take them again (not stored: the
+        # stage's key, and so the profile and predictors made after it, stay valid)
+        tokens, n = run.calibration_windows()
+        hists = histograms(run.model, tokens[:n], progress=run.progress)
+    if greedy:
         tokens, n = run.calibration_windows()
         if len(tokens) < 2 * n:
             raise JpinferError(f"greedy allocation holds out {n} windows after the {n} it calibrates on; the corpus "
                                f"gave {len(tokens)}: use a longer corpus or fewer calibration_tokens")
+        measured = model_wide_kinds(run.model.cfg.ffn_kind) if wide is not None else [
+            kind for kind, target in kinds.items() if target is not None]
         sensitivities = {kind: sensitivity(run.model, tokens[n:2 * n], hists[kind], progress=run.progress)
-                         for kind, target in kinds.items() if target is not None}
-    thresholds = from_histograms(hists, kinds, targets["allocation"], sensitivities)
+                         for kind in measured}
+    if wide is not None:
+        thresholds = model_wide_thresholds(hists, sensitivities, run.model.cfg, wide)
+    else:
+        thresholds = from_histograms(hists, kinds, targets["allocation"], sensitivities)
     with artifacts.atomic_write(run.path / FILES["thresholds"]) as tmp:
         tmp.write_text(artifacts.json_with_checksum(thresholds.to_dict()))
     return thresholds
@@ -126,7 +140,8 @@ RUNNERS: dict[str, Callable[[_Run], Any]] = {
     "calibration": _calibration, "profile": _profile, "thresholds": _thresholds, "predictors": _predictors,
     "placement": _placement,
 }
-DOES = {"calibration": "histograms of activations and FFN inputs", "profile": "activity counts, predictor samples",
+DOES = {"calibration": "histograms of activations, FFN and attention inputs",
+        "profile": "activity counts, predictor samples",
         "thresholds": "the threshold mode's thresholds", "predictors": "training a predictor per layer",
         "placement": "hot neurons under the GPU budget"}
 

@@ -4,7 +4,7 @@
                           kind, dtype, source: ``models.identity.model_record``),
                           the settings, and per finished stage its key, inputs, files (size and digest),
                           seconds; ``complete`` once every stage is in; a checksum of itself
-    DIR/calibration.npz   calibration histograms (|a| by neuron, |x| by FFN input dimension)
+    DIR/calibration.npz   calibration histograms (|a| by neuron, |x| by FFN and attention-product input dimension)
     DIR/profile.npz       the ActivationProfile (its own whole-file digest)
     DIR/thresholds.json   the threshold mode's SparsityThresholds
     DIR/predictors/       the Predictors (orbax checkpoint + verified metadata)
@@ -33,7 +33,7 @@ from jpinfer.models.loading import ModelArg, resolve_model
 from jpinfer.pack.settings import STAGES, PackSettings, stage_keys
 from jpinfer.predictor.store import Predictors
 from jpinfer.profiler import ActivationProfile, SparsityThresholds
-from jpinfer.profiler.calibration import INPUT, ScoreHistogram
+from jpinfer.profiler.calibration import ATTENTION, INPUT, ScoreHistogram
 from jpinfer.solver import Placement
 
 FORMAT = "jpinfer-pack"
@@ -109,16 +109,17 @@ def check_stage(path: pathlib.Path, entry: dict[str, Any]) -> None:
 
 def save_histograms(path: pathlib.Path, hists: dict[str, ScoreHistogram]) -> None:
     with artifacts.atomic_write(path) as tmp, open(tmp, "wb") as f:
-        np.savez_compressed(f, activation=hists["activation"].counts, input=hists["input"].counts,
+        np.savez_compressed(f, **{kind: hist.counts for kind, hist in hists.items()},
                             score=np.array(hists["activation"].score), n_tokens=np.int64(hists["input"].n_tokens))
 
 
 def load_histograms(path: pathlib.Path) -> dict[str, ScoreHistogram]:
-    """The calibration stage's histograms (the file was verified against the manifest first)."""
+    """The calibration stage's histograms (the file was verified against the manifest first; one written before
+    the attention's histograms existed has "activation" and "input" only)."""
     with np.load(path, allow_pickle=False) as f:
         n = int(f["n_tokens"])
-        return {"activation": ScoreHistogram(f["activation"], str(f["score"]), n),
-                "input": ScoreHistogram(f["input"], INPUT, n)}
+        hists = {"activation": ScoreHistogram(f["activation"], str(f["score"]), n)}
+        return hists | {kind: ScoreHistogram(f[kind], kind, n) for kind in (INPUT, *ATTENTION) if kind in f.files}
 
 
 def read_thresholds(path: pathlib.Path) -> SparsityThresholds:
@@ -162,7 +163,8 @@ class Pack:
         return self.manifest["model"]["weights"]
 
     def calibration_histograms(self) -> dict[str, ScoreHistogram]:
-        """The calibration stage's histograms ("activation": |a|, "input": |x|), from which
+        """The calibration stage's histograms ("activation": |a|, "input": |x|, and with ``attention_sparsity``
+        "qkv" and "o": the attention products' |x|), from which
         ``profiler.sparsity.from_histograms`` gives the threshold mode's thresholds for any target
         without another pass over the text (the file verified again: it is read after ``load``)."""
         try:

@@ -15,7 +15,12 @@
    level costs least, until the mean sparsity reaches s.
 
 The same histograms and estimates serve input sparsity (``INPUT``: the magnitudes |x_j| of the
-FFN input, the derivative taken with respect to x): ``jpinfer.profiler.sparsity``.
+FFN input, the derivative taken with respect to x; ``QKV`` and ``O``: of the inputs of the attention's
+q|k|v and output products, through the decoder's ``project`` seam): ``jpinfer.profiler.sparsity``.
+
+The attention's inputs reach the collectors through ``project``, whose values no aux returns: the decoder
+calls a layer's ``project`` before its FFN, in one trace, so ``project`` leaves its statistics in a
+per-trace dict (``_Pending``) and the layer's FFN call returns them with its own.
 """
 
 from __future__ import annotations
@@ -78,6 +83,18 @@ class ScoreHistogram:
         edges = bin_edges()
         return float(edges[b] + (edges[b + 1] - edges[b]) * (target - before) / row[b])
 
+    def fraction_at_most(self, layer: int, value: float) -> float:
+        """The fraction of the layer's values at most ``value`` (``threshold``'s inverse, interpolated in the bin)."""
+        row = self.counts[layer]
+        total = row.sum()
+        if total == 0 or value <= 0:
+            return 0.0
+        edges = bin_edges()
+        b = min(int(np.searchsorted(edges, value, side="right")) - 1, N_BINS - 1)
+        before = row[:b].sum()
+        within = min((value - edges[b]) / (edges[b + 1] - edges[b]), 1.0) * row[b]
+        return float((before + within) / total)
+
     def thresholds(self, sparsity: np.ndarray) -> np.ndarray:
         return np.array([self.threshold(l, float(s)) for l, s in enumerate(sparsity)], np.float32)
 
@@ -110,22 +127,44 @@ class Sensitivity:
 
 
 INPUT = "input"  # the histogram of the FFN input magnitudes |x_j| (input sparsity), beside a neuron score's
+QKV, O = "qkv", "o"  # of the inputs of the attention's q|k|v and output products
+ATTENTION = (QKV, O)
+
+
+class _Pending(dict):
+    """What a layer's ``project`` calls leave for its FFN call in the same trace (module docstring); never part
+    of a collector's identity (every instance compares equal and hashes alike)."""
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Pending)
+
+    def __hash__(self) -> int:
+        return 0
+
+
+def _count(v: jax.Array, valid: jax.Array) -> jax.Array:
+    """Histogram (N_BINS,) of v (B, T, n) over the valid tokens (B, T) (the others go to a dropped bin)."""
+    return jnp.bincount(jnp.where(valid[..., None], bin_index(v), N_BINS).ravel(), length=N_BINS + 1)[:N_BINS]
 
 
 @dataclasses.dataclass(frozen=True)
 class _HistogramFFN:
-    """Dense FFN that also histograms its neuron scores and its input magnitudes |x_j| (invalid
-    tokens go to a dropped bin)."""
+    """Dense model that also histograms each layer's neuron scores, its FFN input magnitudes |x_j| and
+    the input magnitudes of its attention's two products."""
 
     cfg: ModelConfig
     score: str
+    pending: _Pending = dataclasses.field(default_factory=_Pending)
+
+    def project(self, i: int, layer: Layer, name: str, x: jax.Array, state) -> jax.Array:
+        self.pending[i, name] = _count(jnp.abs(x), state[1])
+        return transformer.dense_projection(layer, name, x)
 
     def __call__(self, i: int, layer: Layer, x: jax.Array, state) -> tuple[jax.Array, jax.Array]:
         _, valid, _ = state
         a, s = activation_and_score(layer, x, self.cfg, self.score)
-        count = lambda v: jnp.bincount(jnp.where(valid[..., None], bin_index(v), N_BINS).ravel(),
-                                       length=N_BINS + 1)[:N_BINS]
-        return transformer.ffn_down(layer, a), jnp.stack([count(s), count(jnp.abs(x))])
+        attention = [self.pending.pop((i, name)) for name in ATTENTION]
+        return transformer.ffn_down(layer, a), jnp.stack([_count(s, valid), _count(jnp.abs(x), valid), *attention])
 
 
 def _check_sparsity(sparsity: float) -> float:
@@ -136,18 +175,19 @@ def _check_sparsity(sparsity: float) -> float:
 
 def histograms(
     model: ModelArg, windows: Any, *, score: Score = "product", batch_size: int = 4, progress: bool = False
-) -> tuple[ScoreHistogram, ScoreHistogram]:
-    """Histograms of every layer's neuron scores and of its FFN input magnitudes (score
-    ``INPUT``) over token windows, from one dense pass."""
+) -> tuple[ScoreHistogram, ...]:
+    """Histograms of every layer's neuron scores, of its FFN input magnitudes (score ``INPUT``) and of the
+    input magnitudes of its attention's q|k|v and output products (``QKV``, ``O``) over token windows, from
+    one dense pass."""
     loaded = resolve_model(model)
     check_score(score, loaded.cfg)
     tokens = passes.as_tokens(windows, loaded.cfg.vocab_size)
-    counts = np.zeros((2, loaded.cfg.n_layers, N_BINS), np.int64)
+    counts = np.zeros((4, loaded.cfg.n_layers, N_BINS), np.int64)
     thresholds = np.zeros(loaded.cfg.n_layers, np.float32)
     collector = _HistogramFFN(loaded.cfg, score)
     for _, _, aux in passes.run(loaded, tokens, collector, thresholds, batch_size, progress, "calibrating"):
         counts += np.stack(aux, axis=1)
-    return ScoreHistogram(counts[0], score, int(tokens.size)), ScoreHistogram(counts[1], INPUT, int(tokens.size))
+    return tuple(ScoreHistogram(c, name, int(tokens.size)) for c, name in zip(counts, (score, INPUT, QKV, O)))
 
 
 def score_histogram(
@@ -165,13 +205,23 @@ def uniform(hist: ScoreHistogram, sparsity: float) -> Calibration:
 
 @dataclasses.dataclass(frozen=True)
 class _PerturbableFFN:
-    """Dense FFN plus an additive zero probe: on the output (its gradient is dL/dy; aux = (a,
-    score)) or, for score ``INPUT``, on the input (its gradient is dL/dx; aux = (x, |x|))."""
+    """Dense model plus an additive zero probe: on the FFN's output (its gradient is dL/dy; aux = (a,
+    score)) or, for score ``INPUT``, on its input (its gradient is dL/dx; aux = (x, |x|)); for ``QKV`` and
+    ``O`` on the input of that attention product (aux the same)."""
 
     cfg: ModelConfig
     score: str
+    pending: _Pending = dataclasses.field(default_factory=_Pending)
+
+    def project(self, i: int, layer: Layer, name: str, x: jax.Array, state: jax.Array) -> jax.Array:
+        if name == self.score:  # the state is the probe
+            x = x + state
+            self.pending[i] = (x, jnp.abs(x))
+        return transformer.dense_projection(layer, name, x)
 
     def __call__(self, i: int, layer: Layer, x: jax.Array, probe: jax.Array):
+        if self.score in ATTENTION:
+            return transformer.ffn_dense(layer, x, self.cfg), self.pending.pop(i)
         if self.score == INPUT:
             x = x + probe
             return transformer.ffn_dense(layer, x, self.cfg), (x, jnp.abs(x))
@@ -183,7 +233,8 @@ class _PerturbableFFN:
 def _window_derivatives(weights, tokens, valid, level_thresholds, cfg, score):
     """(B, n_layers, n_levels): dL_w/dlambda for removing each layer's sub-threshold part."""
     b, t = tokens.shape
-    probes = [jnp.zeros((b, t, cfg.d_model), weights.dtype) for _ in range(cfg.n_layers)]
+    width = cfg.q_dim if score == O else cfg.d_model  # the probed input's
+    probes = [jnp.zeros((b, t, width), weights.dtype) for _ in range(cfg.n_layers)]
     impl = _PerturbableFFN(cfg, score)
 
     def loss(probes):
@@ -196,7 +247,8 @@ def _window_derivatives(weights, tokens, valid, level_thresholds, cfg, score):
     grads, aux = jax.grad(loss, has_aux=True)(probes)
     out = []
     for l, (a, s) in enumerate(aux):  # contrib: each entry times dL/d(entry); removing it costs -contrib
-        dl_da = grads[l] if score == INPUT else grads[l] @ quantized.as_float(weights.layers[l].w_down, grads[l].dtype)
+        on_input = score in (INPUT, *ATTENTION)
+        dl_da = grads[l] if on_input else grads[l] @ quantized.as_float(weights.layers[l].w_down, grads[l].dtype)
         contrib = (a * dl_da).astype(jnp.float32)
         thr = level_thresholds[l]
         out.append(jnp.stack([-jnp.where(s <= thr[k], contrib, 0).sum((1, 2)) for k in range(thr.shape[0])], -1))
@@ -213,7 +265,8 @@ def sensitivity(
     progress: bool = False,
 ) -> Sensitivity:
     """Fisher estimate, on held-out windows, of each layer's loss increase at each sparsity level
-    of ``hist``'s score: skipping neurons, or FFN input dimensions for score ``INPUT``."""
+    of ``hist``'s score: skipping neurons, FFN input dimensions for score ``INPUT``, or the inputs of an
+    attention product for ``QKV`` and ``O``."""
     loaded = resolve_model(model)
     tokens = passes.as_tokens(windows, loaded.cfg.vocab_size)
     levels_arr = np.asarray(levels, np.float64)
@@ -237,22 +290,32 @@ def sensitivity(
 def greedy(hist: ScoreHistogram, sens: Sensitivity, sparsity: float) -> Calibration:
     """Layer sparsities averaging ``sparsity``, raised one level at a time where the estimated cost is least."""
     target = _check_sparsity(sparsity)
-    levels = sens.levels
+    s = greedy_levels(sens.cost, sens.levels, np.ones(len(sens.cost)), target)
+    return Calibration(hist.thresholds(s), s, target, "greedy", hist.score)
+
+
+def greedy_levels(cost: np.ndarray, levels: np.ndarray, weight: np.ndarray, target: float) -> np.ndarray:
+    """A sparsity per unit (a row of ``cost``, (units, n_levels): the estimated loss increase at each of
+    ``levels``) whose ``weight``-weighted mean is ``target``: units are raised one level at a time where the
+    cost per weight skipped is least, and the last step's excess is given back in its unit. Weights are the
+    units' sizes (bytes of a matrix read by rows: ``sparsity.model_wide``), or equal (``greedy``)."""
     if target > levels[-1]:
         raise ValueError(f"greedy allocation reaches at most sparsity {levels[-1]}; lower the target or add levels")
-    cost = np.maximum.accumulate(sens.cost, axis=1)  # skipping more never helps; removes noise dips
-    n_layers, rows = len(cost), np.arange(len(cost))
-    level = np.zeros(n_layers, int)
+    cost = np.maximum.accumulate(cost, axis=1)  # skipping more never helps; removes noise dips
+    weight = np.asarray(weight, np.float64)
+    share = weight / weight.sum()
+    rows = np.arange(len(cost))
+    level = np.zeros(len(cost), int)
     last = None
-    while levels[level].mean() < target - 1e-12:
+    while levels[level] @ share < target - 1e-12:
         nxt = np.minimum(level + 1, len(levels) - 1)
-        rate = (cost[rows, nxt] - cost[rows, level]) / np.maximum(levels[nxt] - levels[level], 1e-12)
+        rate = (cost[rows, nxt] - cost[rows, level]) / np.maximum((levels[nxt] - levels[level]) * weight, 1e-12)
         last = int(np.argmin(np.where(nxt > level, rate, np.inf)))
         level[last] += 1
     s = levels[level].astype(np.float64)
-    if last is not None:  # the last step overshot: give the excess back in that layer
-        s[last] -= (s.mean() - target) * n_layers
-    return Calibration(hist.thresholds(s), s, target, "greedy", hist.score)
+    if last is not None:
+        s[last] -= (s @ share - target) / share[last]
+    return s
 
 
 def calibrate(

@@ -27,6 +27,13 @@ def add_arguments(p: argparse.ArgumentParser, command: str = "profile") -> None:
                    help="threshold mode: also calibrate thresholds skipping this fraction of each layer's neurons")
     p.add_argument("--input-sparsity", type=float, default=None,
                    help="threshold mode: also calibrate thresholds skipping this fraction of each FFN input")
+    p.add_argument("--attention-sparsity", type=float, default=None,
+                   help="threshold mode: also calibrate thresholds skipping this fraction of the inputs of each "
+                        "attention's q|k|v and output products (model-wide sparsity)")
+    p.add_argument("--model-wide-sparsity", type=float, default=None,
+                   help="threshold mode: instead of the per-kind fractions, calibrate thresholds skipping this "
+                        "fraction of the bytes of every matrix read by rows (FFN and attention), spread over layers "
+                        "and matrices where a held-out loss estimate says it hurts least")
     p.add_argument("--allocation", choices=("uniform", "greedy"), default="uniform",
                    help="threshold mode: the same fraction in every layer (default), or greedy: spent where a "
                         "held-out loss estimate says it hurts least")
@@ -43,13 +50,16 @@ def run(args: argparse.Namespace) -> int:
     from jpinfer.profiler import profile
     from jpinfer.profiler.sparsity import check_targets
 
-    if args.activation_sparsity is not None or args.input_sparsity is not None:  # fail before the model loads
-        check_targets(args.activation_sparsity, args.input_sparsity, args.allocation)
+    targets = (args.activation_sparsity, args.input_sparsity, args.attention_sparsity)
+    if any(t is not None for t in targets) and args.model_wide_sparsity is None:  # fail before the model loads
+        check_targets(args.activation_sparsity, args.input_sparsity, args.allocation,
+                      attention=args.attention_sparsity)
     engine = load(args.model, dtype=args.dtype, weights=args.weights)
     prof = profile(
         engine, args.corpus, fields=args.fields, n_tokens=args.n_tokens, window=args.window, seed=args.seed,
         sparsity=args.sparsity, n_samples=args.samples, activation_sparsity=args.activation_sparsity,
-        input_sparsity=args.input_sparsity, allocation=args.allocation, batch_size=args.batch_size,
+        input_sparsity=args.input_sparsity, attention_sparsity=args.attention_sparsity,
+        model_wide_sparsity=args.model_wide_sparsity, allocation=args.allocation, batch_size=args.batch_size,
         progress=args.progress,
     )
     path = prof.save(args.out)

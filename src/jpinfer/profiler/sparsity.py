@@ -1,14 +1,19 @@
 """Thresholds of the training-free threshold mode: activation and input sparsity per layer.
 
-``calibrate_sparsity(model, windows, activation=s_a, input=s_i)`` returns ``SparsityThresholds``:
-per layer a threshold on |a_i| (activation sparsity: the down projection skips the neurons at or
-under it) and one on |x_j| (input sparsity: gate and up skip the FFN input dimensions at or under
-it), each calibrated for a target fraction skipped on calibration windows. Allocation:
+``calibrate_sparsity(model, windows, activation=s_a, input=s_i, attention=s_q)`` returns
+``SparsityThresholds``: per layer a threshold on |a_i| (activation sparsity: the down projection skips
+the neurons at or under it), one on |x_j| (input sparsity: gate and up skip the FFN input dimensions at
+or under it) and, model-wide (TEAL's form, Liu et al. 2024), one on the attention's q|k|v input ("qkv")
+and one on its output product's input ("o"), each calibrated for a target fraction skipped on
+calibration windows. Allocation:
 
 - ``uniform``: every layer skips the target fraction (its quantile, from one histogram pass);
 - ``greedy``: layers skip different fractions averaging the target, spent where a Fisher
   estimate of the loss increase on *held-out* windows is least (``calibration.greedy``), per
-  kind.
+  kind;
+- ``model_wide_thresholds``: one target for the fraction of all the layers' weight bytes skipped, spread over every
+  (layer, kind) pair by the same estimates, per byte skipped (``calibration.greedy_levels``): TEAL's greedy
+  over layers and matrices (Liu et al., 2024), with Fisher estimates in place of its measured errors.
 
 They travel with the profile (``ActivationProfile.with_sparsity_thresholds``, stored in its
 metadata, so its whole-file digest covers them) and feed ``jpinfer.load(mode="threshold")``.
@@ -22,18 +27,23 @@ from typing import Any
 import numpy as np
 
 from jpinfer.activations import SMOOTH_KINDS
+from jpinfer.config import ModelConfig
 from jpinfer.models.loading import ModelArg, resolve_model
 from jpinfer.profiler import calibration
 
 METHODS: tuple[str, ...] = ("uniform", "greedy")
-KINDS: tuple[str, ...] = ("activation", "input")
+FFN_KINDS: tuple[str, ...] = ("activation", "input")
+ATTENTION_KINDS: tuple[str, ...] = ("qkv", "o")  # the inputs of the attention's two products
+KINDS: tuple[str, ...] = FFN_KINDS + ATTENTION_KINDS
+MODEL_WIDE = "model-wide"  # the target key of ``model_wide_thresholds``
 
 
 @dataclasses.dataclass(frozen=True)
 class SparsityThresholds:
     """Per-layer thresholds (float32 (n_layers,)) of the threshold mode; None for a kind that is off.
 
-    ``activation``: on |a_i| (neurons); ``input``: on |x_j| (FFN input dimensions); an entry is
+    ``activation``: on |a_i| (neurons); ``input``: on |x_j| (FFN input dimensions); ``qkv`` and ``o``: on
+    the inputs of the attention's q|k|v and output products; an entry is
     skipped when its magnitude is at most the threshold. ``layer_sparsity`` holds, per kind, the
     fraction each layer skips on the calibration windows; ``target`` the asked mean fraction.
     """
@@ -44,13 +54,15 @@ class SparsityThresholds:
     layer_sparsity: dict[str, np.ndarray]
     method: str
     meta: dict[str, Any] = dataclasses.field(default_factory=dict)
+    qkv: np.ndarray | None = None
+    o: np.ndarray | None = None
 
     def __post_init__(self) -> None:
-        if self.activation is None and self.input is None:
-            raise ValueError("threshold sparsity needs activation or input thresholds (or both)")
-        lengths = {len(v) for v in (self.activation, self.input) if v is not None}
-        if len(lengths) != 1:
-            raise ValueError("activation and input thresholds must have one entry per layer each")
+        given = [getattr(self, kind) for kind in KINDS if getattr(self, kind) is not None]
+        if not given:
+            raise ValueError(f"threshold sparsity needs thresholds of at least one kind ({', '.join(KINDS)})")
+        if len({len(v) for v in given}) != 1:
+            raise ValueError("every kind's thresholds must have one entry per layer")
         for kind in KINDS:
             values = getattr(self, kind)
             if values is not None and (not np.all(np.isfinite(values)) or np.any(np.asarray(values) < 0)):
@@ -58,25 +70,31 @@ class SparsityThresholds:
 
     @property
     def n_layers(self) -> int:
-        return len(self.activation if self.activation is not None else self.input)
+        return len(next(getattr(self, kind) for kind in KINDS if getattr(self, kind) is not None))
 
     def describe(self) -> str:
-        """e.g. 'activation 50% + input 30% (uniform)'."""
-        parts = [f"{kind} {self.target[kind]:.0%}" for kind in KINDS if getattr(self, kind) is not None]
+        """e.g. 'activation 50% + input 30% + qkv 30% + o 30% (uniform)', 'model-wide 40% over activation, input,
+        qkv, o (greedy)'."""
+        kinds = [kind for kind in KINDS if getattr(self, kind) is not None]
+        if MODEL_WIDE in self.target:
+            return f"{MODEL_WIDE} {self.target[MODEL_WIDE]:.0%} over {', '.join(kinds)} ({self.method})"
+        parts = [f"{kind} {self.target[kind]:.0%}" if kind in self.target else kind for kind in kinds]
         return f"{' + '.join(parts)} ({self.method})"
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready; float32 thresholds survive the round trip exactly (a double holds every float32)."""
         as_list = lambda v: None if v is None else [float(t) for t in np.asarray(v, np.float32)]
-        return {"activation": as_list(self.activation), "input": as_list(self.input), "target": dict(self.target),
-                "layer_sparsity": {k: as_list(v) for k, v in self.layer_sparsity.items()}, "method": self.method,
-                "meta": self.meta}
+        return {kind: as_list(getattr(self, kind)) for kind in KINDS} | {
+            "target": dict(self.target), "layer_sparsity": {k: as_list(v) for k, v in self.layer_sparsity.items()},
+            "method": self.method, "meta": self.meta}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "SparsityThresholds":
+        """``to_dict``'s record (one written before the attention kinds existed has none of them)."""
         as_array = lambda v: None if v is None else np.asarray(v, np.float32)
         return cls(as_array(data["activation"]), as_array(data["input"]), dict(data["target"]),
-                   {k: as_array(v) for k, v in data["layer_sparsity"].items()}, data["method"], data.get("meta", {}))
+                   {k: as_array(v) for k, v in data["layer_sparsity"].items()}, data["method"], data.get("meta", {}),
+                   as_array(data.get("qkv")), as_array(data.get("o")))
 
 
 def _check_target(kind: str, value: float | None) -> float | None:
@@ -87,13 +105,16 @@ def _check_target(kind: str, value: float | None) -> float | None:
     return float(value)
 
 
-def check_targets(activation: float | None, input: float | None, method: str, ffn_kind: str | None = None
-                  ) -> dict[str, float | None]:
+def check_targets(activation: float | None, input: float | None, method: str, ffn_kind: str | None = None, *,
+                  attention: float | None = None) -> dict[str, float | None]:
     """The targets per kind, checked (callers check before a model loads or a pass runs; with the
-    model's ``ffn_kind`` also that an activation target suits it)."""
-    targets = {"activation": _check_target("activation", activation), "input": _check_target("input", input)}
+    model's ``ffn_kind`` also that an activation target suits it). ``attention`` is the fraction of the
+    inputs of both attention products ("qkv" and "o") skipped."""
+    attention = _check_target("attention", attention)
+    targets = {"activation": _check_target("activation", activation), "input": _check_target("input", input),
+               "qkv": attention, "o": attention}
     if all(v is None for v in targets.values()):
-        raise ValueError("give activation= and/or input= (fractions to skip)")
+        raise ValueError("give activation=, input= and/or attention= (fractions to skip)")
     if method not in METHODS:
         raise ValueError(f"unknown allocation method {method!r}; choose one of {', '.join(METHODS)}")
     if ffn_kind not in (None, *SMOOTH_KINDS) and targets["activation"]:
@@ -109,9 +130,9 @@ def from_histograms(
     sensitivities: dict[str, calibration.Sensitivity] | None = None,
 ) -> SparsityThresholds:
     """Thresholds for ``targets`` (per kind, None: off) from the kinds' histograms (``histograms``:
-    "activation" of |a| by score "product", "input" of |x|); ``greedy`` reads each kind's
-    ``sensitivities`` (``calibration.sensitivity`` on held-out windows)."""
-    thresholds, fractions = {"activation": None, "input": None}, {}
+    "activation" of |a| by score "product", "input", "qkv" and "o" of their products' |x|); ``greedy``
+    reads each kind's ``sensitivities`` (``calibration.sensitivity`` on held-out windows)."""
+    thresholds, fractions = dict.fromkeys(KINDS), {}
     for kind, target in targets.items():
         if target is None:
             continue
@@ -122,12 +143,49 @@ def from_histograms(
         thresholds[kind], fractions[kind] = cal.thresholds, cal.layer_sparsity
     return SparsityThresholds(thresholds["activation"], thresholds["input"],
                               {k: v for k, v in targets.items() if v is not None}, fractions, method,
-                              {"calibration_tokens": hists["input"].n_tokens})
+                              {"calibration_tokens": hists["input"].n_tokens}, thresholds["qkv"], thresholds["o"])
+
+
+def matrix_sizes(cfg: ModelConfig) -> dict[str, int]:
+    """Per kind, the weights of the matrix a layer reads by the rows that kind skips (the same in every layer)."""
+    return {"activation": cfg.d_model * cfg.d_ff, "input": (2 if cfg.has_gate else 1) * cfg.d_ff * cfg.d_model,
+            "qkv": (cfg.q_dim + 2 * cfg.kv_dim) * cfg.d_model, "o": cfg.d_model * cfg.q_dim}
+
+
+def model_wide_kinds(ffn_kind: str) -> tuple[str, ...]:
+    """The kinds a model-wide target spreads over: all, but activation sparsity only where neurons have no exact
+    zeros (ReLU kinds skip exactly those at threshold 0, not a fraction to trade)."""
+    return KINDS if ffn_kind in SMOOTH_KINDS else FFN_KINDS[1:] + ATTENTION_KINDS
+
+
+def model_wide_thresholds(
+    hists: dict[str, calibration.ScoreHistogram],
+    sensitivities: dict[str, calibration.Sensitivity],
+    cfg: ModelConfig,
+    target: float,
+    kinds: tuple[str, ...] | None = None,
+) -> SparsityThresholds:
+    """Thresholds skipping the fraction ``target`` of the bytes of every matrix a kind reads by rows
+    (``matrix_sizes``, all layers), spread over (layer, kind) pairs where the held-out ``sensitivities``
+    (one per kind) estimate the least loss per byte skipped; over ``kinds`` (default ``model_wide_kinds``)."""
+    target = _check_target(MODEL_WIDE, target)
+    kinds = kinds or model_wide_kinds(cfg.ffn_kind)
+    sizes = matrix_sizes(cfg)
+    levels = sensitivities[kinds[0]].levels
+    if any(not np.array_equal(sensitivities[kind].levels, levels) for kind in kinds):
+        raise ValueError("model-wide allocation compares costs at the same levels for every kind")
+    cost = np.concatenate([sensitivities[kind].cost for kind in kinds])
+    weight = np.concatenate([np.full(cfg.n_layers, sizes[kind], np.float64) for kind in kinds])
+    s = calibration.greedy_levels(cost, levels, weight, target).reshape(len(kinds), cfg.n_layers)
+    thresholds = {kind: hists[kind].thresholds(row) for kind, row in zip(kinds, s)}
+    return SparsityThresholds(thresholds.get("activation"), thresholds.get("input"), {MODEL_WIDE: target},
+                              dict(zip(kinds, s)), "greedy", {"calibration_tokens": hists["input"].n_tokens},
+                              thresholds.get("qkv"), thresholds.get("o"))
 
 
 def histograms(model: ModelArg, windows: Any, *, batch_size: int = 4, progress: bool = False
                ) -> dict[str, calibration.ScoreHistogram]:
-    """Per kind ("activation", "input") the histogram ``from_histograms`` reads, from one dense pass."""
+    """Per kind (``KINDS``) the histogram ``from_histograms`` reads, from one dense pass."""
     return dict(zip(KINDS, calibration.histograms(model, windows, batch_size=batch_size, progress=progress)))
 
 
@@ -137,22 +195,30 @@ def calibrate_sparsity(
     *,
     activation: float | None = None,
     input: float | None = None,
+    attention: float | None = None,
+    model_wide: float | None = None,
     method: str = "uniform",
     heldout: Any = None,
     batch_size: int = 4,
     progress: bool = False,
     hists: dict[str, calibration.ScoreHistogram] | None = None,
 ) -> SparsityThresholds:
-    """Thresholds skipping the fraction ``activation`` of each layer's neurons and ``input`` of its
-    FFN input dimensions (None: that kind off), calibrated on ``windows`` (token windows (n, T)),
+    """Thresholds skipping the fraction ``activation`` of each layer's neurons, ``input`` of its
+    FFN input dimensions and ``attention`` of the inputs of its attention's q|k|v and output products
+    (None: that kind off), calibrated on ``windows`` (token windows (n, T)),
     or on their ``hists`` (``histograms``) when already taken.
     ``method="greedy"`` also needs ``heldout`` windows (other text than the calibration's and the
-    test's), on which it estimates each layer's loss increase per level."""
-    check_targets(activation, input, method)
+    test's), on which it estimates each layer's loss increase per level. ``model_wide`` instead of the
+    per-kind targets: that fraction of the bytes of every matrix read by rows, spread over layers and kinds
+    by the same held-out estimates (``model_wide_thresholds``; needs ``heldout``)."""
+    if model_wide is not None:
+        return _calibrate_model_wide(model, windows, model_wide, (activation, input, attention), heldout,
+                                     batch_size, progress, hists)
+    check_targets(activation, input, method, attention=attention)
     if method == "greedy" and heldout is None:
         raise ValueError("method='greedy' measures the loss on held-out text: pass heldout= token windows")
     loaded = resolve_model(model)
-    targets = check_targets(activation, input, method, loaded.cfg.ffn_kind)
+    targets = check_targets(activation, input, method, loaded.cfg.ffn_kind, attention=attention)
     if hists is None:
         hists = histograms(loaded, windows, batch_size=batch_size, progress=progress)
     sensitivities = None
@@ -160,3 +226,24 @@ def calibrate_sparsity(
         sensitivities = {kind: calibration.sensitivity(loaded, heldout, hists[kind], progress=progress)
                          for kind, target in targets.items() if target is not None}
     return from_histograms(hists, targets, method, sensitivities)
+
+
+def check_model_wide(target: float, per_kind: tuple[float | None, ...]) -> float:
+    """A model-wide target, checked: a fraction, given without ``per_kind`` targets (it spreads over every kind)."""
+    if any(t is not None for t in per_kind):
+        raise ValueError("a model-wide target spreads over every kind: give it without the per-kind targets")
+    return _check_target(MODEL_WIDE, target)
+
+
+def _calibrate_model_wide(model: ModelArg, windows: Any, target: float, per_kind: tuple, heldout: Any,
+                          batch_size: int, progress: bool, hists: dict[str, calibration.ScoreHistogram] | None
+                          ) -> SparsityThresholds:
+    check_model_wide(target, per_kind)
+    if heldout is None:
+        raise ValueError("model_wide= measures the loss on held-out text: pass heldout= token windows")
+    loaded = resolve_model(model)
+    if hists is None:
+        hists = histograms(loaded, windows, batch_size=batch_size, progress=progress)
+    sensitivities = {kind: calibration.sensitivity(loaded, heldout, hists[kind], progress=progress)
+                     for kind in model_wide_kinds(loaded.cfg.ffn_kind)}
+    return model_wide_thresholds(hists, sensitivities, loaded.cfg, target)

@@ -174,7 +174,8 @@ class ActivationProfile:
         record = self.meta.get("sparsity_thresholds")
         if record is None:
             raise ProfileError("this profile holds no threshold-mode thresholds: calibrate them "
-                               "(jpinfer profile --activation-sparsity S [--input-sparsity S], or "
+                               "(jpinfer profile --activation-sparsity S [--input-sparsity S] [--attention-sparsity S] "
+                               "or --model-wide-sparsity S, or "
                                "profile.with_sparsity_thresholds(jpinfer.profiler.calibrate_sparsity(...)))")
         try:
             return SparsityThresholds.from_dict(record)

@@ -4,14 +4,15 @@
 - ``op``: ``sparse_ffn``, the op, and its backend choice per lowering platform; ``all_rows_ffn``, the
   same over every neuron as dense products (prefill); ``sparse_rows_product``, x @ M over listed rows.
 - ``threshold_layout``: the FFN laid out for threshold sparsity (``ThresholdLayout``: input-major gate/up rows,
-  neuron-major down rows) and ``threshold_ffn``, the FFN over the rows its thresholds keep.
+  neuron-major down rows) and ``threshold_ffn``, the FFN over the rows its thresholds keep; the attention's
+  products the same way (``ThresholdProjection``, ``threshold_projection``).
 - ``pallas_kernels``: the accelerator kernels (Pallas; interpret mode on the CPU for tests).
 - ``cpu_backend``: the CPU kernels (chunked XLA loop) and huge-page host memory.
 """
 
 from jpinfer.sparse.neurons import NeuronFFN, from_arrays, from_layer
 from jpinfer.sparse.op import BACKENDS, ROWS_BACKENDS, all_rows_ffn, sparse_ffn, sparse_rows_product
-from jpinfer.sparse.threshold_layout import ThresholdLayout, threshold_ffn
+from jpinfer.sparse.threshold_layout import ThresholdLayout, ThresholdProjection, threshold_ffn, threshold_projection
 
 __all__ = ["NeuronFFN", "from_arrays", "from_layer", "BACKENDS", "ROWS_BACKENDS", "all_rows_ffn", "sparse_ffn",
-           "sparse_rows_product", "ThresholdLayout", "threshold_ffn"]
+           "sparse_rows_product", "ThresholdLayout", "ThresholdProjection", "threshold_ffn", "threshold_projection"]

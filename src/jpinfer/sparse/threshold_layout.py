@@ -15,6 +15,10 @@ ever clipped. One token reads only the kept rows; several tokens (prefill) run d
 with the same entries zeroed, which computes the same values (each token keeps its own set).
 A kind that is off keeps the decoder's (out, in) matrix and its dense product.
 
+The attention's q|k|v and output products take input sparsity the same way (``ThresholdProjection``,
+``threshold_projection``: TEAL's model-wide form, Liu et al. 2024): the input-major copy replaces the
+decoder's matrix, and the inputs of magnitude at most the matrix's threshold are skipped.
+
 int4 weights: a matrix read by rows is held as an int8 copy of the dequantized 4-bit matrix (one
 scale per output, the int8 layout's), read by the int8 path and kernels. 4-bit blocks run along the
 input (llama.cpp's 32 inputs per block), so an input-major or neuron-major row cuts across blocks;
@@ -111,6 +115,37 @@ def from_layer(layer: Layer, kind: FfnKind, *, input_threshold: float | None, ac
         input_sparse=input_sparse,
         activation_sparse=activation_sparse,
     )
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class ThresholdProjection:
+    """One product read by input rows: ``matrix`` (in, out) input-major (float, or int8 with one scale per
+    output), its ``bias`` (out,) or None, and the ``threshold`` on |x_j| (float32 scalar; entries at most it
+    are skipped)."""
+
+    matrix: Matrix
+    bias: jax.Array | None
+    threshold: jax.Array
+
+
+def projection_from(matrix: Matrix, bias: jax.Array | None, threshold: float) -> ThresholdProjection:
+    """The decoder's (out, in) ``matrix`` laid out for input sparsity at ``threshold`` (4-bit: its int8 copy)."""
+    if not (np.isfinite(threshold) and threshold >= 0):
+        raise ValueError(f"an input threshold must be a finite number >= 0, got {threshold!r}")
+    return ThresholdProjection(_readable_by_rows(matrix, True).T, bias, jnp.float32(threshold))
+
+
+@functools.partial(jax.jit, static_argnames=("backend",))
+def threshold_projection(proj: ThresholdProjection, x: jax.Array, *, backend: RowsBackend = "auto"
+                         ) -> tuple[jax.Array, jax.Array]:
+    """x (..., in) through ``proj`` with its small inputs skipped, plus the bias, in x's dtype; and per token
+    the inputs read."""
+    tokens = x.reshape(-1, x.shape[-1])
+    y, n_inputs = _project(proj.matrix, tokens, True, proj.threshold, backend)
+    if proj.bias is not None:
+        y = y + proj.bias.astype(jnp.float32)
+    return y.astype(x.dtype).reshape(*x.shape[:-1], -1), n_inputs.reshape(x.shape[:-1])
 
 
 def _readable_by_rows(matrix: Matrix, by_rows: bool) -> Matrix:
