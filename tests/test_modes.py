@@ -358,7 +358,7 @@ def test_decode_equivalent_computes_what_each_decode_step_computes():
     """``modes.evaluation.decode_equivalent`` (the perplexity view of an engine): decoding one token through its
     strategy equals the engine's decode step, for the sparse and hybrid modes with clipping capacities (their
     prefill is dense, so is the reference's) and the threshold mode split over two devices (it skips in prefill
-    too)."""
+    too), model-wide as well."""
     from jpinfer.modes.evaluation import decode_equivalent
     from jpinfer.profiler import SparsityThresholds
 
@@ -367,15 +367,18 @@ def test_decode_equivalent_computes_what_each_decode_step_computes():
     predictors = predictors_for(dense, [random_predictor(cfg, seed=20 + i) for i in range(cfg.n_layers)])
     thresholds = SparsityThresholds(np.full(cfg.n_layers, 0.02, np.float32), np.full(cfg.n_layers, 0.3, np.float32),
                                     {}, {}, "given")
+    model_wide = dataclasses.replace(thresholds, qkv=np.full(cfg.n_layers, 0.3, np.float32),
+                                     o=np.full(cfg.n_layers, 0.05, np.float32))
     engines = [
         build_engine(dense.model, "sparse", predictors=predictors, capacity=(8, 16, 24)),
         build_engine(dense.model, "hybrid", predictors=predictors, capacity=16, placement=half_masks(cfg, seed=2)),
         build_engine(dense.model, "hybrid", predictors=predictors, capacity=cfg.d_ff, placement=half_masks(cfg)),
         build_engine(dense.model, "hybrid", thresholds=thresholds, placement=half_masks(cfg, seed=2)),
+        build_engine(dense.model, "hybrid", thresholds=model_wide, placement=half_masks(cfg, seed=2)),
     ]
     forced = [4, 8, 15, 16, 23, 2, 7, 3]
     plain = forced_logits(dense, PROMPT, forced)
-    for engine, dense_prefill in zip(engines, (True, True, True, False)):
+    for engine, dense_prefill in zip(engines, (True, True, True, False, False)):
         model, strategy = decode_equivalent(engine, dense.model, np.zeros(cfg.n_layers))
         impl = DenseThenDecode(cfg, strategy.impl) if dense_prefill else strategy.impl
         reference = jpinfer.Engine(model, FfnStrategy(impl, strategy.state))

@@ -3,7 +3,6 @@ decoder's ``project`` seam, against float64 references that zero the same inputs
 dense; calibration of the attention kinds, their sensitivities and storage. Tolerances: tests/tolerances.py."""
 
 import dataclasses
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -222,17 +221,6 @@ def test_attention_thresholds_round_trip_and_older_records_load():
         SparsityThresholds(np.zeros(2, np.float32), None, {}, {}, "given", {}, np.zeros(3, np.float32))
     with pytest.raises(ValueError, match="attention sparsity is the fraction skipped"):
         calibrate_sparsity(dense, tokens, attention=1.5)
-
-
-def test_hybrid_applies_the_ffn_thresholds_and_says_the_attention_runs_dense():
-    dense = tiny_engine("swiglu")
-    th = attention_thresholds(dense.cfg, 0.1, 0.1, activation=0.0)
-    with pytest.warns(UserWarning, match="FFN's thresholds only"):
-        build_engine(dense.model, "hybrid", thresholds=th, placement=[np.ones(48, bool)] * 2)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        build_engine(dense.model, "hybrid", thresholds=attention_thresholds(dense.cfg, activation=0.0),
-                     placement=[np.ones(48, bool)] * 2)
 
 
 def test_pack_attention_sparsity_keeps_the_other_stages():

@@ -31,7 +31,7 @@ from jpinfer.ffn.listed import (
 )
 from jpinfer.ffn.masked import MaskState, PredictorMaskFFN, ScoreMaskFFN, mask_states
 from jpinfer.ffn.perplexity import evaluate, perplexity
-from jpinfer.ffn.threshold_rows import ThresholdLayer, ThresholdRowsFFN
+from jpinfer.ffn.threshold_rows import ThresholdLayer, ThresholdRowsFFN, threshold_projections
 
 __all__ = [
     "BLOCK", "Capacity", "layer_capacities", "part_capacities", "per_layer", "whole_blocks",
@@ -39,4 +39,5 @@ __all__ = [
     "oracle_strategy", "MaskState", "PredictorMaskFFN", "ScoreMaskFFN", "mask_states", "evaluate", "perplexity",
     "ThresholdLayer",
     "ThresholdRowsFFN",
+    "threshold_projections",
 ]

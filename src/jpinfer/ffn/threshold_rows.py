@@ -47,7 +47,19 @@ class ThresholdRowsFFN:
 
     def project(self, i: int, layer: Layer, name: str, x: jax.Array, state: ThresholdLayer) -> jax.Array:
         """The attention's ``name`` product ("qkv" or "o") of x: its kept input rows, or dense."""
-        proj = getattr(state, name)
+        return threshold_projections(layer, state.qkv, state.o, self.backend)(name, x)
+
+
+def threshold_projections(layer: Layer, qkv: ThresholdProjection | None, o: ThresholdProjection | None,
+                          backend: str = "auto") -> transformer.Projection:
+    """The layer's attention products (``transformer.attention_block``'s ``project``): by their kept input rows
+    where ``qkv`` / ``o`` are given, else the decoder's dense products."""
+    chosen = {"qkv": qkv, "o": o}
+
+    def project(name: str, x: jax.Array) -> jax.Array:
+        proj = chosen[name]
         if proj is None:
             return transformer.dense_projection(layer, name, x)
-        return threshold_projection(proj, x, backend=self.backend)[0]
+        return threshold_projection(proj, x, backend=backend)[0]
+
+    return project

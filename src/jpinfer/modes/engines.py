@@ -13,7 +13,6 @@ In each the decoder's FFN matrices are replaced by the mode's layout, not copied
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Any, Sequence
 
 import jax
@@ -29,7 +28,7 @@ from jpinfer.modes.hybrid import AcceleratorLayer, HybridStepper
 from jpinfer.predictor.store import Predictors
 from jpinfer.profiler import SparsityThresholds
 from jpinfer.runtime.engine import Engine, FfnStrategy
-from jpinfer.sparse import ThresholdLayout, neurons, threshold_layout
+from jpinfer.sparse import ThresholdLayout, ThresholdProjection, neurons, threshold_layout
 
 
 def without_ffn(layer: Layer) -> Layer:
@@ -59,29 +58,38 @@ def _layer_thresholds(thresholds: SparsityThresholds, layer: int) -> dict[str, f
     return dict(input_threshold=pick(thresholds.input), activation_threshold=pick(thresholds.activation))
 
 
+def _attention_projections(layer: Layer, thresholds: SparsityThresholds, i: int
+                           ) -> tuple[ThresholdProjection | None, ThresholdProjection | None]:
+    """Layer i's q|k|v and output products laid out for their thresholds (None where a kind is off)."""
+    return tuple(None if getattr(thresholds, kind) is None else
+                 threshold_layout.projection_from(*matrix, float(getattr(thresholds, kind)[i]))
+                 for kind, matrix in (("qkv", (layer.w_qkv, layer.b_qkv)), ("o", (layer.wo, layer.bo))))
+
+
+def _attention_part(layer: Layer, thresholds: SparsityThresholds | None) -> Layer:
+    """The layer without its FFN matrices, and without the attention matrices ``thresholds`` read by rows (their
+    input-major copies replace them)."""
+    drop = {}
+    if thresholds is not None and thresholds.qkv is not None:
+        drop |= {"w_qkv": None, "b_qkv": None}
+    if thresholds is not None and thresholds.o is not None:
+        drop |= {"wo": None, "bo": None}
+    return dataclasses.replace(without_ffn(layer), **drop)
+
+
 def threshold_states(model: LoadedModel, thresholds: SparsityThresholds) -> list[ThresholdLayer]:
     """Per layer the FFN laid out for ``thresholds`` (None for a kind: that kind off), and the attention's
     q|k|v and output products where their kinds are on."""
     _check_layers(model, thresholds)
-    states = []
-    for i, layer in enumerate(model.weights.layers):
-        ffn = threshold_layout.from_layer(layer, model.cfg.ffn_kind, **_layer_thresholds(thresholds, i))
-        qkv, o = (None if getattr(thresholds, kind) is None else
-                  threshold_layout.projection_from(*matrix, float(getattr(thresholds, kind)[i]))
-                  for kind, matrix in (("qkv", (layer.w_qkv, layer.b_qkv)), ("o", (layer.wo, layer.bo))))
-        states.append(ThresholdLayer(ffn, qkv, o))
-    return states
+    return [ThresholdLayer(threshold_layout.from_layer(layer, model.cfg.ffn_kind, **_layer_thresholds(thresholds, i)),
+                           *_attention_projections(layer, thresholds, i))
+            for i, layer in enumerate(model.weights.layers)]
 
 
 def threshold_engine(model: LoadedModel, thresholds: SparsityThresholds, backend: str = "auto") -> Engine:
     """One device; each layer's FFN matrices, and the attention's where they are read sparsely, replaced by
     their threshold-sparsity layout."""
-    drop = {}
-    if thresholds.qkv is not None:
-        drop |= {"w_qkv": None, "b_qkv": None}
-    if thresholds.o is not None:
-        drop |= {"wo": None, "bo": None}
-    weights = dataclasses.replace(model.weights, layers=[dataclasses.replace(without_ffn(layer), **drop)
+    weights = dataclasses.replace(model.weights, layers=[_attention_part(layer, thresholds)
                                                          for layer in model.weights.layers])
     strategy = FfnStrategy(ThresholdRowsFFN(backend), threshold_states(model, thresholds), "threshold")
     return Engine(LoadedModel(model.cfg, weights, model.tokenizer, model.source), strategy)
@@ -101,11 +109,7 @@ def hybrid_engine(model: LoadedModel, predictors: Predictors | None, hot_masks: 
     """Hot neurons (``hot_masks[layer]``, boolean (d_ff,)) on the accelerator, the rest on the host
     in ``host_dtype`` (default ``host_dtype_for``). The predictor picks each part's neurons, or, with
     ``thresholds`` instead (and no predictors or capacity), each part applies the threshold mode's FFN
-    thresholds (the attention runs whole on the accelerator: its "qkv" and "o" thresholds are not applied,
-    with a warning)."""
-    if thresholds is not None and (thresholds.qkv is not None or thresholds.o is not None):
-        warnings.warn("the hybrid mode applies the FFN's thresholds only: the attention's q|k|v and output "
-                      "products run dense on the accelerator", stacklevel=2)
+    thresholds, and the attention (on the accelerator) its "qkv" and "o" thresholds."""
     accelerator, host = devices or default_devices()
     host_dtype = host_dtype_for(model.weights.dtype, host) if host_dtype is None else host_dtype
     cfg = model.cfg
@@ -124,7 +128,9 @@ def hybrid_engine(model: LoadedModel, predictors: Predictors | None, hot_masks: 
             hot_part, cold_part, predictor = split(hot_ids, True), split(cold_ids, False), None
         cold_part = _host_copy(cold_part, host_dtype)
         sizes.append((hot_ids.size, cold_ids.size))
-        part = AcceleratorLayer(without_ffn(layer), predictor, hot_part, jnp.asarray(hot_ids), jnp.asarray(cold_ids))
+        projections = (None, None) if thresholds is None else _attention_projections(layer, thresholds, i)
+        part = AcceleratorLayer(_attention_part(layer, thresholds), predictor, hot_part, jnp.asarray(hot_ids),
+                                jnp.asarray(cold_ids), *projections)
         parts.append(jax.device_put(part, accelerator))
         colds.append(jax.device_put(cold_part, host))
     top = jax.device_put(dataclasses.replace(model.weights, layers=[]), accelerator)

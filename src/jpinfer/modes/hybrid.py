@@ -32,24 +32,28 @@ import jax
 import jax.numpy as jnp
 
 from jpinfer.config import ModelConfig
+from jpinfer.ffn import threshold_projections
 from jpinfer.models import transformer
 from jpinfer.models.params import Layer, Weights
 from jpinfer.predictor.mlp import PredictorWeights, predict_logits, select_neurons, selection_mask
 from jpinfer.runtime.sampling import sample_next_jit
-from jpinfer.sparse import NeuronFFN, ThresholdLayout, all_rows_ffn, sparse_ffn, threshold_ffn
+from jpinfer.sparse import NeuronFFN, ThresholdLayout, ThresholdProjection, all_rows_ffn, sparse_ffn, threshold_ffn
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class AcceleratorLayer:
     """What one layer keeps on the accelerator: attention (``layer``, FFN matrices removed),
-    the predictor, the hot neurons (with ``b_down``) and the neuron ids of both parts."""
+    the predictor, the hot neurons (with ``b_down``), the neuron ids of both parts and, with model-wide
+    threshold sparsity, the attention's products read by input rows (their matrices then not in ``layer``)."""
 
     layer: Layer
     predictor: PredictorWeights | None  # None: threshold sparsity (each part applies its thresholds)
     hot: NeuronFFN | ThresholdLayout
     hot_ids: jax.Array  # (n_hot,) int32: neuron id of each hot row
     cold_ids: jax.Array  # (n_cold,) int32: neuron id of each cold row, in the CPU part's order
+    qkv: ThresholdProjection | None = None
+    o: ThresholdProjection | None = None
 
 
 def _part_list(logits: jax.Array, ids: jax.Array, cutoff: jax.Array, capacity: int):
@@ -78,14 +82,16 @@ def _part_ffn(ffn: NeuronFFN | ThresholdLayout, x: jax.Array,
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "attend", "window"), donate_argnames=("cache_k", "cache_v"))
-def _attention(layer: Layer, previous: Layer, h, y_hot, y_cold, positions, rope_cs, cache_k, cache_v, *,
-               cfg: ModelConfig, attend: int, window: int | None):
+def _attention(layer: Layer, qkv: ThresholdProjection | None, o: ThresholdProjection | None, previous: Layer, h,
+               y_hot, y_cold, positions, rope_cs, cache_k, cache_v, *, cfg: ModelConfig, attend: int,
+               window: int | None):
     """Accelerator, per layer: merge the ``previous`` layer's two FFN outputs (the first layer passes itself
-    and zeros), then attention. Returns the residual stream, the FFN input x and the layer's keys and values.
-    Every layer has the same shapes here, so this compiles once per attention length (and window) for all
-    layers."""
+    and zeros), then attention (its products by input rows where ``qkv`` / ``o`` are given). Returns the residual
+    stream, the FFN input x and the layer's keys and values. Every layer has the same shapes here, so this
+    compiles once per attention length (and window) for all layers."""
     h = transformer.ffn_residual(previous, h, y_hot + y_cold, cfg)
-    return transformer.attention_residual(layer, h, positions, rope_cs, cache_k, cache_v, cfg, attend, window=window)
+    return transformer.attention_residual(layer, h, positions, rope_cs, cache_k, cache_v, cfg, attend,
+                                          window=window, project=threshold_projections(layer, qkv, o))
 
 
 @functools.partial(jax.jit, static_argnames=("capacity",))
@@ -146,8 +152,9 @@ class HybridStepper:
         for i, (part, cold) in enumerate(zip(self.layers, self.cold)):
             capacity = self.capacity[i] if decode else None
             previous = self.layers[max(i - 1, 0)].layer
-            h, x, k, v = _attention(part.layer, previous, h, y_hot, y_cold, positions, rope_cs, cache.k[i], cache.v[i],
-                                    cfg=self.cfg, attend=attend, window=self.cfg.layer_window(i))
+            h, x, k, v = _attention(part.layer, part.qkv, part.o, previous, h, y_hot, y_cold, positions, rope_cs,
+                                    cache.k[i], cache.v[i], cfg=self.cfg, attend=attend,
+                                    window=self.cfg.layer_window(i))
             y_hot, cold_list = _hot_part(part, x, capacity=capacity)
             keys.append(k)
             values.append(v)
