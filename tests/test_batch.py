@@ -26,9 +26,10 @@ def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("JPINFER_CACHE", str(tmp_path / "cache"))
 
 
-def thresholds(cfg, activation: float, input: float) -> SparsityThresholds:
-    full = lambda v: np.full(cfg.n_layers, v, np.float32)
-    return SparsityThresholds(full(activation), full(input), {}, {}, "given")
+def thresholds(cfg, activation: float, input: float, qkv: float | None = None, o: float | None = None
+               ) -> SparsityThresholds:
+    full = lambda v: None if v is None else np.full(cfg.n_layers, v, np.float32)
+    return SparsityThresholds(full(activation), full(input), {}, {}, "given", {}, full(qkv), full(o))
 
 
 def engine_for(name: str):
@@ -45,8 +46,8 @@ def engine_for(name: str):
         return dense
     if name == "int8":
         return type(dense)(dataclasses.replace(dense.model, weights=quantized.quantize_weights(dense.weights, "int8")))
-    if name == "threshold":
-        return build_engine(dense.model, "threshold", thresholds=thresholds(cfg, 0.05, 0.3))
+    if name == "threshold":  # model-wide: the attention's products read by input rows too
+        return build_engine(dense.model, "threshold", thresholds=thresholds(cfg, 0.05, 0.3, 0.3, 0.05))
     predictors = predictors_for(dense, [random_predictor(cfg, seed=20 + i) for i in range(cfg.n_layers)])
     if name == "sparse":
         return build_engine(dense.model, "sparse", predictors=predictors, capacity=cfg.d_ff)
