@@ -131,6 +131,28 @@ def to_gguf_layout(cfg: ModelConfig, name: str, w: np.ndarray, arch: str = "llam
     return np.ascontiguousarray(rows)
 
 
+# phi3's files keep q/k/v and gate/up fused (gate rows first), as llama.cpp's converter writes them
+PHI3_FUSED = {"attn_qkv": ("wq", "wk", "wv"), "ffn_up": ("w_gate", "w_up")}
+
+
+def _file_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray], arch: str):
+    """(jpinfer name, array as stored, GGUF name) for each tensor of the file; a fused one is named after its
+    first part (for ``type_overrides``)."""
+    done = set()
+    for name, w in tensors.items():
+        if name in done:
+            continue
+        if arch == "phi3" and name.startswith("layers."):
+            _, i, suffix = name.split(".", 2)
+            fused = next(((g, parts) for g, parts in PHI3_FUSED.items() if suffix in parts), None)
+            if fused is not None:
+                parts = [f"layers.{i}.{part}" for part in fused[1]]
+                done |= set(parts)
+                yield parts[0], np.concatenate([tensors[p] for p in parts]), f"blk.{i}.{fused[0]}.weight"
+                continue
+        yield name, to_gguf_layout(cfg, name, w, arch), gguf_name(name)
+
+
 def random_tensors(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
     return init_random(cfg, seed=seed, scale=0.5)
 
@@ -184,11 +206,10 @@ def write_gguf(
         else:
             writer.add_array(key, value)
     overrides = type_overrides or {}
-    for name, w in tensors.items():
-        stored = to_gguf_layout(cfg, name, w, arch)
+    for name, stored, file_name in _file_tensors(cfg, tensors, arch):
         t = overrides.get(name, qtype if stored.ndim == 2 else GGMLQuantizationType.F32)
         data = quantize(stored, t)
-        writer.add_tensor(gguf_name(name), data, raw_dtype=t if data.dtype == np.uint8 else None)
+        writer.add_tensor(file_name, data, raw_dtype=t if data.dtype == np.uint8 else None)
     for name, data in (raw_tensors or {}).items():
         writer.add_tensor(name, data)
     writer.write_header_to_file()

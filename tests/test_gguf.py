@@ -363,6 +363,60 @@ def test_qwen_files_decode_like_transformers(arch, tmp_path):
                                atol=DECODER_ATOL, rtol=0)
 
 
+def test_phi3_files_decode_like_transformers(tmp_path):
+    """A tiny transformers Phi-3 (a window of 5 in every layer) written as llama.cpp's converter writes it: q/k/v
+    and gate/up fused (attn_qkv, ffn_up with the gate rows first), q/k rows kept (NEOX RoPE), the window in
+    phi3.attention.sliding_window. transformers' own GGUF reader reads the model's fused weights back from it (the
+    file is what llama.cpp writes); jpinfer splits them exactly and scores 12 tokens (past the window) like the
+    PyTorch model. Its 4-bit blocks are read fused as stored; LongRoPE's factor tensors are refused."""
+    import torch  # the test extra
+    from transformers import AutoModelForCausalLM
+
+    from jpinfer.models import gguf_loader
+    from jpinfer.quant import q4
+
+    n_vocab = len(fx.tokenizer_fields()["tokenizer.ggml.tokens"])
+    ref = make_model("phi3", tmp_path, vocab_size=n_vocab)
+    hf_cfg, tensors = load_hf(tmp_path)
+    window = {"phi3.attention.sliding_window": hf_cfg.sliding_window}
+    path = fx.write_gguf(tmp_path / "tiny.gguf", hf_cfg, tensors, Q.F32, arch="phi3", metadata=window)
+    cfg, ours, _ = load_gguf(path)
+    assert (cfg.architecture, cfg.sliding_window, cfg.qkv_bias) == ("phi3", 5, False)
+    assert set(ours) == set(tensors)
+    for name in tensors:
+        np.testing.assert_array_equal(ours[name], tensors[name], err_msg=name)
+    state = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32).state_dict()
+    for i in range(cfg.n_layers):
+        for theirs, parts in (("self_attn.qkv_proj", ("wq", "wk", "wv")), ("mlp.gate_up_proj", ("w_gate", "w_up"))):
+            np.testing.assert_array_equal(np.concatenate([ours[f"layers.{i}.{p}"] for p in parts]),
+                                          state[f"model.layers.{i}.{theirs}.weight"].numpy())
+    tokens = np.random.default_rng(1).integers(0, n_vocab, size=(1, 12))
+    with torch.no_grad():
+        expected = ref.double()(torch.tensor(tokens)).logits.numpy()
+    weights = params.build_weights(cfg, ours)
+    np.testing.assert_allclose(np.asarray(transformer.score(weights, jnp.asarray(tokens), cfg)), expected,
+                               atol=DECODER_ATOL, rtol=0)
+
+    # the down projection's 40 inputs are no whole number of 32-blocks: kept in F32, as llama.cpp would
+    f32_down = {f"layers.{i}.w_down": Q.F32 for i in range(cfg.n_layers)}
+    q4_path = fx.write_gguf(tmp_path / "tiny-q4.gguf", hf_cfg, tensors, Q.Q4_0, arch="phi3", metadata=window,
+                            type_overrides=f32_down)
+    blocks = gguf_loader.read_q4_blocks(q4_path, cfg)
+    assert sorted(blocks) == sorted(f"layers.{i}.{n}" for i in range(cfg.n_layers)
+                                    for n in ("w_qkv", "wo", "w_gate_up"))
+    _, float_q4, _ = load_gguf(q4_path)
+    for key, m in blocks.items():
+        _, i, name = key.split(".")
+        parts = {"w_qkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}.get(name, (name,))
+        np.testing.assert_array_equal(np.asarray(q4.dequantize(m)),
+                                      np.concatenate([float_q4[f"layers.{i}.{p}"] for p in parts]), err_msg=key)
+    longrope = np.ones(cfg.head_dim // 2, np.float32)
+    refused = fx.write_gguf(tmp_path / "long.gguf", hf_cfg, tensors, Q.F32, arch="phi3", metadata=window,
+                            raw_tensors={"rope_factors_long.weight": longrope, "rope_factors_short.weight": longrope})
+    with pytest.raises(GGUFError, match="LongRoPE"):
+        load_gguf(refused)
+
+
 # ---- the default model ----
 
 

@@ -1,4 +1,4 @@
-"""Load a GGUF file (llama.cpp's format) of architecture llama, qwen2 or qwen3 into jpinfer's flat tensor dict.
+"""Load a GGUF file (llama.cpp's format) of architecture llama, qwen2, qwen3 or phi3 into jpinfer's flat tensor dict.
 
 The weights come back dequantized to float numpy arrays keyed and shaped like
 ``jpinfer.models.params.expected_shapes(cfg)`` (projections (out, in)), with the
@@ -54,8 +54,15 @@ _LAYER_TENSORS: dict[str, str] = {
     "attn_k_norm.weight": "k_norm.scale",
 }
 # The architectures read (general.architecture, also the prefix of their metadata keys). llama.cpp's converter
-# permutes llama's q/k rows for its adjacent-pair RoPE; qwen2 and qwen3 keep Hugging Face's halves (NEOX).
-ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
+# permutes llama's q/k rows for its adjacent-pair RoPE; qwen2, qwen3 and phi3 keep Hugging Face's halves (NEOX).
+ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "phi3")
+# Phi-3's files keep q/k/v and gate/up fused, as its checkpoints do (gate rows first): the layer tensor -> the
+# separate tensors it stacks, in order (split on load; params.build_weights fuses them again)
+_FUSED_IN_FILE: dict[str, dict[str, tuple[str, ...]]] = {
+    "phi3": {"attn_qkv.weight": ("wq", "wk", "wv"), "ffn_up.weight": ("w_gate", "w_up")},
+}
+# LongRoPE (Phi-3's 128k-context models): per-frequency factors for short and long contexts
+_LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 _GLOBAL_TENSORS: dict[str, str] = {
     "token_embd": "embed",
     "output_norm": "final_norm.scale",
@@ -85,7 +92,8 @@ def load_gguf(
     by_name = _tensor_map(reader)
     freqs = by_name.get(ROPE_FREQS)
     factors = None if freqs is None else tuple(float(f) for f in dequantize(freqs.data, freqs.tensor_type).ravel())
-    cfg = config_from_metadata(metadata, has_output="output.weight" in by_name, path=path, rope_factors=factors)
+    cfg = config_from_metadata(metadata, has_output="output.weight" in by_name, path=path, rope_factors=factors,
+                               longrope=any(name in by_name for name in _LONGROPE_TENSORS))
     tokenizer = tokenizer_from_gguf_metadata(metadata, source=str(path))
     tensors = read_tensors(reader, cfg, path, dtype)
     return cfg, tensors, tokenizer
@@ -120,9 +128,10 @@ def read_metadata(reader: GGUFReader) -> dict[str, Any]:
 
 
 def config_from_metadata(metadata: dict[str, Any], has_output: bool, path: os.PathLike | str,
-                         rope_factors: tuple[float, ...] | None = None) -> ModelConfig:
+                         rope_factors: tuple[float, ...] | None = None, longrope: bool = False) -> ModelConfig:
     """ModelConfig from llama.cpp's metadata keys (and the file's ``rope_freqs`` tensor, ``rope_factors``:
-    how llama.cpp carries Llama 3.1's RoPE scaling); GGUFError for what jpinfer cannot run."""
+    how llama.cpp carries Llama 3.1's RoPE scaling; ``longrope``: whether it has LongRoPE's factor tensors);
+    GGUFError for what jpinfer cannot run."""
     arch = metadata.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise GGUFError(path, f"unsupported architecture {arch!r}; jpinfer reads GGUF files of architecture "
@@ -135,6 +144,8 @@ def config_from_metadata(metadata: dict[str, Any], has_output: bool, path: os.Pa
 
     if metadata.get(f"{arch}.expert_count", 0):
         raise GGUFError(path, f"mixture-of-experts {arch} models are not supported")
+    if longrope:
+        raise GGUFError(path, "LongRoPE scaling (rope_factors_long / rope_factors_short tensors) is not supported")
     scaling = metadata.get(f"{arch}.rope.scaling.type", "none")
     if scaling not in ("none", "linear"):
         raise GGUFError(path, f"RoPE scaling {scaling!r} is not supported (unscaled, linear, or {ROPE_FREQS})")
@@ -179,6 +190,8 @@ def config_from_metadata(metadata: dict[str, Any], has_output: bool, path: os.Pa
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position=int(need(f"{arch}.context_length")),
+            # Phi-3's window, in every layer (llama.cpp's converter writes it for phi3 only)
+            sliding_window=_optional_int(metadata.get(f"{arch}.attention.sliding_window")) if arch == "phi3" else None,
             tie_embeddings=not has_output,
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=eos_ids,
@@ -189,6 +202,10 @@ def config_from_metadata(metadata: dict[str, Any], has_output: bool, path: os.Pa
         )
     except ValueError as err:
         raise GGUFError(path, f"inconsistent model metadata: {err}") from err
+
+
+def _optional_int(value: Any) -> int | None:
+    return None if value is None else int(value)
 
 
 def _float32_decimal(value: float) -> float:
@@ -207,30 +224,38 @@ def read_tensors(reader: GGUFReader, cfg: ModelConfig, path: os.PathLike | str,
     expected = expected_shapes(cfg)
     np_dtype = np.dtype(dtype)
     out: dict[str, np.ndarray] = {}
-    for gguf_name, name in plan.items():
+    for gguf_name, names in plan.items():
         t = by_name.get(gguf_name)
         if t is None:
             raise GGUFError(path, f"missing tensor {gguf_name!r}")
         if t.tensor_type not in SUPPORTED_TENSOR_TYPES:
             supported = ", ".join(q.name for q in SUPPORTED_TENSOR_TYPES)
             raise GGUFError(path, f"tensor {gguf_name!r} has type {t.tensor_type.name}; supported types: {supported}")
+        parts = (names,) if isinstance(names, str) else names  # a fused tensor stacks its parts' rows
+        rows = [expected[name][0] for name in parts]
+        implied = (sum(rows), *expected[parts[0]][1:])
         stored = tuple(int(n) for n in reversed(t.shape.tolist()))  # numpy order: (out, in)
-        if stored != expected[name]:
-            raise GGUFError(path, f"tensor {gguf_name!r} has shape {stored}, but the metadata implies {expected[name]}")
+        if stored != implied:
+            raise GGUFError(path, f"tensor {gguf_name!r} has shape {stored}, but the metadata implies {implied}")
         w = dequantize(t.data, t.tensor_type).reshape(stored)
-        if name.endswith(".wq") and _permuted(cfg):
-            w = unpermute_rope_rows(w, cfg.n_heads)
-        elif name.endswith(".wk") and _permuted(cfg):
-            w = unpermute_rope_rows(w, cfg.n_kv_heads)
-        out[name] = np.array(w, dtype=np_dtype, order="C")  # a copy: no view of the file
+        for name, part in zip(parts, np.split(w, np.cumsum(rows)[:-1])):
+            if name.endswith(".wq") and _permuted(cfg):
+                part = unpermute_rope_rows(part, cfg.n_heads)
+            elif name.endswith(".wk") and _permuted(cfg):
+                part = unpermute_rope_rows(part, cfg.n_kv_heads)
+            out[name] = np.array(part, dtype=np_dtype, order="C")  # a copy: no view of the file
     return out
 
 
 _Q4_TYPES = {GGMLQuantizationType.Q4_0: "q4_0", GGMLQuantizationType.Q4_1: "q4_1"}
-# jpinfer's fused projections (params.build_weights) and the GGUF tensors they stack, in order
+# jpinfer's fused projections (params.build_weights) and the GGUF tensors they stack, in order (phi3's files hold
+# two of them fused already)
 _FUSED_TENSORS: dict[str, tuple[str, ...]] = {
     "w_qkv": ("attn_q", "attn_k", "attn_v"), "wo": ("attn_output",), "w_gate_up": ("ffn_gate", "ffn_up"),
     "w_down": ("ffn_down",),
+}
+_FUSED_TENSORS_OF: dict[str, dict[str, tuple[str, ...]]] = {
+    "phi3": _FUSED_TENSORS | {"w_qkv": ("attn_qkv",), "w_gate_up": ("ffn_up",)},
 }
 
 
@@ -244,7 +269,7 @@ def read_q4_blocks(path: os.PathLike | str, cfg: ModelConfig) -> dict[str, q4.Q4
     heads = {"attn_q": cfg.n_heads, "attn_k": cfg.n_kv_heads} if _permuted(cfg) else {}
     out: dict[str, q4.Q4Matrix] = {}
     for i in range(cfg.n_layers):
-        for fused, parts in _FUSED_TENSORS.items():
+        for fused, parts in _FUSED_TENSORS_OF.get(cfg.architecture, _FUSED_TENSORS).items():
             tensors = [by_name.get(f"blk.{i}.{part}.weight") for part in parts]
             kinds = {_Q4_TYPES.get(t.tensor_type) if t is not None else None for t in tensors}
             if len(kinds) != 1 or None in kinds:
@@ -265,12 +290,16 @@ def _tensor_map(reader: GGUFReader) -> dict:
     return {t.name: t for t in reader.tensors}
 
 
-def _tensor_plan(cfg: ModelConfig) -> dict[str, str]:
-    """GGUF tensor name -> jpinfer name for every tensor the config needs."""
+def _tensor_plan(cfg: ModelConfig) -> dict[str, str | tuple[str, ...]]:
+    """GGUF tensor name -> jpinfer name for every tensor the config needs (a fused tensor: its parts' names)."""
     plan = {f"{g}.weight": v for g, v in _GLOBAL_TENSORS.items() if not (g == "output" and cfg.tie_embeddings)}
     needed = expected_shapes(cfg)
+    fused = _FUSED_IN_FILE.get(cfg.architecture, {})
+    in_fused = {part for parts in fused.values() for part in parts}
     for i in range(cfg.n_layers):
-        plan |= {f"blk.{i}.{g}": f"layers.{i}.{n}" for g, n in _LAYER_TENSORS.items() if f"layers.{i}.{n}" in needed}
+        plan |= {f"blk.{i}.{g}": f"layers.{i}.{n}" for g, n in _LAYER_TENSORS.items()
+                 if f"layers.{i}.{n}" in needed and n not in in_fused and g not in fused}
+        plan |= {f"blk.{i}.{g}": tuple(f"layers.{i}.{n}" for n in parts) for g, parts in fused.items()}
     return plan
 
 
