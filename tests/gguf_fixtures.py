@@ -107,6 +107,8 @@ LAYER_NAMES = {
     "bv": "attn_v.bias",
     "q_norm.scale": "attn_q_norm.weight",
     "k_norm.scale": "attn_k_norm.weight",
+    "attn_out_norm.scale": "post_attention_norm.weight",  # gemma2 (its norms stored as 1 + w, jpinfer's scale)
+    "ffn_out_norm.scale": "post_ffw_norm.weight",
 }
 GLOBAL_NAMES = {"embed": "token_embd", "final_norm.scale": "output_norm", "lm_head": "output"}
 

@@ -174,8 +174,8 @@ def test_truncated_file(tmp_path, tiny_untied, keep):
 
 def test_unsupported_architecture(tmp_path, tiny_untied):
     cfg, tensors = tiny_untied
-    path = fx.write_gguf(tmp_path / "a.gguf", cfg, tensors, arch="gemma2")
-    with pytest.raises(GGUFError, match=r"a\.gguf: unsupported architecture 'gemma2'"):
+    path = fx.write_gguf(tmp_path / "a.gguf", cfg, tensors, arch="falcon")
+    with pytest.raises(GGUFError, match=r"a\.gguf: unsupported architecture 'falcon'"):
         load_gguf(path)
 
 
@@ -415,6 +415,61 @@ def test_phi3_files_decode_like_transformers(tmp_path):
                             raw_tensors={"rope_factors_long.weight": longrope, "rope_factors_short.weight": longrope})
     with pytest.raises(GGUFError, match="LongRoPE"):
         load_gguf(refused)
+
+
+def test_gemma2_files_decode_like_transformers(tmp_path):
+    """A tiny transformers Gemma 2 (GeGLU, scaled embeddings, norms on the attention's and FFN's outputs, soft caps
+    that bind, a window of 4 in layers 0 and 2, head_dim 16) written as llama.cpp's converter writes it: norm weights
+    as 1 + w, the caps and window in the metadata, q/k rows kept. The query scale the file does not hold is llama.cpp's
+    rule (head_dim but for the 46-layer 27B model): the model is made with query_pre_attn_scalar = head_dim.
+    transformers' own GGUF reader reads the weights back (it subtracts the 1); jpinfer scores 12 tokens like the
+    PyTorch model."""
+    import torch  # the test extra
+
+    n_vocab = len(fx.tokenizer_fields()["tokenizer.ggml.tokens"])
+    ref = make_model("gemma2", tmp_path, vocab_size=n_vocab, query_pre_attn_scalar=16)
+    hf_cfg, tensors = load_hf(tmp_path)
+    metadata = {"gemma2.attention.sliding_window": 4, "gemma2.attn_logit_softcapping": 3.0,
+                "gemma2.final_logit_softcapping": 4.0}
+    path = fx.write_gguf(tmp_path / "tiny.gguf", hf_cfg, tensors, Q.F32, arch="gemma2", metadata=metadata)
+    cfg, ours, _ = load_gguf(path)
+    for field in ("ffn_kind", "head_dim", "sliding_window", "window_layers", "attn_scale", "attn_softcap",
+                  "logit_softcap", "sandwich_norms", "embed_scale", "tie_embeddings"):
+        assert getattr(cfg, field) == getattr(hf_cfg, field), field
+    for name in tensors:
+        np.testing.assert_array_equal(ours[name], tensors[name], err_msg=name)
+    from transformers import AutoModelForCausalLM
+
+    state = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32).state_dict()
+    gemma_norms = {"attn_norm": "input_layernorm", "attn_out_norm": "post_attention_layernorm",
+                   "ffn_norm": "pre_feedforward_layernorm", "ffn_out_norm": "post_feedforward_layernorm"}
+    for i in range(cfg.n_layers):  # transformers keeps Gemma's offsets w where the file and jpinfer hold 1 + w
+        for ours_name, theirs in gemma_norms.items():
+            np.testing.assert_allclose(ours[f"layers.{i}.{ours_name}.scale"],
+                                       state[f"model.layers.{i}.{theirs}.weight"].numpy() + 1.0, rtol=0,
+                                       atol=1e-6)  # two float32 roundings of values near 1: < 2.5e-7
+        np.testing.assert_array_equal(ours[f"layers.{i}.wq"], state[f"model.layers.{i}.self_attn.q_proj.weight"])
+    tokens = np.random.default_rng(1).integers(0, n_vocab, size=(1, 12))
+    with torch.no_grad():
+        expected = ref.double()(torch.tensor(tokens)).logits.numpy()
+    weights = params.build_weights(cfg, ours)
+    np.testing.assert_allclose(np.asarray(transformer.score(weights, jnp.asarray(tokens), cfg)), expected,
+                               atol=DECODER_ATOL, rtol=0)
+
+
+def test_gemma2_query_scale_follows_llama_cpps_rule():
+    """The file holds no query_pre_attn_scalar: llama.cpp scales queries by head_dim ** -0.5, but by
+    (d_model / heads) ** -0.5 for the 27B model (46 layers), as its checkpoint's config says (144)."""
+    from jpinfer.models.gguf_loader import config_from_metadata
+
+    def scale(layers):
+        meta = {"general.architecture": "gemma2", "tokenizer.ggml.tokens": ["a", "b"], "gemma2.embedding_length": 4608,
+                "gemma2.attention.head_count": 32, "gemma2.attention.key_length": 128, "gemma2.block_count": layers,
+                "gemma2.feed_forward_length": 64, "gemma2.attention.layer_norm_rms_epsilon": 1e-6,
+                "gemma2.context_length": 8192}
+        return config_from_metadata(meta, has_output=False, path="m.gguf").attn_scale
+
+    assert scale(46) == pytest.approx(144 ** -0.5) and scale(42) == pytest.approx(128 ** -0.5)
 
 
 # ---- the default model ----

@@ -1,4 +1,5 @@
-"""Load a GGUF file (llama.cpp's format) of architecture llama, qwen2, qwen3 or phi3 into jpinfer's flat tensor dict.
+"""Load a GGUF file (llama.cpp's format) of architecture llama, qwen2, qwen3, phi3 or gemma2 into jpinfer's flat
+tensor dict.
 
 The weights come back dequantized to float numpy arrays keyed and shaped like
 ``jpinfer.models.params.expected_shapes(cfg)`` (projections (out, in)), with the
@@ -52,10 +53,14 @@ _LAYER_TENSORS: dict[str, str] = {
     "attn_v.bias": "bv",
     "attn_q_norm.weight": "q_norm.scale",  # qwen3
     "attn_k_norm.weight": "k_norm.scale",
+    "post_attention_norm.weight": "attn_out_norm.scale",  # gemma2: the norms on the attention's and FFN's outputs
+    "post_ffw_norm.weight": "ffn_out_norm.scale",
 }
 # The architectures read (general.architecture, also the prefix of their metadata keys). llama.cpp's converter
-# permutes llama's q/k rows for its adjacent-pair RoPE; qwen2, qwen3 and phi3 keep Hugging Face's halves (NEOX).
-ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "phi3")
+# permutes llama's q/k rows for its adjacent-pair RoPE; qwen2, qwen3, phi3 and gemma2 keep Hugging Face's halves
+# (NEOX). gemma2's norm weights are stored as 1 + w, the scale jpinfer applies (its converter adds the 1).
+ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "phi3", "gemma2")
+GEMMA2_27B_LAYERS = 46  # llama.cpp's test for Gemma 2 27B, whose queries are scaled by d_model / heads
 # Phi-3's files keep q/k/v and gate/up fused, as its checkpoints do (gate rows first): the layer tensor -> the
 # separate tensors it stacks, in order (split on load; params.build_weights fuses them again)
 _FUSED_IN_FILE: dict[str, dict[str, tuple[str, ...]]] = {
@@ -170,15 +175,25 @@ def config_from_metadata(metadata: dict[str, Any], has_output: bool, path: os.Pa
     norm_eps = _float32_decimal(need(f"{arch}.attention.layer_norm_rms_epsilon"))
     rope_theta = _float32_decimal(metadata.get(f"{arch}.rope.freq_base", 10000.0))
     rope_scaling = None
+    n_layers = int(need(f"{arch}.block_count"))
+    window = _optional_int(metadata.get(f"{arch}.attention.sliding_window")) if arch in ("phi3", "gemma2") else None
+    gemma = {}
+    if arch == "gemma2":  # what the file does not say is fixed by the architecture, as llama.cpp reads it
+        softcap = lambda key: float(metadata[key]) if metadata.get(key) else None
+        scalar = d_model / n_heads if n_layers == GEMMA2_27B_LAYERS else head_dim  # query_pre_attn_scalar
+        gemma = dict(ffn_kind="geglu", sandwich_norms=True, embed_scale=float(d_model) ** 0.5,
+                     attn_scale=float(scalar) ** -0.5, attn_softcap=softcap(f"{arch}.attn_logit_softcapping"),
+                     logit_softcap=softcap(f"{arch}.final_logit_softcapping"),
+                     window_layers=None if window is None else tuple(range(0, n_layers, 2)))  # every other, from 0
     try:
         if scaling == "linear":
             rope_scaling = RopeScaling("linear", factor=float(need(f"{arch}.rope.scaling.factor")))
         elif rope_factors is not None:
             rope_scaling = RopeScaling("factors", frequency_factors=rope_factors)
-        return ModelConfig(
+        fields = dict(
             vocab_size=len(tokens),
             d_model=d_model,
-            n_layers=int(need(f"{arch}.block_count")),
+            n_layers=n_layers,
             n_heads=n_heads,
             n_kv_heads=int(metadata.get(f"{arch}.attention.head_count_kv", n_heads)),
             head_dim=head_dim,
@@ -190,8 +205,7 @@ def config_from_metadata(metadata: dict[str, Any], has_output: bool, path: os.Pa
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position=int(need(f"{arch}.context_length")),
-            # Phi-3's window, in every layer (llama.cpp's converter writes it for phi3 only)
-            sliding_window=_optional_int(metadata.get(f"{arch}.attention.sliding_window")) if arch == "phi3" else None,
+            sliding_window=window,  # phi3: in every layer; gemma2: in every other
             tie_embeddings=not has_output,
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=eos_ids,
@@ -200,6 +214,7 @@ def config_from_metadata(metadata: dict[str, Any], has_output: bool, path: os.Pa
             architecture=arch,
             name=str(metadata.get("general.name", pathlib.Path(path).stem)),
         )
+        return ModelConfig(**(fields | gemma))
     except ValueError as err:
         raise GGUFError(path, f"inconsistent model metadata: {err}") from err
 
