@@ -417,34 +417,50 @@ def test_phi3_files_decode_like_transformers(tmp_path):
         load_gguf(refused)
 
 
-def test_gemma2_files_decode_like_transformers(tmp_path):
-    """A tiny transformers Gemma 2 (GeGLU, scaled embeddings, norms on the attention's and FFN's outputs, soft caps
-    that bind, a window of 4 in layers 0 and 2, head_dim 16) written as llama.cpp's converter writes it: norm weights
-    as 1 + w, the caps and window in the metadata, q/k rows kept. The query scale the file does not hold is llama.cpp's
-    rule (head_dim but for the 46-layer 27B model): the model is made with query_pre_attn_scalar = head_dim.
-    transformers' own GGUF reader reads the weights back (it subtracts the 1); jpinfer scores 12 tokens like the
-    PyTorch model."""
-    import torch  # the test extra
+# Gemma as llama.cpp reads it: what the file does not hold is fixed by the architecture (the query scale: head_dim;
+# Gemma 3: five sliding layers in six at a RoPE base of 10000), so the tiny models are made that way
+GEMMA_FILES = {
+    "gemma2": ({"query_pre_attn_scalar": 16},
+               {"gemma2.attention.sliding_window": 4, "gemma2.attn_logit_softcapping": 3.0,
+                "gemma2.final_logit_softcapping": 4.0}),
+    "gemma3": ({"query_pre_attn_scalar": 12, "num_hidden_layers": 6,
+                "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+                "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 2000.0},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
+               {"gemma3.attention.sliding_window": 4, "gemma3.rope.scaling.type": "linear",
+                "gemma3.rope.scaling.factor": 4.0}),
+}
 
+
+@pytest.mark.parametrize("arch", sorted(GEMMA_FILES))
+def test_gemma_files_decode_like_transformers(arch, tmp_path):
+    """A tiny transformers Gemma 2 (GeGLU, scaled embeddings, norms on the attention's and FFN's outputs, soft caps
+    that bind, a window of 4 in layers 0 and 2, head_dim 16) or Gemma 3 (q/k norms, no caps, layer 5 global with
+    linear RoPE scaling, the others sliding at their own base) written as llama.cpp's converter writes it: every norm
+    weight as 1 + w, the caps, window and scaling in the metadata, q/k rows kept. transformers' own GGUF reader reads
+    the weights back (it subtracts the 1); jpinfer scores 12 tokens (past the window) like the PyTorch model."""
+    import torch  # the test extra
+    from transformers import AutoModelForCausalLM
+
+    changes, metadata = GEMMA_FILES[arch]
     n_vocab = len(fx.tokenizer_fields()["tokenizer.ggml.tokens"])
-    ref = make_model("gemma2", tmp_path, vocab_size=n_vocab, query_pre_attn_scalar=16)
+    ref = make_model(arch, tmp_path, vocab_size=n_vocab, **changes)
     hf_cfg, tensors = load_hf(tmp_path)
-    metadata = {"gemma2.attention.sliding_window": 4, "gemma2.attn_logit_softcapping": 3.0,
-                "gemma2.final_logit_softcapping": 4.0}
-    path = fx.write_gguf(tmp_path / "tiny.gguf", hf_cfg, tensors, Q.F32, arch="gemma2", metadata=metadata)
+    path = fx.write_gguf(tmp_path / "tiny.gguf", hf_cfg, tensors, Q.F32, arch=arch, metadata=metadata)
     cfg, ours, _ = load_gguf(path)
     for field in ("ffn_kind", "head_dim", "sliding_window", "window_layers", "attn_scale", "attn_softcap",
-                  "logit_softcap", "sandwich_norms", "embed_scale", "tie_embeddings"):
+                  "logit_softcap", "sandwich_norms", "embed_scale", "tie_embeddings", "qk_norm", "rope_theta",
+                  "local_rope_theta", "rope_scaling"):
         assert getattr(cfg, field) == getattr(hf_cfg, field), field
     for name in tensors:
         np.testing.assert_array_equal(ours[name], tensors[name], err_msg=name)
-    from transformers import AutoModelForCausalLM
-
     state = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32).state_dict()
-    gemma_norms = {"attn_norm": "input_layernorm", "attn_out_norm": "post_attention_layernorm",
-                   "ffn_norm": "pre_feedforward_layernorm", "ffn_out_norm": "post_feedforward_layernorm"}
+    norms = {"attn_norm": "input_layernorm", "attn_out_norm": "post_attention_layernorm",
+             "ffn_norm": "pre_feedforward_layernorm", "ffn_out_norm": "post_feedforward_layernorm"}
+    if cfg.qk_norm:
+        norms |= {"q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"}
     for i in range(cfg.n_layers):  # transformers keeps Gemma's offsets w where the file and jpinfer hold 1 + w
-        for ours_name, theirs in gemma_norms.items():
+        for ours_name, theirs in norms.items():
             np.testing.assert_allclose(ours[f"layers.{i}.{ours_name}.scale"],
                                        state[f"model.layers.{i}.{theirs}.weight"].numpy() + 1.0, rtol=0,
                                        atol=1e-6)  # two float32 roundings of values near 1: < 2.5e-7
@@ -457,19 +473,21 @@ def test_gemma2_files_decode_like_transformers(tmp_path):
                                atol=DECODER_ATOL, rtol=0)
 
 
-def test_gemma2_query_scale_follows_llama_cpps_rule():
+@pytest.mark.parametrize("arch, big", [("gemma2", 46), ("gemma3", 62)])
+def test_gemma_query_scale_follows_llama_cpps_rule(arch, big):
     """The file holds no query_pre_attn_scalar: llama.cpp scales queries by head_dim ** -0.5, but by
-    (d_model / heads) ** -0.5 for the 27B model (46 layers), as its checkpoint's config says (144)."""
+    (d_model / heads) ** -0.5 for the 27B models (46 layers for Gemma 2, 62 for Gemma 3), as their checkpoints'
+    configs say (144 = 4608 / 32 for Gemma 2 27B)."""
     from jpinfer.models.gguf_loader import config_from_metadata
 
     def scale(layers):
-        meta = {"general.architecture": "gemma2", "tokenizer.ggml.tokens": ["a", "b"], "gemma2.embedding_length": 4608,
-                "gemma2.attention.head_count": 32, "gemma2.attention.key_length": 128, "gemma2.block_count": layers,
-                "gemma2.feed_forward_length": 64, "gemma2.attention.layer_norm_rms_epsilon": 1e-6,
-                "gemma2.context_length": 8192}
+        meta = {"general.architecture": arch, "tokenizer.ggml.tokens": ["a", "b"], f"{arch}.embedding_length": 4608,
+                f"{arch}.attention.head_count": 32, f"{arch}.attention.key_length": 128, f"{arch}.block_count": layers,
+                f"{arch}.feed_forward_length": 64, f"{arch}.attention.layer_norm_rms_epsilon": 1e-6,
+                f"{arch}.context_length": 8192}
         return config_from_metadata(meta, has_output=False, path="m.gguf").attn_scale
 
-    assert scale(46) == pytest.approx(144 ** -0.5) and scale(42) == pytest.approx(128 ** -0.5)
+    assert scale(big) == pytest.approx(144 ** -0.5) and scale(big - 4) == pytest.approx(128 ** -0.5)
 
 
 # ---- the default model ----

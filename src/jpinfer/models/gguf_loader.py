@@ -1,5 +1,5 @@
-"""Load a GGUF file (llama.cpp's format) of architecture llama, qwen2, qwen3, phi3 or gemma2 into jpinfer's flat
-tensor dict.
+"""Load a GGUF file (llama.cpp's format) of architecture llama, qwen2, qwen3, phi3, gemma2 or gemma3 into jpinfer's
+flat tensor dict.
 
 The weights come back dequantized to float numpy arrays keyed and shaped like
 ``jpinfer.models.params.expected_shapes(cfg)`` (projections (out, in)), with the
@@ -57,10 +57,15 @@ _LAYER_TENSORS: dict[str, str] = {
     "post_ffw_norm.weight": "ffn_out_norm.scale",
 }
 # The architectures read (general.architecture, also the prefix of their metadata keys). llama.cpp's converter
-# permutes llama's q/k rows for its adjacent-pair RoPE; qwen2, qwen3, phi3 and gemma2 keep Hugging Face's halves
-# (NEOX). gemma2's norm weights are stored as 1 + w, the scale jpinfer applies (its converter adds the 1).
-ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "phi3", "gemma2")
-GEMMA2_27B_LAYERS = 46  # llama.cpp's test for Gemma 2 27B, whose queries are scaled by d_model / heads
+# permutes llama's q/k rows for its adjacent-pair RoPE; the others keep Hugging Face's halves (NEOX). Gemma's norm
+# weights (q/k norms too) are stored as 1 + w, the scale jpinfer applies (its converter adds the 1).
+ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+# What a Gemma file does not hold, llama.cpp fixes by architecture: the 27B models (by their layer count) scale
+# queries by (d_model / heads) ** -0.5, the others by head_dim ** -0.5; Gemma 2 slides in every other layer from the
+# first, Gemma 3 in five layers of six, at a RoPE base of 10000, unscaled
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+GEMMA_WINDOW_PATTERN = {"gemma2": 2, "gemma3": 6}
+GEMMA3_LOCAL_ROPE_THETA = 10000.0
 # Phi-3's files keep q/k/v and gate/up fused, as its checkpoints do (gate rows first): the layer tensor -> the
 # separate tensors it stacks, in order (split on load; params.build_weights fuses them again)
 _FUSED_IN_FILE: dict[str, dict[str, tuple[str, ...]]] = {
@@ -176,15 +181,20 @@ def config_from_metadata(metadata: dict[str, Any], has_output: bool, path: os.Pa
     rope_theta = _float32_decimal(metadata.get(f"{arch}.rope.freq_base", 10000.0))
     rope_scaling = None
     n_layers = int(need(f"{arch}.block_count"))
-    window = _optional_int(metadata.get(f"{arch}.attention.sliding_window")) if arch in ("phi3", "gemma2") else None
+    windowed = arch in ("phi3", *GEMMA_WINDOW_PATTERN)
+    window = _optional_int(metadata.get(f"{arch}.attention.sliding_window")) if windowed else None
     gemma = {}
-    if arch == "gemma2":  # what the file does not say is fixed by the architecture, as llama.cpp reads it
+    if arch in GEMMA_WINDOW_PATTERN:
         softcap = lambda key: float(metadata[key]) if metadata.get(key) else None
-        scalar = d_model / n_heads if n_layers == GEMMA2_27B_LAYERS else head_dim  # query_pre_attn_scalar
+        scalar = d_model / n_heads if n_layers == GEMMA_27B_LAYERS[arch] else head_dim  # query_pre_attn_scalar
+        pattern = GEMMA_WINDOW_PATTERN[arch]
         gemma = dict(ffn_kind="geglu", sandwich_norms=True, embed_scale=float(d_model) ** 0.5,
                      attn_scale=float(scalar) ** -0.5, attn_softcap=softcap(f"{arch}.attn_logit_softcapping"),
                      logit_softcap=softcap(f"{arch}.final_logit_softcapping"),
-                     window_layers=None if window is None else tuple(range(0, n_layers, 2)))  # every other, from 0
+                     window_layers=None if window is None else tuple(i for i in range(n_layers)
+                                                                     if i % pattern < pattern - 1))
+        if arch == "gemma3" and window is not None:
+            gemma["local_rope_theta"] = GEMMA3_LOCAL_ROPE_THETA
     try:
         if scaling == "linear":
             rope_scaling = RopeScaling("linear", factor=float(need(f"{arch}.rope.scaling.factor")))
@@ -205,12 +215,12 @@ def config_from_metadata(metadata: dict[str, Any], has_output: bool, path: os.Pa
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position=int(need(f"{arch}.context_length")),
-            sliding_window=window,  # phi3: in every layer; gemma2: in every other
+            sliding_window=window,  # phi3: in every layer; Gemma: in some (GEMMA_WINDOW_PATTERN)
             tie_embeddings=not has_output,
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=eos_ids,
             qkv_bias=arch == "qwen2",
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "gemma3"),
             architecture=arch,
             name=str(metadata.get("general.name", pathlib.Path(path).stem)),
         )
