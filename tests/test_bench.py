@@ -56,7 +56,7 @@ def test_load_with_a_pack_takes_its_artifacts(env):
         np.testing.assert_array_equal(np.asarray(part.hot_ids), np.flatnonzero(mask))
     threshold = jpinfer.load(model, mode="threshold", pack=pack_dir)
     for state, expected in zip(threshold.ffn.state, pack.thresholds.activation):
-        assert float(state.activation_threshold) == float(expected)
+        assert float(state.ffn.activation_threshold) == float(expected)
     cfg = tiny_config()
     other = write_gguf(pack_dir.parent / "other.gguf", cfg, random_tensors(cfg, seed=1))
     with pytest.raises(jpinfer.ArtifactError, match="prepared for model"):
