@@ -306,13 +306,30 @@ _HF_NAMES = {
 }
 
 
-def hf_state_as_ours(path, names) -> dict[str, np.ndarray]:
-    """transformers' own GGUF load of ``path``, renamed to jpinfer's convention."""
+def transformers_gguf_state(path) -> dict[str, np.ndarray]:
+    """transformers' own GGUF load of ``path``: its model's state, in transformers' names."""
     import torch  # the test extra; transformers' GGUF reader also needs accelerate
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    state = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    return {k: v.detach().numpy() for k, v in model.state_dict().items()}
+
+
+def assert_scores_like(ref, cfg, ours, n_vocab: int) -> None:
+    """jpinfer's model of ``ours`` scores 12 random tokens like the PyTorch model ``ref`` (float64)."""
+    import torch  # the test extra
+
+    tokens = np.random.default_rng(1).integers(0, n_vocab, size=(1, 12))
+    with torch.no_grad():
+        expected = ref.double()(torch.tensor(tokens)).logits.numpy()
+    weights = params.build_weights(cfg, ours)
+    np.testing.assert_allclose(np.asarray(transformer.score(weights, jnp.asarray(tokens), cfg)), expected,
+                               atol=DECODER_ATOL, rtol=0)
+
+
+def hf_state_as_ours(path, names) -> dict[str, np.ndarray]:
+    """transformers' own GGUF load of ``path``, renamed to jpinfer's convention."""
+    state = transformers_gguf_state(path)
     out = {}
     for name in names:
         if name == "embed":
@@ -343,7 +360,6 @@ def test_qwen_files_decode_like_transformers(arch, tmp_path):
     it) written as llama.cpp's converter writes it (q/k rows kept: NEOX RoPE): transformers' own GGUF reader reads
     the model's weights back from it (the file is what llama.cpp writes), and jpinfer's load of it scores like
     the PyTorch model, prefill and decode."""
-    import torch  # the test extra
 
     n_vocab = len(fx.tokenizer_fields()["tokenizer.ggml.tokens"])
     ref = make_model(arch, tmp_path, vocab_size=n_vocab, head_dim=128 if arch == "qwen3" else 8)
@@ -355,12 +371,7 @@ def test_qwen_files_decode_like_transformers(arch, tmp_path):
     theirs = hf_state_as_ours(path, [n for n in ours if n != "lm_head"])
     for name in theirs:
         np.testing.assert_array_equal(ours[name], theirs[name], err_msg=name)
-    tokens = np.random.default_rng(1).integers(0, n_vocab, size=(1, 12))
-    with torch.no_grad():
-        expected = ref.double()(torch.tensor(tokens)).logits.numpy()
-    weights = params.build_weights(cfg, ours)
-    np.testing.assert_allclose(np.asarray(transformer.score(weights, jnp.asarray(tokens), cfg)), expected,
-                               atol=DECODER_ATOL, rtol=0)
+    assert_scores_like(ref, cfg, ours, n_vocab)
 
 
 def test_phi3_files_decode_like_transformers(tmp_path):
@@ -369,8 +380,6 @@ def test_phi3_files_decode_like_transformers(tmp_path):
     phi3.attention.sliding_window. transformers' own GGUF reader reads the model's fused weights back from it (the
     file is what llama.cpp writes); jpinfer splits them exactly and scores 12 tokens (past the window) like the
     PyTorch model. Its 4-bit blocks are read fused as stored; LongRoPE's factor tensors are refused."""
-    import torch  # the test extra
-    from transformers import AutoModelForCausalLM
 
     from jpinfer.models import gguf_loader
     from jpinfer.quant import q4
@@ -385,17 +394,12 @@ def test_phi3_files_decode_like_transformers(tmp_path):
     assert set(ours) == set(tensors)
     for name in tensors:
         np.testing.assert_array_equal(ours[name], tensors[name], err_msg=name)
-    state = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32).state_dict()
+    state = transformers_gguf_state(path)
     for i in range(cfg.n_layers):
         for theirs, parts in (("self_attn.qkv_proj", ("wq", "wk", "wv")), ("mlp.gate_up_proj", ("w_gate", "w_up"))):
             np.testing.assert_array_equal(np.concatenate([ours[f"layers.{i}.{p}"] for p in parts]),
-                                          state[f"model.layers.{i}.{theirs}.weight"].numpy())
-    tokens = np.random.default_rng(1).integers(0, n_vocab, size=(1, 12))
-    with torch.no_grad():
-        expected = ref.double()(torch.tensor(tokens)).logits.numpy()
-    weights = params.build_weights(cfg, ours)
-    np.testing.assert_allclose(np.asarray(transformer.score(weights, jnp.asarray(tokens), cfg)), expected,
-                               atol=DECODER_ATOL, rtol=0)
+                                          state[f"model.layers.{i}.{theirs}.weight"])
+    assert_scores_like(ref, cfg, ours, n_vocab)
 
     # the down projection's 40 inputs are no whole number of 32-blocks: kept in F32, as llama.cpp would
     f32_down = {f"layers.{i}.w_down": Q.F32 for i in range(cfg.n_layers)}
@@ -439,8 +443,6 @@ def test_gemma_files_decode_like_transformers(arch, tmp_path):
     linear RoPE scaling, the others sliding at their own base) written as llama.cpp's converter writes it: every norm
     weight as 1 + w, the caps, window and scaling in the metadata, q/k rows kept. transformers' own GGUF reader reads
     the weights back (it subtracts the 1); jpinfer scores 12 tokens (past the window) like the PyTorch model."""
-    import torch  # the test extra
-    from transformers import AutoModelForCausalLM
 
     changes, metadata = GEMMA_FILES[arch]
     n_vocab = len(fx.tokenizer_fields()["tokenizer.ggml.tokens"])
@@ -454,7 +456,7 @@ def test_gemma_files_decode_like_transformers(arch, tmp_path):
         assert getattr(cfg, field) == getattr(hf_cfg, field), field
     for name in tensors:
         np.testing.assert_array_equal(ours[name], tensors[name], err_msg=name)
-    state = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32).state_dict()
+    state = transformers_gguf_state(path)
     norms = {"attn_norm": "input_layernorm", "attn_out_norm": "post_attention_layernorm",
              "ffn_norm": "pre_feedforward_layernorm", "ffn_out_norm": "post_feedforward_layernorm"}
     if cfg.qk_norm:
@@ -462,15 +464,10 @@ def test_gemma_files_decode_like_transformers(arch, tmp_path):
     for i in range(cfg.n_layers):  # transformers keeps Gemma's offsets w where the file and jpinfer hold 1 + w
         for ours_name, theirs in norms.items():
             np.testing.assert_allclose(ours[f"layers.{i}.{ours_name}.scale"],
-                                       state[f"model.layers.{i}.{theirs}.weight"].numpy() + 1.0, rtol=0,
+                                       state[f"model.layers.{i}.{theirs}.weight"] + 1.0, rtol=0,
                                        atol=1e-6)  # two float32 roundings of values near 1: < 2.5e-7
         np.testing.assert_array_equal(ours[f"layers.{i}.wq"], state[f"model.layers.{i}.self_attn.q_proj.weight"])
-    tokens = np.random.default_rng(1).integers(0, n_vocab, size=(1, 12))
-    with torch.no_grad():
-        expected = ref.double()(torch.tensor(tokens)).logits.numpy()
-    weights = params.build_weights(cfg, ours)
-    np.testing.assert_allclose(np.asarray(transformer.score(weights, jnp.asarray(tokens), cfg)), expected,
-                               atol=DECODER_ATOL, rtol=0)
+    assert_scores_like(ref, cfg, ours, n_vocab)
 
 
 @pytest.mark.parametrize("arch, big", [("gemma2", 46), ("gemma3", 62)])

@@ -94,13 +94,14 @@ def _thresholds(run: _Run) -> Any:
     kinds = {"activation": targets.get("activation"), "input": targets.get("input"), "qkv": attention, "o": attention}
     greedy = wide is not None or targets["allocation"] == "greedy"
     hists, sensitivities = run.result("calibration"), None
-    if (attention is not None or wide is not None) and not set(ATTENTION) <= set(hists):
-        # a calibration written before the attention's histograms existed: take them again (not stored: the
-        # stage's key, and so the profile and predictors made after it, stay valid)
-        tokens, n = run.calibration_windows()
+    # a calibration written before the attention's histograms existed: take them again (not stored: the stage's
+    # key, and so the profile and predictors made after it, stay valid)
+    rehistogram = (attention is not None or wide is not None) and not set(ATTENTION) <= set(hists)
+    if rehistogram or greedy:
+        tokens, n = run.calibration_windows()  # tokenized once for both
+    if rehistogram:
         hists = histograms(run.model, tokens[:n], progress=run.progress)
     if greedy:
-        tokens, n = run.calibration_windows()
         if len(tokens) < 2 * n:
             raise JpinferError(f"greedy allocation holds out {n} windows after the {n} it calibrates on; the corpus "
                                f"gave {len(tokens)}: use a longer corpus or fewer calibration_tokens")

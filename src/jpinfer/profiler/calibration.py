@@ -157,7 +157,8 @@ class _HistogramFFN:
     pending: _Pending = dataclasses.field(default_factory=_Pending)
 
     def project(self, i: int, layer: Layer, name: str, x: jax.Array, state) -> jax.Array:
-        self.pending[i, name] = _count(jnp.abs(x), state[1])
+        _, valid, _ = state
+        self.pending[i, name] = _count(jnp.abs(x), valid)
         return transformer.dense_projection(layer, name, x)
 
     def __call__(self, i: int, layer: Layer, x: jax.Array, state) -> tuple[jax.Array, jax.Array]:
