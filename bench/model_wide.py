@@ -7,7 +7,8 @@ Protocol (CPU, float32):
   (layer, kind)'s loss increase on the next as many valid windows (never on test text);
 - points (``--points``): ``ffn:A+I`` activation A and input I uniform (FFN only); ``all:A+I+Q`` the same plus
   attention Q uniform; ``ffn-greedy:T`` / ``all-greedy:T``: model-wide greedy over the FFN's kinds / over every
-  kind, skipping the fraction T of those matrices' bytes (``profiler.sparsity.model_wide_thresholds``);
+  kind, skipping the fraction T of those matrices' bytes (``profiler.sparsity.model_wide_greedy``: of the Fisher
+  allocation over (layer, kind), the measured one over kinds and uniform, the least held-out loss);
 - quality: WikiText-2 test perplexity (``--test-windows`` x 512 tokens) of exactly what the engine computes
   (``ffn.evaluate`` with the threshold mode's layer states, attention products included);
 - bytes: weight bytes a decode step reads, all weights but the embedding table (the tied head included), as a
@@ -54,10 +55,11 @@ def parse(point: str) -> tuple[str, dict[str, float] | float]:
     return family, targets
 
 
-def thresholds_for(family, spec, hists, sens, cfg) -> sparsity.SparsityThresholds:
+def thresholds_for(family, spec, hists, model, heldout, sens) -> sparsity.SparsityThresholds:
     if family.endswith("greedy"):  # ffn-greedy: the same allocation over the FFN's kinds only
         kinds = sparsity.FFN_KINDS if family == "ffn-greedy" else sparsity.KINDS
-        return sparsity.model_wide_thresholds(hists, sens, cfg, spec, kinds)
+        return sparsity.model_wide_greedy(model, hists, spec, heldout, kinds=kinds,
+                                          sensitivities={kind: sens[kind] for kind in kinds}, progress=True)
     targets = {"activation": spec.get("activation"), "input": spec.get("input"),
                "qkv": spec.get("attention"), "o": spec.get("attention")}
     return sparsity.from_histograms(hists, targets, "uniform")
@@ -132,11 +134,12 @@ def main() -> None:
     total = weights_read_per_token(dense)
     rows, chosen = [], {}
     for text, family, spec in points:
-        th = thresholds_for(family, spec, hists, sens, cfg)
+        th = thresholds_for(family, spec, hists, dense, valid[n_cal:], sens)
         ppl, _ = evaluate(dense, test, ThresholdRowsFFN(), threshold_states(dense.model, th), progress=True)
         rows.append(dict(point=text, family=family, describe=th.describe(), ppl=ppl, ppl_ratio=ppl / dense_ppl,
                          bytes_ratio=kept_bytes(th, test_hists, layer_bytes, total),
-                         layer_sparsity={k: [float(v) for v in s] for k, s in th.layer_sparsity.items()}))
+                         layer_sparsity={k: [float(v) for v in s] for k, s in th.layer_sparsity.items()},
+                         allocation=th.meta.get("allocation"), held_out_loss=th.meta.get("held_out_loss")))
         chosen[text] = th
         print(rows[-1]["describe"], f"ppl x{rows[-1]['ppl_ratio']:.3f} bytes x{rows[-1]['bytes_ratio']:.3f}",
               flush=True)
@@ -189,6 +192,14 @@ def main() -> None:
         lines += ["", f"Fewest bytes within {args.ppl_bound}x dense perplexity, {label}: "
                   + (f"`{best['point']}` at {best['bytes_ratio']:.3f} of dense ({best['ppl_ratio']:.3f}x)."
                      if best else "none.")]
+    choices = [r for r in rows if r["held_out_loss"]]
+    if choices:
+        names = list(choices[0]["held_out_loss"])
+        lines += ["", "The greedy points' candidate allocations: mean next-token NLL on the held-out valid windows "
+                  "(the least is kept):", "", "| point | " + " | ".join(names) + " | kept |",
+                  "|---|" + "---|" * (len(names) + 1)]
+        lines += [f"| {r['point']} | " + " | ".join(f"{r['held_out_loss'][n]:.4f}" for n in names)
+                  + f" | {r['allocation']} |" for r in choices]
     greedy = [r for r in rows if r["family"] == "all-greedy"]
     if greedy:
         shown = min((r for r in greedy if r in within), key=lambda r: r["bytes_ratio"], default=greedy[0])

@@ -452,6 +452,13 @@ def logits(weights: Weights, h: jax.Array, cfg: ModelConfig) -> jax.Array:
     return _softcap(jax.lax.platform_dependent(h, weights.head, cpu=native, default=xla), cfg.logit_softcap)
 
 
+def next_token_nll(weights: Weights, h: jax.Array, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """(B, T - 1) float32 negative log-likelihood of each next token given the final hidden states h (B, T, d)
+    of ``tokens`` (B, T)."""
+    lg = logits(weights, h[:, :-1], cfg)
+    return jax.nn.logsumexp(lg, -1) - jnp.take_along_axis(lg, tokens[:, 1:, None], -1)[..., 0]
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "ffn_impl", "attend"), donate_argnames=("cache",))
 def prefill(
     weights: Weights,

@@ -32,9 +32,9 @@ from jpinfer.pack.settings import DEPENDS, STAGES, PackSettings, stage_inputs, s
 from jpinfer.pack.store import FILES, Pack, PackError, PackMismatchError
 from jpinfer.predictor import SearchConfig, TrainConfig, train_predictors
 from jpinfer.predictor.store import Predictors
-from jpinfer.profiler import ActivationProfile, Corpus, SamplesError, profile, sensitivity, token_windows, uniform
+from jpinfer.profiler import ActivationProfile, Corpus, SamplesError, profile, token_windows, uniform
 from jpinfer.profiler.calibration import ATTENTION
-from jpinfer.profiler.sparsity import from_histograms, histograms, model_wide_kinds, model_wide_thresholds
+from jpinfer.profiler.sparsity import from_histograms, greedy_thresholds, histograms, model_wide_greedy
 from jpinfer.solver import Placement, measure_hardware, preset
 
 LOADERS: dict[str, Callable[[pathlib.Path], Any]] = {
@@ -93,7 +93,7 @@ def _thresholds(run: _Run) -> Any:
     attention = targets.get("attention")
     kinds = {"activation": targets.get("activation"), "input": targets.get("input"), "qkv": attention, "o": attention}
     greedy = wide is not None or targets["allocation"] == "greedy"
-    hists, sensitivities = run.result("calibration"), None
+    hists = run.result("calibration")
     # a calibration written before the attention's histograms existed: take them again (not stored: the stage's
     # key, and so the profile and predictors made after it, stay valid)
     rehistogram = (attention is not None or wide is not None) and not set(ATTENTION) <= set(hists)
@@ -101,18 +101,15 @@ def _thresholds(run: _Run) -> Any:
         tokens, n = run.calibration_windows()  # tokenized once for both
     if rehistogram:
         hists = histograms(run.model, tokens[:n], progress=run.progress)
-    if greedy:
-        if len(tokens) < 2 * n:
-            raise JpinferError(f"greedy allocation holds out {n} windows after the {n} it calibrates on; the corpus "
-                               f"gave {len(tokens)}: use a longer corpus or fewer calibration_tokens")
-        measured = model_wide_kinds(run.model.cfg.ffn_kind) if wide is not None else [
-            kind for kind, target in kinds.items() if target is not None]
-        sensitivities = {kind: sensitivity(run.model, tokens[n:2 * n], hists[kind], progress=run.progress)
-                         for kind in measured}
+    if greedy and len(tokens) < 2 * n:
+        raise JpinferError(f"greedy allocation holds out {n} windows after the {n} it calibrates on; the corpus "
+                           f"gave {len(tokens)}: use a longer corpus or fewer calibration_tokens")
     if wide is not None:
-        thresholds = model_wide_thresholds(hists, sensitivities, run.model.cfg, wide)
+        thresholds = model_wide_greedy(run.model, hists, wide, tokens[n:2 * n], progress=run.progress)
+    elif greedy:
+        thresholds = greedy_thresholds(run.model, hists, kinds, tokens[n:2 * n], progress=run.progress)
     else:
-        thresholds = from_histograms(hists, kinds, targets["allocation"], sensitivities)
+        thresholds = from_histograms(hists, kinds, "uniform")
     with artifacts.atomic_write(run.path / FILES["thresholds"]) as tmp:
         tmp.write_text(artifacts.json_with_checksum(thresholds.to_dict()))
     return thresholds

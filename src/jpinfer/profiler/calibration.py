@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -241,9 +242,7 @@ def _window_derivatives(weights, tokens, valid, level_thresholds, cfg, score):
     def loss(probes):
         cache = transformer.KVCache.create(cfg, b, t, weights.dtype)
         h, _, aux = transformer.forward(weights, tokens, cache, cfg, impl, probes)
-        lg = transformer.logits(weights, h[:, :-1], cfg)
-        nll = jax.nn.logsumexp(lg, -1) - jnp.take_along_axis(lg, tokens[:, 1:, None], -1)[..., 0]
-        return jnp.sum(nll * valid[:, None]), aux
+        return jnp.sum(transformer.next_token_nll(weights, h, tokens, cfg) * valid[:, None]), aux
 
     grads, aux = jax.grad(loss, has_aux=True)(probes)
     out = []
@@ -317,6 +316,37 @@ def greedy_levels(cost: np.ndarray, levels: np.ndarray, weight: np.ndarray, targ
     if last is not None:
         s[last] -= (s @ share - target) / share[last]
     return s
+
+
+@dataclasses.dataclass(frozen=True)
+class _SkippingFFN:
+    """Dense model with what the threshold mode skips zeroed. Per layer, (4,) float32 thresholds in
+    ``histograms``' order: on the neuron activations |a| (the down rows), the FFN input |x_j| (gate/up rows), the
+    q|k|v input and the o input; an entry at or under its threshold is zeroed (-1 keeps a kind whole). The
+    activations come from the FFN input as skipped, as in the threshold mode."""
+
+    cfg: ModelConfig
+
+    def project(self, i: int, layer: Layer, name: str, x: jax.Array, state: jax.Array) -> jax.Array:
+        kept = jnp.abs(x) > state[2 if name == QKV else 3]
+        return transformer.dense_projection(layer, name, jnp.where(kept, x, 0))
+
+    def __call__(self, i: int, layer: Layer, x: jax.Array, state: jax.Array) -> tuple[jax.Array, None]:
+        a, s = activation_and_score(layer, jnp.where(jnp.abs(x) > state[1], x, 0), self.cfg, "product")
+        return transformer.ffn_down(layer, jnp.where(s > state[0], a, 0)), None
+
+
+def held_out_loss(model: ModelArg, windows: Any, thresholds: np.ndarray, *, batch_size: int = 4) -> float:
+    """Mean next-token NLL on ``windows`` of the model with what ``thresholds`` (n_layers, 4: per layer its
+    activation, FFN input, q|k|v input and o input thresholds; -1 keeps a kind whole) skip zeroed: the measured
+    loss an allocation is judged by."""
+    loaded = resolve_model(model)
+    thresholds = np.asarray(thresholds, np.float32)
+    if thresholds.shape != (loaded.cfg.n_layers, 4):
+        raise ValueError(f"thresholds must be (n_layers, 4) = ({loaded.cfg.n_layers}, 4), got {thresholds.shape}")
+    ppl, _ = passes.evaluate(loaded, windows, _SkippingFFN(loaded.cfg), jnp.asarray(thresholds),
+                             batch_size=batch_size)
+    return math.log(ppl)
 
 
 def calibrate(

@@ -3,13 +3,16 @@
 Every profiler statistic is gathered the same way: a static, hashable *collector* replaces
 the dense FFN in ``transformer.forward`` (``ffn_impl``), returns the dense FFN output so the
 model runs unchanged, and emits per-layer aux statistics for one batch. The host adds the
-batch results into fixed-size accumulators, so nothing grows with the corpus.
+batch results into fixed-size accumulators, so nothing grows with the corpus. ``evaluate`` is the
+same pass scored: the perplexity of the model with any ``ffn_impl`` (the profiler measures held-out
+losses with it; the FFN strategies their accuracy).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, Callable, Iterator
 
 import jax
@@ -18,7 +21,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jpinfer.models import transformer
-from jpinfer.models.loading import LoadedModel
+from jpinfer.models.loading import LoadedModel, ModelArg, resolve_model
 from jpinfer.profiler.corpus import TokenWindows
 
 
@@ -112,3 +115,43 @@ def _finish(pending, bar) -> tuple[int, np.ndarray, list[Any]]:
     out = jax.tree_util.tree_map(np.asarray, out)
     bar.update(int(valid.sum()))
     return start, valid, out
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "ffn_impl"))
+def _nll_sum(weights, tokens, valid, ffn_state, cfg, ffn_impl):
+    """Summed next-token NLL over the valid windows (B,) of a batch, and per-layer aux
+    sums over the valid windows' tokens (every aux leaf is (B, T))."""
+    cache = transformer.KVCache.create(cfg, tokens.shape[0], tokens.shape[1], weights.dtype)
+    h, _, aux = transformer.forward(weights, tokens, cache, cfg, ffn_impl, ffn_state)
+    nll = transformer.next_token_nll(weights, h, tokens, cfg)
+    aux_sums = jax.tree_util.tree_map(lambda a: jnp.sum(a * valid[:, None], dtype=jnp.float32), aux)
+    return jnp.sum(nll.sum(-1) * valid), aux_sums
+
+
+def evaluate(
+    model: ModelArg,
+    windows: Any,
+    ffn_impl: transformer.FfnImpl | None = None,
+    ffn_state: Any = None,
+    *,
+    batch_size: int = 4,
+    progress: bool = False,
+) -> tuple[float, Any]:
+    """(perplexity, aux sums) of the model with ``ffn_impl`` as its FFN (None: dense).
+
+    Perplexity is exp(mean next-token NLL) over the windows, predicting every token after
+    the first of each. ``ffn_impl``'s per-layer aux must be a pytree of (B, T) arrays (e.g.
+    per-token neuron counts); each is summed over all real tokens (float32, exact to 2^24).
+    """
+    loaded = resolve_model(model)
+    tokens = as_tokens(windows, loaded.cfg.vocab_size)
+    total, sums = 0.0, None
+    with tqdm(total=int(tokens.size), unit="tok", desc="perplexity", disable=not progress) as bar:
+        for _, chunk, valid in batches(tokens, batch_size):
+            nll, aux = _nll_sum(loaded.weights, jnp.asarray(chunk), jnp.asarray(valid[:, 0]), ffn_state, loaded.cfg,
+                                ffn_impl)
+            total += float(nll)
+            aux = jax.tree_util.tree_map(float, aux)
+            sums = aux if sums is None else jax.tree_util.tree_map(lambda a, b: a + b, sums, aux)
+            bar.update(int(valid.sum()))
+    return math.exp(total / (tokens.shape[0] * (tokens.shape[1] - 1))), sums

@@ -25,11 +25,12 @@ import dataclasses
 from typing import Any
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from jpinfer.activations import SMOOTH_KINDS
 from jpinfer.config import ModelConfig
 from jpinfer.models.loading import ModelArg, resolve_model
-from jpinfer.profiler import calibration
+from jpinfer.profiler import calibration, passes
 
 METHODS: tuple[str, ...] = ("uniform", "greedy")
 FFN_KINDS: tuple[str, ...] = ("activation", "input")
@@ -183,6 +184,93 @@ def model_wide_thresholds(
                               thresholds.get("qkv"), thresholds.get("o"))
 
 
+def skipped_thresholds(th: SparsityThresholds) -> np.ndarray:
+    """(n_layers, 4) thresholds in ``KINDS`` order, -1 for a kind that is off: ``calibration.held_out_loss``'s."""
+    return np.stack([np.full(th.n_layers, -1.0) if getattr(th, kind) is None else getattr(th, kind)
+                     for kind in KINDS], 1).astype(np.float32)
+
+
+def measured_choice(model: ModelArg, heldout: Any, candidates: dict[str, SparsityThresholds], *,
+                    progress: bool = False) -> SparsityThresholds:
+    """The candidate allocation with the least loss on ``heldout`` (``calibration.held_out_loss``), as method
+    "greedy"; its ``meta`` names the one kept ("allocation") and holds every candidate's loss."""
+    losses = {name: calibration.held_out_loss(model, heldout, skipped_thresholds(th))
+              for name, th in tqdm(candidates.items(), desc="held-out losses", disable=not progress)}
+    best = min(losses, key=losses.get)
+    return dataclasses.replace(candidates[best], method="greedy",
+                               meta=candidates[best].meta | {"allocation": best, "held_out_loss": losses})
+
+
+def greedy_thresholds(model: ModelArg, hists: dict[str, calibration.ScoreHistogram], targets: dict[str, float | None],
+                      heldout: Any, *, progress: bool = False) -> SparsityThresholds:
+    """``method="greedy"``: per kind the Fisher allocation over layers (``from_histograms``), unless the uniform
+    one loses less on ``heldout`` (measured: the estimates cannot see a loss that goes down, and the per-layer
+    costs are taken alone): so never worse than uniform on those windows."""
+    loaded = resolve_model(model)
+    sensitivities = {kind: calibration.sensitivity(loaded, heldout, hists[kind], progress=progress)
+                     for kind, target in targets.items() if target is not None}
+    candidates = {"fisher": from_histograms(hists, targets, "greedy", sensitivities),
+                  "uniform": from_histograms(hists, targets, "uniform")}
+    return measured_choice(loaded, heldout, candidates, progress=progress)
+
+
+CURVE_WINDOWS = 4  # held-out windows each point of a kind's measured loss curve takes (one pass a point)
+
+
+def kind_curves_thresholds(model: ModelArg, hists: dict[str, calibration.ScoreHistogram], target: float,
+                           heldout: Any, *, kinds: tuple[str, ...] | None = None, progress: bool = False
+                           ) -> SparsityThresholds:
+    """Model-wide ``target`` spread over ``kinds`` (default ``model_wide_kinds``), each kind skipping one
+    fraction in every layer, by measured costs: each kind alone at levels 0.1, 0.2, ... (its loss over dense on
+    the first ``CURVE_WINDOWS`` held-out windows), then ``calibration.greedy_levels`` over kinds per byte."""
+    loaded = resolve_model(model)
+    cfg = loaded.cfg
+    target = _check_target(MODEL_WIDE, target)
+    kinds = kinds or model_wide_kinds(cfg.ffn_kind)
+    levels = np.round(np.arange(0.0, min(max(2 * target, 0.1), 0.9) + 1e-9, 0.1), 3)
+    if levels[-1] < target:
+        levels = np.append(levels, target)
+    windows = passes.as_tokens(heldout, cfg.vocab_size)[:CURVE_WINDOWS]
+    off = np.full((cfg.n_layers, len(KINDS)), -1.0, np.float32)
+    with tqdm(total=1 + len(kinds) * (len(levels) - 1), desc="loss curves", disable=not progress) as bar:
+        dense = calibration.held_out_loss(loaded, windows, off)
+        bar.update()
+        cost = np.zeros((len(kinds), len(levels)))
+        for k, kind in enumerate(kinds):
+            for j, level in enumerate(levels[1:], 1):
+                thresholds = off.copy()
+                thresholds[:, KINDS.index(kind)] = hists[kind].thresholds(np.full(cfg.n_layers, level))
+                cost[k, j] = calibration.held_out_loss(loaded, windows, thresholds) - dense
+                bar.update()
+    sizes = matrix_sizes(cfg)
+    s = calibration.greedy_levels(cost, levels, np.array([sizes[kind] for kind in kinds], np.float64), target)
+    fractions = {kind: np.full(cfg.n_layers, level) for kind, level in zip(kinds, s)}
+    thresholds = {kind: hists[kind].thresholds(fractions[kind]) for kind in kinds}
+    return SparsityThresholds(thresholds.get("activation"), thresholds.get("input"), {MODEL_WIDE: target},
+                              fractions, "greedy", {"calibration_tokens": hists["input"].n_tokens},
+                              thresholds.get("qkv"), thresholds.get("o"))
+
+
+def model_wide_greedy(model: ModelArg, hists: dict[str, calibration.ScoreHistogram], target: float, heldout: Any,
+                      *, kinds: tuple[str, ...] | None = None,
+                      sensitivities: dict[str, calibration.Sensitivity] | None = None, progress: bool = False
+                      ) -> SparsityThresholds:
+    """``model_wide=``: of three allocations of the byte ``target`` over ``kinds`` (default ``model_wide_kinds``)
+    the one with the least loss on ``heldout``: the Fisher one over (layer, kind) pairs (``model_wide_thresholds``;
+    ``sensitivities`` when already taken), the measured one over kinds (``kind_curves_thresholds``) and uniform
+    (every matrix the target). So it is never worse than uniform on those windows."""
+    loaded = resolve_model(model)
+    kinds = kinds or model_wide_kinds(loaded.cfg.ffn_kind)
+    if sensitivities is None:
+        sensitivities = {kind: calibration.sensitivity(loaded, heldout, hists[kind], progress=progress)
+                         for kind in kinds}
+    uniform = from_histograms(hists, dict.fromkeys(kinds, target), "uniform")
+    candidates = {"fisher": model_wide_thresholds(hists, sensitivities, loaded.cfg, target, kinds),
+                  "kind curves": kind_curves_thresholds(loaded, hists, target, heldout, kinds=kinds, progress=progress),
+                  "uniform": dataclasses.replace(uniform, target={MODEL_WIDE: target})}
+    return measured_choice(loaded, heldout, candidates, progress=progress)
+
+
 def histograms(model: ModelArg, windows: Any, *, batch_size: int = 4, progress: bool = False
                ) -> dict[str, calibration.ScoreHistogram]:
     """Per kind (``KINDS``) the histogram ``from_histograms`` reads, from one dense pass."""
@@ -221,11 +309,9 @@ def calibrate_sparsity(
     targets = check_targets(activation, input, method, loaded.cfg.ffn_kind, attention=attention)
     if hists is None:
         hists = histograms(loaded, windows, batch_size=batch_size, progress=progress)
-    sensitivities = None
     if method == "greedy":
-        sensitivities = {kind: calibration.sensitivity(loaded, heldout, hists[kind], progress=progress)
-                         for kind, target in targets.items() if target is not None}
-    return from_histograms(hists, targets, method, sensitivities)
+        return greedy_thresholds(loaded, hists, targets, heldout, progress=progress)
+    return from_histograms(hists, targets, method)
 
 
 def check_model_wide(target: float, per_kind: tuple[float | None, ...]) -> float:
@@ -244,6 +330,4 @@ def _calibrate_model_wide(model: ModelArg, windows: Any, target: float, per_kind
     loaded = resolve_model(model)
     if hists is None:
         hists = histograms(loaded, windows, batch_size=batch_size, progress=progress)
-    sensitivities = {kind: calibration.sensitivity(loaded, heldout, hists[kind], progress=progress)
-                     for kind in model_wide_kinds(loaded.cfg.ffn_kind)}
-    return model_wide_thresholds(hists, sensitivities, loaded.cfg, target)
+    return model_wide_greedy(loaded, hists, target, heldout, progress=progress)
