@@ -47,7 +47,7 @@ class PackSettings:
     ``threshold_sparsity`` = ``sparsity`` on SwiGLU-like models, exact zeros on ReLU kinds; input and attention
     off; attention: the inputs of the q|k|v and output products). model_wide_sparsity instead: the fraction of the
     bytes of every matrix read by rows skipped, spread over layers and kinds (``profiler.sparsity.
-    model_wide_thresholds``; greedy, held out like greedy allocation).
+    model_wide_greedy``; greedy, held out like greedy allocation).
     ranks / predictor_budget / recall / strong_recall / max_epochs: predictor training
     (``jpinfer.train_predictors``; ranks None = adaptive widths under the budget, compared by proxy
     trainings on ``search_samples`` samples for ``search_epochs`` epochs).

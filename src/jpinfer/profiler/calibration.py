@@ -14,6 +14,9 @@
    for Transformers"). ``greedy`` then raises, one level at a time, the layer whose next
    level costs least, until the mean sparsity reaches s.
 
+4. ``held_out_loss``: the measured loss of given thresholds of every kind on held-out windows, by which
+   ``jpinfer.profiler.sparsity`` chooses among allocations.
+
 The same histograms and estimates serve input sparsity (``INPUT``: the magnitudes |x_j| of the
 FFN input, the derivative taken with respect to x; ``QKV`` and ``O``: of the inputs of the attention's
 q|k|v and output products, through the decoder's ``project`` seam): ``jpinfer.profiler.sparsity``.

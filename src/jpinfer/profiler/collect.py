@@ -116,7 +116,7 @@ def profile(
     predictors (``meta["samples"]``, open with ``ActivationProfile.samples``).
     ``activation_sparsity`` / ``input_sparsity`` / ``attention_sparsity`` (fractions skipped; attention: the
     inputs of its q|k|v and output products), or ``model_wide_sparsity`` instead (that fraction of the bytes of
-    every matrix read by rows, spread over layers and kinds: ``profiler.sparsity.model_wide_thresholds``;
+    every matrix read by rows, spread over layers and kinds: ``profiler.sparsity.model_wide_greedy``;
     held out like greedy allocation), also calibrate the threshold
     mode's thresholds (``calibrate_sparsity``, ``allocation`` uniform or greedy) on the first
     ``calibration_tokens`` (greedy: held out on the next as many) and store them with the profile.

@@ -8,12 +8,19 @@ and one on its output product's input ("o"), each calibrated for a target fracti
 calibration windows. Allocation:
 
 - ``uniform``: every layer skips the target fraction (its quantile, from one histogram pass);
-- ``greedy``: layers skip different fractions averaging the target, spent where a Fisher
-  estimate of the loss increase on *held-out* windows is least (``calibration.greedy``), per
-  kind;
-- ``model_wide_thresholds``: one target for the fraction of all the layers' weight bytes skipped, spread over every
-  (layer, kind) pair by the same estimates, per byte skipped (``calibration.greedy_levels``): TEAL's greedy
-  over layers and matrices (Liu et al., 2024), with Fisher estimates in place of its measured errors.
+- ``greedy`` (``greedy_thresholds``): layers skip different fractions averaging the target, spent where a Fisher
+  estimate of the loss increase on *held-out* windows is least (``calibration.greedy``), per kind;
+- ``model_wide_greedy``: one target for the fraction of all the layers' weight bytes skipped, spread over every
+  (layer, kind) pair by the same estimates per byte skipped (``model_wide_thresholds``, with
+  ``calibration.greedy_levels``: TEAL's greedy over layers and matrices, Liu et al. 2024, with Fisher estimates in
+  place of its measured errors), or over kinds by measured loss curves (``kind_curves_thresholds``).
+
+Both greedy forms end with a measured choice (``measured_choice``): the candidates' held-out losses
+(``calibration.held_out_loss``, the threshold mode's skipping as a zeroing forward) decide, uniform among them, so
+a greedy allocation is never worse than uniform on its held-out windows. Why: the Fisher estimates are second
+order and taken one (layer, kind) at a time; they cannot see a loss that goes *down* (20% input sparsity on the
+default model's attention lowered its perplexity), and on that model the Fisher model-wide allocation lost to
+uniform at equal bytes (``bench/results/model_wide.md``).
 
 They travel with the profile (``ActivationProfile.with_sparsity_thresholds``, stored in its
 metadata, so its whole-file digest covers them) and feed ``jpinfer.load(mode="threshold")``.
