@@ -174,8 +174,8 @@ def test_truncated_file(tmp_path, tiny_untied, keep):
 
 def test_unsupported_architecture(tmp_path, tiny_untied):
     cfg, tensors = tiny_untied
-    path = fx.write_gguf(tmp_path / "a.gguf", cfg, tensors, arch="falcon")
-    with pytest.raises(GGUFError, match=r"a\.gguf: unsupported architecture 'falcon'"):
+    path = fx.write_gguf(tmp_path / "a.gguf", cfg, tensors, arch="bloom")
+    with pytest.raises(GGUFError, match=r"a\.gguf: unsupported architecture 'bloom'"):
         load_gguf(path)
 
 
@@ -467,6 +467,56 @@ def test_gemma_files_decode_like_transformers(arch, tmp_path):
                                        state[f"model.layers.{i}.{theirs}.weight"] + 1.0, rtol=0,
                                        atol=1e-6)  # two float32 roundings of values near 1: < 2.5e-7
         np.testing.assert_array_equal(ours[f"layers.{i}.wq"], state[f"model.layers.{i}.self_attn.q_proj.weight"])
+    assert_scores_like(ref, cfg, ours, n_vocab)
+
+
+def llama_cpp_falcon_tensors(ref, n_kv: int) -> dict[str, np.ndarray]:
+    """The tensors llama.cpp's converter writes for a transformers Falcon (written here from its description, not
+    from jpinfer's loader): the fused q/k/v, stored as n_kv groups of (g queries, a key, a value), reordered into
+    [all queries; all keys; all values]; the norms named by position: attn_norm the first LayerNorm (the FFN's, and
+    the attention's when there is one), attn_norm_2 the attention's own (``ln_attn``); no head (tied)."""
+    state = {k: v.detach().numpy() for k, v in ref.state_dict().items()}
+    d = ref.config.hidden_size
+    hd = d // ref.config.num_attention_heads
+    out = {"token_embd.weight": state["transformer.word_embeddings.weight"]}
+    out |= {f"output_norm.{kind}": state[f"transformer.ln_f.{kind}"] for kind in ("weight", "bias")}
+    for i in range(ref.config.num_hidden_layers):
+        p = f"transformer.h.{i}."
+        groups = state[p + "self_attention.query_key_value.weight"].reshape(n_kv, -1, hd, d)
+        out[f"blk.{i}.attn_qkv.weight"] = np.concatenate(
+            [groups[:, :-2].reshape(-1, d), groups[:, -2].reshape(-1, d), groups[:, -1].reshape(-1, d)])
+        out[f"blk.{i}.attn_output.weight"] = state[p + "self_attention.dense.weight"]
+        out[f"blk.{i}.ffn_up.weight"] = state[p + "mlp.dense_h_to_4h.weight"]
+        out[f"blk.{i}.ffn_down.weight"] = state[p + "mlp.dense_4h_to_h.weight"]
+        norms = {"attn_norm": "ln_mlp", "attn_norm_2": "ln_attn"} if p + "ln_mlp.weight" in state else {
+            "attn_norm": "input_layernorm"}
+        out |= {f"blk.{i}.{ours}.{kind}": state[f"{p}{theirs}.{kind}"] for ours, theirs in norms.items()
+                for kind in ("weight", "bias")}
+    return {name: np.ascontiguousarray(w, np.float32) for name, w in out.items()}
+
+
+@pytest.mark.parametrize("arch, changes", [("falcon_gelu", {"num_ln_in_parallel_attn": 2}),
+                                           ("falcon_7b", {"activation": "gelu"})], ids=["40b-like", "7b-like"])
+def test_falcon_files_decode_like_transformers(arch, changes, tmp_path):
+    """A tiny transformers Falcon as llama.cpp's converter writes it (``llama_cpp_falcon_tensors``): the new layout
+    with two LayerNorms and 2 kv heads (Falcon-40B's), or the old one with one LayerNorm and one kv head (Falcon-7B's);
+    GELU, no biases. jpinfer reads the same tensors as from the checkpoint and scores 12 tokens like the PyTorch
+    model."""
+    n_vocab = len(fx.tokenizer_fields()["tokenizer.ggml.tokens"])
+    ref = make_model(arch, tmp_path, vocab_size=n_vocab, **changes)
+    hf_cfg, tensors = load_hf(tmp_path)
+    metadata = {"falcon.attention.layer_norm_rms_epsilon": None,
+                "falcon.attention.layer_norm_epsilon": float(hf_cfg.norm_eps)}
+    path = fx.write_gguf(tmp_path / "tiny.gguf", hf_cfg, {}, arch="falcon", metadata=metadata,
+                         raw_tensors=llama_cpp_falcon_tensors(ref, hf_cfg.n_kv_heads))
+    cfg, ours, _ = load_gguf(path)
+    for field in ("ffn_kind", "norm_kind", "norm_eps", "parallel_block", "n_kv_heads", "head_dim", "d_ff",
+                  "tie_embeddings", "qkv_bias", "ffn_bias"):
+        assert getattr(cfg, field) == getattr(hf_cfg, field), field
+    assert (cfg.architecture, cfg.ffn_kind, cfg.parallel_block) == ("falcon", "gelu", True)
+    assert set(ours) == set(tensors)
+    for name in tensors:
+        np.testing.assert_array_equal(ours[name], tensors[name], err_msg=name)
     assert_scores_like(ref, cfg, ours, n_vocab)
 
 

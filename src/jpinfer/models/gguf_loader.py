@@ -1,5 +1,5 @@
-"""Load a GGUF file (llama.cpp's format) of architecture llama, qwen2, qwen3, phi3, gemma2 or gemma3 into jpinfer's
-flat tensor dict.
+"""Load a GGUF file (llama.cpp's format) of architecture llama, qwen2, qwen3, phi3, gemma2, gemma3 or falcon into
+jpinfer's flat tensor dict.
 
 The weights come back dequantized to float numpy arrays keyed and shaped like
 ``jpinfer.models.params.expected_shapes(cfg)`` (projections (out, in)), with the
@@ -10,6 +10,7 @@ Q4_0 / Q4_1 projections can also be read as they are, into ``quant.q4`` blocks (
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pathlib
 from typing import Any
@@ -59,17 +60,28 @@ _LAYER_TENSORS: dict[str, str] = {
 # The architectures read (general.architecture, also the prefix of their metadata keys). llama.cpp's converter
 # permutes llama's q/k rows for its adjacent-pair RoPE; the others keep Hugging Face's halves (NEOX). Gemma's norm
 # weights (q/k norms too) are stored as 1 + w, the scale jpinfer applies (its converter adds the 1).
-ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "falcon")
 # What a Gemma file does not hold, llama.cpp fixes by architecture: the 27B models (by their layer count) scale
 # queries by (d_model / heads) ** -0.5, the others by head_dim ** -0.5; Gemma 2 slides in every other layer from the
 # first, Gemma 3 in five layers of six, at a RoPE base of 10000, unscaled
 GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 GEMMA_WINDOW_PATTERN = {"gemma2": 2, "gemma3": 6}
 GEMMA3_LOCAL_ROPE_THETA = 10000.0
-# Phi-3's files keep q/k/v and gate/up fused, as its checkpoints do (gate rows first): the layer tensor -> the
-# separate tensors it stacks, in order (split on load; params.build_weights fuses them again)
+# Falcon as llama.cpp runs it: attention and FFN side by side on LayerNorms (with biases), an ungated GELU FFN, no
+# projection biases. Its GGUF names the norms by position, not use: attn_norm feeds the FFN (and the attention too
+# when the file has no attn_norm_2: Falcon-7B's one LayerNorm), attn_norm_2 the attention (Falcon-40B's ln_attn).
+# The FFN is Hugging Face's GELU, the erf form (llama.cpp's graph computes the tanh approximation).
+_FALCON_LAYER_TENSORS: dict[str, str] = {
+    "attn_norm.weight": "ffn_norm.scale", "attn_norm.bias": "ffn_norm.bias",
+    "attn_norm_2.weight": "attn_norm.scale", "attn_norm_2.bias": "attn_norm.bias",
+    "attn_output.weight": "wo", "ffn_up.weight": "w_up", "ffn_down.weight": "w_down",
+}
+# Phi-3's files keep q/k/v and gate/up fused, as its checkpoints do (gate rows first), and Falcon's q/k/v (its
+# converter reorders each kv group's queries, key and value into [all queries; all keys; all values]): the layer
+# tensor -> the separate tensors it stacks, in order (split on load; params.build_weights fuses them again)
 _FUSED_IN_FILE: dict[str, dict[str, tuple[str, ...]]] = {
     "phi3": {"attn_qkv.weight": ("wq", "wk", "wv"), "ffn_up.weight": ("w_gate", "w_up")},
+    "falcon": {"attn_qkv.weight": ("wq", "wk", "wv")},
 }
 # LongRoPE (Phi-3's 128k-context models): per-frequency factors for short and long contexts
 _LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
@@ -177,13 +189,14 @@ def config_from_metadata(metadata: dict[str, Any], has_output: bool, path: os.Pa
                       if k in metadata)
     )
     bos = metadata.get("tokenizer.ggml.bos_token_id")
-    norm_eps = _float32_decimal(need(f"{arch}.attention.layer_norm_rms_epsilon"))
+    norm_key = "layer_norm_epsilon" if arch == "falcon" else "layer_norm_rms_epsilon"
+    norm_eps = _float32_decimal(need(f"{arch}.attention.{norm_key}"))
     rope_theta = _float32_decimal(metadata.get(f"{arch}.rope.freq_base", 10000.0))
     rope_scaling = None
     n_layers = int(need(f"{arch}.block_count"))
     windowed = arch in ("phi3", *GEMMA_WINDOW_PATTERN)
     window = _optional_int(metadata.get(f"{arch}.attention.sliding_window")) if windowed else None
-    gemma = {}
+    gemma = dict(ffn_kind="gelu", norm_kind="layernorm", parallel_block=True) if arch == "falcon" else {}
     if arch in GEMMA_WINDOW_PATTERN:
         softcap = lambda key: float(metadata[key]) if metadata.get(key) else None
         scalar = d_model / n_heads if n_layers == GEMMA_27B_LAYERS[arch] else head_dim  # query_pre_attn_scalar
@@ -242,7 +255,7 @@ def read_tensors(reader: GGUFReader, cfg: ModelConfig, path: os.PathLike | str,
                  dtype=jnp.float32) -> dict[str, np.ndarray]:
     """Dequantized tensors keyed like ``expected_shapes(cfg)``, checked against it."""
     by_name = _tensor_map(reader)
-    plan = _tensor_plan(cfg)
+    plan = _tensor_plan(cfg, set(by_name))
     unknown = sorted(set(by_name) - set(plan) - {ROPE_FREQS})  # rope_freqs: the config's (load_gguf)
     if unknown:
         raise GGUFError(path, f"unsupported tensors for a {cfg.architecture} model: {', '.join(unknown[:5])}")
@@ -256,6 +269,9 @@ def read_tensors(reader: GGUFReader, cfg: ModelConfig, path: os.PathLike | str,
         if t.tensor_type not in SUPPORTED_TENSOR_TYPES:
             supported = ", ".join(q.name for q in SUPPORTED_TENSOR_TYPES)
             raise GGUFError(path, f"tensor {gguf_name!r} has type {t.tensor_type.name}; supported types: {supported}")
+        copies = names.names[1:] if isinstance(names, _Shared) else ()
+        if copies:
+            names = names.names[0]
         parts = (names,) if isinstance(names, str) else names  # a fused tensor stacks its parts' rows
         rows = [expected[name][0] for name in parts]
         implied = (sum(rows), *expected[parts[0]][1:])
@@ -269,6 +285,8 @@ def read_tensors(reader: GGUFReader, cfg: ModelConfig, path: os.PathLike | str,
             elif name.endswith(".wk") and _permuted(cfg):
                 part = unpermute_rope_rows(part, cfg.n_kv_heads)
             out[name] = np.array(part, dtype=np_dtype, order="C")  # a copy: no view of the file
+        for name in copies:
+            out[name] = out[parts[0]].copy()
     return out
 
 
@@ -279,8 +297,8 @@ _FUSED_TENSORS: dict[str, tuple[str, ...]] = {
     "w_qkv": ("attn_q", "attn_k", "attn_v"), "wo": ("attn_output",), "w_gate_up": ("ffn_gate", "ffn_up"),
     "w_down": ("ffn_down",),
 }
-_FUSED_TENSORS_OF: dict[str, dict[str, tuple[str, ...]]] = {
-    "phi3": _FUSED_TENSORS | {"w_qkv": ("attn_qkv",), "w_gate_up": ("ffn_up",)},
+_FUSED_TENSORS_OF: dict[str, dict[str, tuple[str, ...]]] = {  # falcon's ffn_up: the up rows alone (no gate)
+    arch: _FUSED_TENSORS | {"w_qkv": ("attn_qkv",), "w_gate_up": ("ffn_up",)} for arch in ("phi3", "falcon")
 }
 
 
@@ -315,16 +333,32 @@ def _tensor_map(reader: GGUFReader) -> dict:
     return {t.name: t for t in reader.tensors}
 
 
-def _tensor_plan(cfg: ModelConfig) -> dict[str, str | tuple[str, ...]]:
-    """GGUF tensor name -> jpinfer name for every tensor the config needs (a fused tensor: its parts' names)."""
+@dataclasses.dataclass(frozen=True)
+class _Shared:
+    """One file tensor read into several jpinfer tensors (Falcon-7B's one LayerNorm: the attention's and FFN's)."""
+
+    names: tuple[str, ...]
+
+
+def _tensor_plan(cfg: ModelConfig, in_file: set[str]) -> dict[str, str | tuple[str, ...] | _Shared]:
+    """GGUF tensor name -> jpinfer name for every tensor the config needs (a fused tensor: its parts' names); what
+    the file holds (``in_file``) decides only whether a Falcon's attention has a LayerNorm of its own."""
     plan = {f"{g}.weight": v for g, v in _GLOBAL_TENSORS.items() if not (g == "output" and cfg.tie_embeddings)}
+    if cfg.norm_kind == "layernorm":
+        plan["output_norm.bias"] = "final_norm.bias"
     needed = expected_shapes(cfg)
     fused = _FUSED_IN_FILE.get(cfg.architecture, {})
     in_fused = {part for parts in fused.values() for part in parts}
+    layer_tensors = _FALCON_LAYER_TENSORS if cfg.architecture == "falcon" else _LAYER_TENSORS
     for i in range(cfg.n_layers):
-        plan |= {f"blk.{i}.{g}": f"layers.{i}.{n}" for g, n in _LAYER_TENSORS.items()
+        plan |= {f"blk.{i}.{g}": f"layers.{i}.{n}" for g, n in layer_tensors.items()
                  if f"layers.{i}.{n}" in needed and n not in in_fused and g not in fused}
         plan |= {f"blk.{i}.{g}": tuple(f"layers.{i}.{n}" for n in parts) for g, parts in fused.items()}
+        if cfg.architecture == "falcon" and f"blk.{i}.attn_norm_2.weight" not in in_file:
+            for kind, ours in (("weight", "scale"), ("bias", "bias")):
+                del plan[f"blk.{i}.attn_norm_2.{kind}"]
+                plan[f"blk.{i}.attn_norm.{kind}"] = _Shared((f"layers.{i}.ffn_norm.{ours}",
+                                                             f"layers.{i}.attn_norm.{ours}"))
     return plan
 
 
