@@ -63,6 +63,9 @@ def tiny_config(arch: str) -> transformers.PretrainedConfig:
     if arch == "phi3":  # q/k/v and gate/up fused in the checkpoint; a window in every layer
         return transformers.Phi3Config(**TINY, intermediate_size=40, num_key_value_heads=2, sliding_window=5,
                                        pad_token_id=0)
+    if arch == "mixtral":  # 4 experts of 24 neurons, the top 2 per token
+        return transformers.MixtralConfig(**TINY, intermediate_size=24, num_key_value_heads=2, num_local_experts=4,
+                                          num_experts_per_tok=2)
     if arch == "mistral":
         return transformers.MistralConfig(**TINY, intermediate_size=40, num_key_value_heads=2, sliding_window=5)
     if arch == "qwen2":
@@ -88,6 +91,8 @@ def make_model(arch: str, directory: pathlib.Path, seed: int = 0, **changes) -> 
     for field, value in changes.items():
         setattr(cfg, field, value)
     cfg._attn_implementation = "eager"
+    if arch == "mixtral":  # its default grouped product takes no float64 (the reference runs in float64)
+        cfg._experts_implementation = "eager"
     model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -271,7 +271,7 @@ def test_inconsistent_heads_metadata(tmp_path, tiny_untied):
     "fields, problem",
     [
         ({"llama.block_count": None}, "metadata key 'llama.block_count' is missing"),
-        ({"llama.expert_count": 8}, "mixture-of-experts"),
+        ({"llama.expert_count": 8}, "metadata key 'llama.expert_used_count' is missing"),
         ({"llama.rope.scaling.type": "yarn"}, "RoPE scaling 'yarn' is not supported"),
         ({"llama.rope.dimension_count": 8}, "partial RoPE"),
         ({"llama.vocab_size": 1000}, "llama.vocab_size 1000 disagrees with the"),
@@ -518,6 +518,40 @@ def test_falcon_files_decode_like_transformers(arch, changes, tmp_path):
     for name in tensors:
         np.testing.assert_array_equal(ours[name], tensors[name], err_msg=name)
     assert_scores_like(ref, cfg, ours, n_vocab)
+
+
+def test_mixtral_files_decode_like_transformers(tmp_path):
+    """A tiny transformers Mixtral (4 experts of 24 neurons, top 2) written as llama.cpp's converter writes it:
+    architecture llama (q/k rows permuted), each layer's experts stacked into ffn_gate_exps / ffn_up_exps
+    (n_experts, 24, d) and ffn_down_exps (n_experts, d, 24), the router as ffn_gate_inp, the expert count and top-k
+    in the metadata. jpinfer reads the same tensors as from the checkpoint and scores 12 tokens like the PyTorch
+    model; another architecture's experts are refused by name."""
+    n_vocab = len(fx.tokenizer_fields()["tokenizer.ggml.tokens"])
+    ref = make_model("mixtral", tmp_path, vocab_size=n_vocab)
+    hf_cfg, tensors = load_hf(tmp_path)
+    state = {k: v.detach().numpy() for k, v in ref.state_dict().items()}
+    experts = {}
+    for i in range(hf_cfg.n_layers):
+        p = f"model.layers.{i}.mlp."
+        experts[f"blk.{i}.ffn_gate_inp.weight"] = state[p + "gate.weight"]
+        gate_up = state[p + "experts.gate_up_proj"]  # (n_experts, 2 * 24, d): each expert's gate rows, then up rows
+        experts[f"blk.{i}.ffn_gate_exps.weight"] = gate_up[:, :24]
+        experts[f"blk.{i}.ffn_up_exps.weight"] = gate_up[:, 24:]
+        experts[f"blk.{i}.ffn_down_exps.weight"] = state[p + "experts.down_proj"]  # (n_experts, d, 24)
+    experts = {name: np.ascontiguousarray(w, np.float32) for name, w in experts.items()}
+    metadata = {"llama.expert_count": 4, "llama.expert_used_count": 2, "llama.feed_forward_length": 24}
+    dense_part = {k: v for k, v in tensors.items() if k.split(".")[-1] not in ("w_gate", "w_up", "w_down", "router")}
+    path = fx.write_gguf(tmp_path / "tiny.gguf", hf_cfg, dense_part, metadata=metadata, raw_tensors=experts)
+    cfg, ours, _ = load_gguf(path)
+    assert (cfg.n_experts, cfg.experts_per_token, cfg.d_ff, cfg.expert_size) == (4, 2, 96, 24)
+    assert set(ours) == set(tensors)
+    for name in tensors:
+        np.testing.assert_array_equal(ours[name], tensors[name], err_msg=name)
+    assert_scores_like(ref, cfg, ours, n_vocab)
+    qwen = fx.write_gguf(tmp_path / "moe.gguf", hf_cfg, dense_part, arch="qwen2", metadata={
+        "qwen2.expert_count": 4, "qwen2.expert_used_count": 2})
+    with pytest.raises(GGUFError, match="mixture-of-experts qwen2 models are not supported"):
+        load_gguf(qwen)
 
 
 @pytest.mark.parametrize("arch, big", [("gemma2", 46), ("gemma3", 62)])

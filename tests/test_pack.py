@@ -330,3 +330,25 @@ def test_every_stage_and_mode_runs_on_a_gemma2_like_model(cache, settings, tmp_p
     qpack = prepare(qmodel, tmp_path / "int8", settings, progress=False)
     engine = build_engine(qmodel, "threshold", profile=qpack.profile)
     assert qpack.weights == "int8" and len(engine.generate(prompt, max_new_tokens=6, ignore_eos=True).token_ids) == 6
+
+
+def test_every_stage_runs_on_a_mixture_of_experts(cache, settings, tmp_path):
+    """A Mixtral-like model (4 experts of 12 neurons, top 2) through every stage: its neurons are the experts' (the
+    profile counts them, the placement splits them); the threshold mode and its hybrid split build from the pack
+    and decode, in float and int8 (SmoothQuant scales the router too); the predictor modes refuse experts."""
+    model = tiny_engine("swiglu", n_experts=4, experts_per_token=2).model
+    pack = prepare(model, tmp_path / "pack", settings, progress=False)
+    assert pack.ran == STAGES and pack.profile.counts.shape[-1] == model.cfg.d_ff
+    prompt = [1, 5, 9, 12, 3]
+    for mode in ("threshold", "hybrid"):
+        inputs = get_mode(mode).from_pack(pack, "float32", ModeInputs())
+        inputs = dataclasses.replace(inputs, predictors=None, thresholds="profile")
+        engine = build_engine(model, mode, **{k: v for k, v in vars(inputs).items() if k != "capacity"})
+        assert len(engine.generate(prompt, max_new_tokens=6, ignore_eos=True).token_ids) == 6
+    with pytest.raises(JpinferError, match="mixture of experts"):
+        build_engine(model, "sparse", predictors=pack.predictors)
+    windows = np.random.default_rng(0).integers(0, 40, (4, 32)).astype(np.int32)
+    qmodel = smoothing.int8_model(model, windows)
+    qpack = prepare(qmodel, tmp_path / "int8", settings, progress=False)
+    engine = build_engine(qmodel, "threshold", profile=qpack.profile)
+    assert len(engine.generate(prompt, max_new_tokens=6, ignore_eos=True).token_ids) == 6

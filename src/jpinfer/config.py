@@ -59,10 +59,13 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a decoder-only transformer (the Llama family, Gemma 2 and 3, Falcon or OPT).
+    """Architecture of a decoder-only transformer (the Llama family, Mixtral, Gemma 2 and 3, Falcon or OPT).
 
     Weight conventions (see models/params.py): every projection is stored as
     (out_features, in_features) and applied as W @ x; q|k|v and gate|up are fused.
+    A mixture of experts (``n_experts`` > 0, Mixtral's form) is one FFN of ``d_ff`` neurons: every expert's
+    ``expert_size`` neurons stacked in expert order, each neuron's activation times its expert's routing weight
+    (zero for the experts the router does not pick), so every neuron-level tool sees the experts' neurons.
     """
 
     vocab_size: int
@@ -94,6 +97,8 @@ class ModelConfig:
     parallel_block: bool = False  # Falcon: attention and FFN both read the layer's input; their sum is added
     embed_scale: float = 1.0  # Gemma: input embeddings times sqrt(d_model) (the tied head is not scaled)
     ffn_bias: bool = False  # OPT
+    n_experts: int = 0  # Mixtral: experts per layer (0: one dense FFN); d_ff counts every expert's neurons
+    experts_per_token: int = 0  # the router's top-k (its softmax weights renormalized over those k)
     tie_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -121,6 +126,11 @@ class ModelConfig:
         for field in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff"):
             if getattr(self, field) < 1:
                 raise ValueError(f"ModelConfig.{field} must be >= 1, got {getattr(self, field)}")
+        if self.n_experts and not (self.d_ff % self.n_experts == 0 and 1 <= self.experts_per_token <= self.n_experts):
+            raise ValueError(f"{self.n_experts} experts need d_ff ({self.d_ff}, every expert's neurons) divisible by "
+                             f"them and 1 <= experts_per_token <= n_experts, got {self.experts_per_token}")
+        if self.experts_per_token and not self.n_experts:
+            raise ValueError("experts_per_token needs n_experts")
         factors = self.rope_scaling.frequency_factors if self.rope_scaling else ()
         if factors and len(factors) != self.head_dim // 2:
             raise ValueError(f"{len(factors)} RoPE frequency factors for head_dim {self.head_dim} "
@@ -131,6 +141,16 @@ class ModelConfig:
         if self.window_layers is not None and layer not in self.window_layers:
             return None
         return self.sliding_window
+
+    @property
+    def expert_size(self) -> int:
+        """Neurons of one expert (the whole FFN's d_ff without experts)."""
+        return self.d_ff // max(self.n_experts, 1)
+
+    @property
+    def experts(self) -> tuple[int, int] | None:
+        """(neurons per expert, experts per token), None without experts (``threshold_layout.from_layer``'s)."""
+        return (self.expert_size, self.experts_per_token) if self.n_experts else None
 
     @property
     def has_gate(self) -> bool:

@@ -164,8 +164,10 @@ def config_from_metadata(metadata: dict[str, Any], has_output: bool, path: os.Pa
             raise GGUFError(path, f"metadata key {key!r} is missing")
         return metadata[key]
 
-    if metadata.get(f"{arch}.expert_count", 0):
-        raise GGUFError(path, f"mixture-of-experts {arch} models are not supported")
+    n_experts = int(metadata.get(f"{arch}.expert_count", 0))
+    if n_experts and arch != "llama":
+        raise GGUFError(path, f"mixture-of-experts {arch} models are not supported (Mixtral's, architecture llama, "
+                              "are)")
     if longrope:
         raise GGUFError(path, "LongRoPE scaling (rope_factors_long / rope_factors_short tensors) is not supported")
     scaling = metadata.get(f"{arch}.rope.scaling.type", "none")
@@ -220,7 +222,9 @@ def config_from_metadata(metadata: dict[str, Any], has_output: bool, path: os.Pa
             n_heads=n_heads,
             n_kv_heads=int(metadata.get(f"{arch}.attention.head_count_kv", n_heads)),
             head_dim=head_dim,
-            d_ff=int(need(f"{arch}.feed_forward_length")),
+            d_ff=int(need(f"{arch}.feed_forward_length")) * max(n_experts, 1),  # every expert's neurons
+            n_experts=n_experts,
+            experts_per_token=int(need(f"{arch}.expert_used_count")) if n_experts else 0,
             ffn_kind="swiglu",
             norm_kind="rmsnorm",
             norm_eps=norm_eps,
@@ -272,13 +276,21 @@ def read_tensors(reader: GGUFReader, cfg: ModelConfig, path: os.PathLike | str,
         copies = names.names[1:] if isinstance(names, _Shared) else ()
         if copies:
             names = names.names[0]
+        experts = isinstance(names, _Experts)
+        if experts:
+            names = names.name
         parts = (names,) if isinstance(names, str) else names  # a fused tensor stacks its parts' rows
         rows = [expected[name][0] for name in parts]
         implied = (sum(rows), *expected[parts[0]][1:])
+        if experts:  # (n_experts, expert rows, cols) or, for down, (n_experts, d_model, expert cols)
+            down = names.endswith("w_down")
+            implied = (cfg.n_experts, *((implied[0], cfg.expert_size) if down else (cfg.expert_size, implied[1])))
         stored = tuple(int(n) for n in reversed(t.shape.tolist()))  # numpy order: (out, in)
         if stored != implied:
             raise GGUFError(path, f"tensor {gguf_name!r} has shape {stored}, but the metadata implies {implied}")
         w = dequantize(t.data, t.tensor_type).reshape(stored)
+        if experts:
+            w = (w.transpose(1, 0, 2) if down else w).reshape(expected[names])
         for name, part in zip(parts, np.split(w, np.cumsum(rows)[:-1])):
             if name.endswith(".wq") and _permuted(cfg):
                 part = unpermute_rope_rows(part, cfg.n_heads)
@@ -333,6 +345,18 @@ def _tensor_map(reader: GGUFReader) -> dict:
     return {t.name: t for t in reader.tensors}
 
 
+# Mixtral's experts, each GGUF tensor all of a layer's experts stacked (n_experts, rows, cols): our FFN tensor it
+# becomes (the experts' neurons in expert order: gate and up rows, down columns)
+_EXPERT_TENSORS = {"ffn_gate_exps.weight": "w_gate", "ffn_up_exps.weight": "w_up", "ffn_down_exps.weight": "w_down"}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Experts:
+    """A GGUF tensor of stacked experts read into one FFN tensor of ours."""
+
+    name: str
+
+
 @dataclasses.dataclass(frozen=True)
 class _Shared:
     """One file tensor read into several jpinfer tensors (Falcon-7B's one LayerNorm: the attention's and FFN's)."""
@@ -340,7 +364,7 @@ class _Shared:
     names: tuple[str, ...]
 
 
-def _tensor_plan(cfg: ModelConfig, in_file: set[str]) -> dict[str, str | tuple[str, ...] | _Shared]:
+def _tensor_plan(cfg: ModelConfig, in_file: set[str]) -> dict[str, str | tuple[str, ...] | _Shared | _Experts]:
     """GGUF tensor name -> jpinfer name for every tensor the config needs (a fused tensor: its parts' names); what
     the file holds (``in_file``) decides only whether a Falcon's attention has a LayerNorm of its own."""
     plan = {f"{g}.weight": v for g, v in _GLOBAL_TENSORS.items() if not (g == "output" and cfg.tie_embeddings)}
@@ -349,11 +373,16 @@ def _tensor_plan(cfg: ModelConfig, in_file: set[str]) -> dict[str, str | tuple[s
     needed = expected_shapes(cfg)
     fused = _FUSED_IN_FILE.get(cfg.architecture, {})
     in_fused = {part for parts in fused.values() for part in parts}
+    if cfg.n_experts:  # the experts' stacked tensors hold the FFN
+        in_fused |= set(_EXPERT_TENSORS.values())
     layer_tensors = _FALCON_LAYER_TENSORS if cfg.architecture == "falcon" else _LAYER_TENSORS
     for i in range(cfg.n_layers):
         plan |= {f"blk.{i}.{g}": f"layers.{i}.{n}" for g, n in layer_tensors.items()
                  if f"layers.{i}.{n}" in needed and n not in in_fused and g not in fused}
         plan |= {f"blk.{i}.{g}": tuple(f"layers.{i}.{n}" for n in parts) for g, parts in fused.items()}
+        if cfg.n_experts:
+            plan[f"blk.{i}.ffn_gate_inp.weight"] = f"layers.{i}.router"
+            plan |= {f"blk.{i}.{g}": _Experts(f"layers.{i}.{n}") for g, n in _EXPERT_TENSORS.items()}
         if cfg.architecture == "falcon" and f"blk.{i}.attn_norm_2.weight" not in in_file:
             for kind, ours in (("weight", "scale"), ("bias", "bias")):
                 del plan[f"blk.{i}.attn_norm_2.{kind}"]

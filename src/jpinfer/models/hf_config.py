@@ -6,7 +6,8 @@ covers ReluLLaMA and ProSparse-style ReLU checkpoints), MistralForCausalLM, Qwen
 embeddings, norms on the attention's and FFN's outputs, soft-capped scores and logits, sliding windows in
 every other layer), Gemma3ForCausalLM (Gemma 2 without the caps, with q/k norms, five sliding layers in six
 and their own RoPE base), FalconForCausalLM (ReLU-Falcon and GELU Falcon: attention and FFN side by side,
-the fused q/k/v of each layout) and OPTForCausalLM (pre-LayerNorm variants). What is not supported yet is
+the fused q/k/v of each layout), MixtralForCausalLM (a mixture of SwiGLU experts under a top-k router) and
+OPTForCausalLM (pre-LayerNorm variants). What is not supported yet is
 refused with a CheckpointError that names it.
 """
 
@@ -21,7 +22,7 @@ from jpinfer.models.rope import yarn_attention_factor
 
 LLAMA_LIKE = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
               "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2",
-              "Gemma3ForCausalLM": "gemma3"}
+              "Gemma3ForCausalLM": "gemma3", "MixtralForCausalLM": "mixtral"}
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu", "relu": "reglu", "gelu_pytorch_tanh": "geglu",
                "gelu_new": "geglu"}
@@ -81,7 +82,7 @@ def _sliding_window(raw: dict[str, Any], arch: str, path: pathlib.Path) -> tuple
     max_window_layers on (default 28); Gemma 2 in every other layer from the first, Gemma 3 in all but every
     sliding_window_pattern-th (default 6); ``layer_types``, where given, names each layer's kind."""
     window = raw.get("sliding_window")
-    if arch in ("MistralForCausalLM", "Phi3ForCausalLM") or window is None:
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM") or window is None:
         return window, None
     n = raw["num_hidden_layers"]
     if arch == "Gemma2ForCausalLM":
@@ -149,13 +150,16 @@ def _parse_llama(raw: dict[str, Any], path: pathlib.Path, arch: str, ffn_kind: s
     theta, rope_scaling = _rope(rope_raw, path)
     gemma = arch in GEMMA
     softcap = lambda field: float(raw[field]) if gemma and raw.get(field) else None
+    n_experts = int(raw["num_local_experts"]) if arch == "MixtralForCausalLM" else 0
     return ModelConfig(
         **_shared_fields(raw, path),
         d_model=raw["hidden_size"],
         n_heads=n_heads,
         n_kv_heads=raw.get("num_key_value_heads") or n_heads,
         head_dim=raw.get("head_dim") or raw["hidden_size"] // n_heads,
-        d_ff=raw["intermediate_size"],
+        d_ff=raw["intermediate_size"] * max(n_experts, 1),  # every expert's neurons
+        n_experts=n_experts,
+        experts_per_token=int(raw["num_experts_per_tok"]) if n_experts else 0,
         ffn_kind=ffn_kind,
         norm_kind="rmsnorm",
         norm_eps=float(raw.get("rms_norm_eps", 1e-6)),

@@ -3,7 +3,7 @@
 Reads safetensors with its JAX framework (bfloat16 included), never PyTorch. The config is read by
 ``hf_config`` (the supported architectures are listed there); this module maps each architecture's tensor
 names onto the one layout of ``params.expected_shapes``: fused tensors split (Phi-3's, Falcon's q/k/v in
-each of its layouts), Gemma's norm offsets made scales.
+each of its layouts), Mixtral's experts stacked into one FFN, Gemma's norm offsets made scales.
 """
 
 from __future__ import annotations
@@ -54,6 +54,18 @@ def _fused_in_checkpoint(cfg: ModelConfig) -> dict[str, tuple[str, ...]]:
         return {f"self_attention.query_key_value.{kind}": tuple(f"self_attention.{p}.{kind}" for p in "qkv")
                 for kind in ("weight", "bias")}
     return {}
+
+
+# Mixtral keeps one tensor per expert: our FFN tensor -> the experts' name and the axis they stack along (gate and up
+# rows, down columns), in expert order
+EXPERT_TENSORS = {"w_gate": ("w1", 0), "w_up": ("w3", 0), "w_down": ("w2", 1)}
+
+
+def _experts_in_checkpoint(cfg: ModelConfig, layer_prefix: str) -> dict[str, tuple[list[str], int]]:
+    """Per FFN tensor of ours, the experts' tensors it stacks (in expert order) and the axis; {} without experts."""
+    return {f"layers.{i}.{ours}": ([f"{layer_prefix.format(i)}block_sparse_moe.experts.{e}.{theirs}.weight"
+                                    for e in range(cfg.n_experts)], axis)
+            for i in range(cfg.n_layers) if cfg.n_experts for ours, (theirs, axis) in EXPERT_TENSORS.items()}
 
 
 def _hf_to_ours(cfg: ModelConfig, raw: dict[str, Any]) -> tuple[dict[str, str], str]:
@@ -127,6 +139,9 @@ def _hf_to_ours(cfg: ModelConfig, raw: dict[str, Any]) -> tuple[dict[str, str], 
             "w_up": "mlp.up_proj.weight",
             "w_down": "mlp.down_proj.weight",
         }
+        if cfg.n_experts:  # Mixtral: the router here, the experts' tensors stacked (_experts_in_checkpoint)
+            per_layer = {k: v for k, v in per_layer.items() if k not in EXPERT_TENSORS} | {
+                "router": "block_sparse_moe.gate.weight"}
         if cfg.sandwich_norms:  # Gemma: its post_attention_layernorm is on the attention's output
             per_layer |= {"attn_out_norm.scale": "post_attention_layernorm.weight",
                           "ffn_norm.scale": "pre_feedforward_layernorm.weight",
@@ -194,7 +209,9 @@ def load_hf(path: str | pathlib.Path, ffn_kind: str | None = None) -> tuple[Mode
     mapping = {k: v for k, v in names.items() if k in shapes}
     fused = {layer_prefix.format(i) + name: [layer_prefix.format(i) + part for part in parts]
              for i in range(cfg.n_layers) for name, parts in _fused_in_checkpoint(cfg).items()}
-    found = _read_tensors(_safetensor_files(path), set(mapping.values()) | set(fused))
+    experts = _experts_in_checkpoint(cfg, layer_prefix)
+    found = _read_tensors(_safetensor_files(path), set(mapping.values()) | set(fused)
+                          | {name for parts, _ in experts.values() for name in parts})
     falcon_rows = _falcon_qkv_rows(raw, cfg) if cfg.architecture == "falcon" else None
     rows_of = {theirs: shapes[ours][0] for ours, theirs in mapping.items()}  # a separate tensor's row count
     for name, parts in fused.items():  # split into the separate projections (build_weights fuses them again)
@@ -207,6 +224,11 @@ def load_hf(path: str | pathlib.Path, ffn_kind: str | None = None) -> tuple[Mode
                                       f"{sum(sizes)} rows ({' + '.join(map(str, sizes))})")
             found |= dict(zip(parts, np.split(found.pop(name), np.cumsum(sizes)[:-1])))
     tensors = {}
+    for ours, (parts, axis) in experts.items():
+        missing = [part for part in parts if part not in found]
+        if missing:
+            raise CheckpointError(f"{path}: missing tensor {missing[0]!r} (an expert of {ours})")
+        tensors[ours] = np.concatenate([found.pop(part) for part in parts], axis=axis)
     for ours, theirs in mapping.items():
         if theirs not in found:
             if ours == "lm_head":  # some checkpoints tie without saying so

@@ -48,7 +48,7 @@ def model_fingerprint(cfg: ModelConfig, weights: Weights) -> str:
 # ModelConfig fields added after packs were made, with their defaults
 LATER_FIELDS = {"rope_scaling": None, "qk_norm": False, "window_layers": None, "attn_scale": None,
                 "attn_softcap": None, "logit_softcap": None, "sandwich_norms": False, "embed_scale": 1.0,
-                "local_rope_theta": None, "parallel_block": False}
+                "local_rope_theta": None, "parallel_block": False, "n_experts": 0, "experts_per_token": 0}
 
 
 def _fingerprint(cfg: ModelConfig, weights: Weights) -> str:

@@ -12,8 +12,9 @@ Loaders produce a flat dict keyed like ``expected_shapes`` with the unfused (out
 tensors of Hugging Face's naming convention; ``build_weights`` fuses them.
 The FFN of layer l: ``w_gate_up`` (2 d_ff, d_model) with the gate rows first (kind
 ``relu`` has no gate: (d_ff, d_model) up rows), ``w_down`` (d_model, d_ff). Neuron i is
-gate row i, up row i and column i of ``w_down``. Optional tensors (biases, norm bias,
-the input embedding when tied to the head) are ``None``.
+gate row i, up row i and column i of ``w_down``; with experts (``ModelConfig.n_experts``) expert e
+holds neurons e * expert_size .. (e + 1) * expert_size - 1 and ``router`` (n_experts, d_model) scores
+the experts. Optional tensors (biases, norm bias, the input embedding when tied to the head) are ``None``.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ class Layer:
     b_down: jax.Array | None = None
     attn_out_norm: Norm | None = None  # ModelConfig.sandwich_norms (Gemma 2): on the attention's output
     ffn_out_norm: Norm | None = None  # and on the FFN's
+    router: jax.Array | None = None  # (n_experts, d_model): ModelConfig.n_experts (Mixtral)
 
 
 @_register
@@ -120,6 +122,8 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             layer |= {"attn_out_norm.scale": (d,), "ffn_out_norm.scale": (d,)}
         if cfg.ffn_bias:
             layer |= {"b_up": (f,), "b_down": (d,)}
+        if cfg.n_experts:
+            layer["router"] = (cfg.n_experts, d)
         shapes |= {p + k: v for k, v in layer.items()}
     return shapes
 
@@ -169,6 +173,7 @@ def build_weights(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype=jnp.fl
                 k_norm=norm(p + "k_norm") if cfg.qk_norm else None,
                 attn_out_norm=norm(p + "attn_out_norm") if cfg.sandwich_norms else None,
                 ffn_out_norm=norm(p + "ffn_out_norm") if cfg.sandwich_norms else None,
+                router=get(p + "router"),
             )
         )
     head = tensors["embed"] if cfg.tie_embeddings else tensors["lm_head"]

@@ -68,7 +68,8 @@ def smooth(weights: Weights, peaks: ChannelPeaks, alpha: float) -> Weights:
         layers.append(dataclasses.replace(
             layer, attn_norm=_divided(layer.attn_norm, s_attention), ffn_norm=_divided(layer.ffn_norm, s_ffn),
             w_qkv=_cast(w_qkv * s_attention[None, :], layer.w_qkv), w_gate_up=_cast(w_gate_up, layer.w_gate_up),
-            w_down=_cast(w_down * s_down[None, :], layer.w_down),
+            w_down=_cast(w_down * s_down[None, :], layer.w_down),  # the router reads the FFN input too:
+            router=None if layer.router is None else _cast(np.asarray(layer.router, np.float64) * s_ffn, layer.router),
             b_up=None if layer.b_up is None else _cast(np.asarray(layer.b_up, np.float64) / s_down, layer.b_up)))
     head = np.asarray(weights.head, np.float64)  # (d_model, vocab): input channel j is row j
     s_head = migration_scales(peaks.head, head.T, alpha)

@@ -317,9 +317,30 @@ def gate_and_up(layer: Layer, x: jax.Array, cfg: ModelConfig) -> tuple[jax.Array
     return gate, up if layer.b_up is None else up + layer.b_up
 
 
+def expert_weights(router: jax.Array, x: jax.Array, experts_per_token: int) -> jax.Array:
+    """(..., n_experts) float32 routing weights of normalised input x: Mixtral's router, a softmax over the experts'
+    scores whose top ``experts_per_token`` are renormalized to sum 1 and the others zeroed (ties go to the lower
+    expert, as ``torch.topk``'s)."""
+    probs = jax.nn.softmax(linear(x, router).astype(jnp.float32), axis=-1)
+    top, picked = jax.lax.top_k(probs, experts_per_token)
+    chosen = jax.nn.one_hot(picked, router.shape[0], dtype=jnp.bool_).any(-2)
+    return jnp.where(chosen, probs, 0.0) / top.sum(-1, keepdims=True)
+
+
+def expert_routing(layer: Layer, x: jax.Array, cfg: ModelConfig) -> jax.Array | None:
+    """Per neuron (..., d_ff) its expert's routing weight (``expert_weights``) in x's dtype; None without experts."""
+    if not cfg.n_experts:
+        return None
+    weights = expert_weights(layer.router, x, cfg.experts_per_token)
+    return jnp.repeat(weights, cfg.expert_size, axis=-1).astype(x.dtype)
+
+
 def ffn_activations(layer: Layer, x: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """Per-neuron activation a (..., d_ff); the FFN output is ``ffn_down(layer, a)``."""
-    return activate(cfg.ffn_kind, *gate_and_up(layer, x, cfg))
+    """Per-neuron activation a (..., d_ff), with experts times the routing weight (``expert_routing``); the FFN
+    output is ``ffn_down(layer, a)``."""
+    a = activate(cfg.ffn_kind, *gate_and_up(layer, x, cfg))
+    routing = expert_routing(layer, x, cfg)
+    return a if routing is None else a * routing
 
 
 def ffn_down(layer: Layer, a: jax.Array) -> jax.Array:

@@ -33,7 +33,7 @@ from jpinfer.sparse import ThresholdLayout, ThresholdProjection, neurons, thresh
 
 def without_ffn(layer: Layer) -> Layer:
     """The layer's attention part: its FFN matrices live neuron-major elsewhere."""
-    return dataclasses.replace(layer, w_gate_up=None, w_down=None, b_up=None, b_down=None)
+    return dataclasses.replace(layer, w_gate_up=None, w_down=None, b_up=None, b_down=None, router=None)
 
 
 def sparse_engine(model: LoadedModel, predictors: Predictors, capacity: tuple[int, ...],
@@ -81,7 +81,8 @@ def threshold_states(model: LoadedModel, thresholds: SparsityThresholds) -> list
     """Per layer the FFN laid out for ``thresholds`` (None for a kind: that kind off), and the attention's
     q|k|v and output products where their kinds are on."""
     _check_layers(model, thresholds)
-    return [ThresholdLayer(threshold_layout.from_layer(layer, model.cfg.ffn_kind, **_layer_thresholds(thresholds, i)),
+    return [ThresholdLayer(threshold_layout.from_layer(layer, model.cfg.ffn_kind, **_layer_thresholds(thresholds, i),
+                                                       experts=model.cfg.experts),
                            *_attention_projections(layer, thresholds, i))
             for i, layer in enumerate(model.weights.layers)]
 
@@ -124,7 +125,8 @@ def hybrid_engine(model: LoadedModel, predictors: Predictors | None, hot_masks: 
             predictor = predictors.layers[i]
         else:
             split = lambda ids, with_b_down: threshold_layout.from_layer(
-                layer, cfg.ffn_kind, **_layer_thresholds(thresholds, i), neurons=ids, with_b_down=with_b_down)
+                layer, cfg.ffn_kind, **_layer_thresholds(thresholds, i), neurons=ids, with_b_down=with_b_down,
+                experts=cfg.experts)
             hot_part, cold_part, predictor = split(hot_ids, True), split(cold_ids, False), None
         cold_part = _host_copy(cold_part, host_dtype)
         sizes.append((hot_ids.size, cold_ids.size))

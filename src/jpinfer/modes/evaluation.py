@@ -19,6 +19,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from jpinfer.config import ModelConfig
 from jpinfer.ffn import PredictorListFFN, PredictorMaskFFN, ThresholdLayer, ThresholdRowsFFN, mask_states
 from jpinfer.models.loading import LoadedModel
 from jpinfer.modes.hybrid import AcceleratorLayer, HybridStepper
@@ -39,7 +40,7 @@ def decode_equivalent(engine: Engine, dense: LoadedModel, activity_thresholds: n
     stepper = engine.stepper
     if isinstance(stepper, HybridStepper):
         if stepper.layers[0].predictor is None:  # threshold sparsity split by the placement
-            states = [_threshold_state(layer, part, cfg.ffn_kind)
+            states = [_threshold_state(layer, part, cfg)
                       for layer, part in zip(dense.weights.layers, stepper.layers)]
             return dense, FfnStrategy(ThresholdRowsFFN(), states, "threshold (hybrid)")
         hot = [np.isin(np.arange(cfg.d_ff), np.asarray(part.hot_ids)) for part in stepper.layers]
@@ -54,10 +55,11 @@ def decode_equivalent(engine: Engine, dense: LoadedModel, activity_thresholds: n
     return engine.model, engine.ffn
 
 
-def _threshold_state(layer, part: AcceleratorLayer, kind: str) -> ThresholdLayer:
+def _threshold_state(layer, part: AcceleratorLayer, cfg: ModelConfig) -> ThresholdLayer:
     """The whole layer's threshold FFN with the thresholds the hybrid's parts apply, and its attention's."""
     hot = part.hot
     pick = lambda on, value: float(jnp.asarray(value)) if on else None
     return ThresholdLayer(threshold_layout.from_layer(
-        layer, kind, input_threshold=pick(hot.input_sparse, hot.input_threshold),
-        activation_threshold=pick(hot.activation_sparse, hot.activation_threshold)), part.qkv, part.o)
+        layer, cfg.ffn_kind, input_threshold=pick(hot.input_sparse, hot.input_threshold),
+        activation_threshold=pick(hot.activation_sparse, hot.activation_threshold), experts=cfg.experts), part.qkv,
+        part.o)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jpinfer.activations import activate, gate_activation
 from jpinfer.config import ModelConfig
 from jpinfer.models.params import Layer
-from jpinfer.models.transformer import gate_and_up
+from jpinfer.models.transformer import expert_routing, gate_and_up
 
 Score = Literal["product", "gate"]
 SCORES: tuple[str, ...] = ("product", "gate")
@@ -33,12 +33,17 @@ def check_score(score: str, cfg: ModelConfig) -> None:
         raise ValueError(f"score='gate' needs a gated FFN; this model's FFN kind is {cfg.ffn_kind!r}")
 
 
-def activation_and_score(layer: Layer, x: jax.Array, cfg: ModelConfig, score: Score) -> tuple[jax.Array, jax.Array]:
-    """Per-neuron activation a (..., d_ff) and the non-negative score compared with the threshold."""
+def activation_and_score(layer: Layer, x: jax.Array, cfg: ModelConfig, score: Score, *,
+                         routed_by: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """Per-neuron activation a (..., d_ff) and the non-negative score compared with the threshold. With experts
+    both carry the routing weight: the neurons of experts the router does not pick score 0. The router reads
+    ``routed_by`` (default x: the threshold mode routes on the whole input when gate and up skip some of it)."""
     gate, up = gate_and_up(layer, x, cfg)
-    a = activate(cfg.ffn_kind, gate, up)
+    routing = expert_routing(layer, x if routed_by is None else routed_by, cfg)
+    route = (lambda v: v) if routing is None else (lambda v: v * routing)
+    a = route(activate(cfg.ffn_kind, gate, up))
     if score == "product":
         return a, jnp.abs(a)
-    return a, jnp.abs(gate_activation(cfg.ffn_kind, gate))
+    return a, jnp.abs(route(gate_activation(cfg.ffn_kind, gate)))
 
 

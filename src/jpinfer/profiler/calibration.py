@@ -335,7 +335,7 @@ class _SkippingFFN:
         return transformer.dense_projection(layer, name, jnp.where(kept, x, 0))
 
     def __call__(self, i: int, layer: Layer, x: jax.Array, state: jax.Array) -> tuple[jax.Array, None]:
-        a, s = activation_and_score(layer, jnp.where(jnp.abs(x) > state[1], x, 0), self.cfg, "product")
+        a, s = activation_and_score(layer, jnp.where(jnp.abs(x) > state[1], x, 0), self.cfg, "product", routed_by=x)
         return transformer.ffn_down(layer, jnp.where(s > state[0], a, 0)), None
 
 

@@ -42,6 +42,7 @@ from jpinfer.activations import activate
 from jpinfer.config import UNGATED_KINDS, FfnKind
 from jpinfer.models import quantized
 from jpinfer.models.params import Layer
+from jpinfer.models.transformer import expert_weights
 from jpinfer.native import kernels as native_kernels
 from jpinfer.native import native_available
 from jpinfer.quant import int8
@@ -64,6 +65,10 @@ class ThresholdLayout:
     int4 read by rows (the module docstring); a ``quant.q4.Q4Matrix`` when int4 and read densely.)
     input_threshold / activation_threshold: float32 scalars; an entry is kept when its
              magnitude is strictly greater (so 0 keeps every non-zero entry).
+    router / neuron_experts / experts_per_token: with experts (Mixtral), the router (n_experts, d), the expert of
+             each neuron held (n,) and the router's top-k: each activation is times its expert's routing weight
+             (the router reads the whole input), so the neurons of experts not picked are zero and their down
+             rows are skipped at any activation threshold. Gate and up are computed for every expert's neurons.
     """
 
     gate_up: Matrix
@@ -75,6 +80,9 @@ class ThresholdLayout:
     kind: str = dataclasses.field(metadata=dict(static=True))
     input_sparse: bool = dataclasses.field(metadata=dict(static=True))
     activation_sparse: bool = dataclasses.field(metadata=dict(static=True))
+    router: jax.Array | None = None
+    neuron_experts: jax.Array | None = None
+    experts_per_token: int = dataclasses.field(default=0, metadata=dict(static=True))
 
     @property
     def d_ff(self) -> int:
@@ -85,8 +93,10 @@ class ThresholdLayout:
 
 
 def from_layer(layer: Layer, kind: FfnKind, *, input_threshold: float | None, activation_threshold: float | None,
-               neurons: np.ndarray | None = None, with_b_down: bool = True) -> ThresholdLayout:
-    """A decoder layer's FFN for threshold sparsity; a threshold of None turns that kind off.
+               neurons: np.ndarray | None = None, with_b_down: bool = True,
+               experts: tuple[int, int] | None = None) -> ThresholdLayout:
+    """A decoder layer's FFN for threshold sparsity; a threshold of None turns that kind off. ``experts``:
+    (neurons per expert, experts per token) of a layer with a router (``ModelConfig.n_experts``).
 
     Only the matrices a kind reads sparsely change layout (one transposed copy replaces the
     decoder's matrix), so memory does not grow (int4: the int8 copy of a 4-bit matrix takes 1.6x its
@@ -99,6 +109,13 @@ def from_layer(layer: Layer, kind: FfnKind, *, input_threshold: float | None, ac
     gate_up = _readable_by_rows(layer.w_gate_up, input_sparse or neurons is not None)
     down = _readable_by_rows(layer.w_down, activation_sparse or neurons is not None)
     b_up = layer.b_up
+    if (layer.router is None) != (experts is None):
+        raise ValueError("a layer with a router needs experts=(neurons per expert, experts per token), and only it")
+    routing = {}
+    if experts is not None:
+        ids = np.arange(layer.router.shape[0] * experts[0]) if neurons is None else np.asarray(neurons)
+        routing = dict(router=layer.router, neuron_experts=jnp.asarray(ids // experts[0], jnp.int32),
+                       experts_per_token=experts[1])
     if neurons is not None:
         ids = jnp.asarray(neurons, jnp.int32)
         n = down.shape[1]
@@ -114,6 +131,7 @@ def from_layer(layer: Layer, kind: FfnKind, *, input_threshold: float | None, ac
         kind=kind,
         input_sparse=input_sparse,
         activation_sparse=activation_sparse,
+        **routing,
     )
 
 
@@ -236,6 +254,8 @@ def threshold_ffn(ffn: ThresholdLayout, x: jax.Array, *, backend: RowsBackend = 
     if ffn.b_up is not None:
         up = up + ffn.b_up.astype(jnp.float32)
     a = activate(ffn.kind, None if ffn.kind in UNGATED_KINDS else h[:, :n], up)
+    if ffn.router is not None:
+        a = a * jnp.take(expert_weights(ffn.router, tokens, ffn.experts_per_token), ffn.neuron_experts, axis=-1)
     y, n_neurons = _project(ffn.down, a, ffn.activation_sparse, ffn.activation_threshold, backend)
     if ffn.b_down is not None:
         y = y + ffn.b_down.astype(jnp.float32)

@@ -1,0 +1,127 @@
+"""Mixtral-style experts as neurons of one FFN: the router and the routed activations against a float64 numpy
+mixture of experts written from Mixtral's definition (each picked expert's FFN output times its renormalized
+router weight), the threshold mode within experts, the modes that refuse experts, SmoothQuant's migration and
+calibration on a model with experts. Parity with transformers' Mixtral: tests/test_transformer_parity.py and
+tests/test_gguf.py. Tolerances: tests/tolerances.py."""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_int8 import random_peaks
+from test_threshold import BACKENDS, assert_decodes_alike, windows
+
+from jpinfer.errors import JpinferError
+from jpinfer.models import params, smoothquant, transformer
+from jpinfer.modes import build_engine
+from jpinfer.profiler import SparsityThresholds, calibrate_sparsity
+from jpinfer.sparse import threshold_ffn, threshold_layout
+
+from profiler_fixtures import thresholds_in_gaps, tiny_engine
+from tolerances import DECODER_ATOL, KERNEL_ATOL, KERNEL_RTOL, SPARSITY_ATOL
+
+MOE = dict(n_experts=4, experts_per_token=2)  # tiny_engine's d_ff 48: 4 experts of 12 neurons, the top 2 per token
+
+
+def numpy_moe(layer, x: np.ndarray, cfg, input_threshold: float = -1.0, activation_threshold: float = -1.0):
+    """float64 Mixtral FFN of tokens x (T, d): per token the router's softmax, its top experts_per_token weights
+    renormalized, each picked expert's SwiGLU output times its weight. With thresholds, the threshold mode's
+    skipping: gate and up read the inputs with |x_j| over the input threshold (the router reads them all), and a
+    neuron contributes when its routed activation |w_e a_i| is over the activation threshold. Also returns the
+    routed activations (T, d_ff), zero for the experts not picked."""
+    x = np.asarray(x, np.float64)
+    router = np.asarray(layer.router, np.float64)
+    w_gate_up, w_down = np.asarray(layer.w_gate_up, np.float64), np.asarray(layer.w_down, np.float64)
+    f, n = cfg.expert_size, cfg.d_ff
+    ys, routed = [], np.zeros((len(x), n))
+    for t, xt in enumerate(x):
+        scores = router @ xt
+        probs = np.exp(scores - scores.max())
+        probs /= probs.sum()
+        top = np.argsort(-probs, kind="stable")[: cfg.experts_per_token]
+        xs = np.where(np.abs(xt) > input_threshold, xt, 0.0)
+        y = np.zeros(cfg.d_model)
+        for e in top:
+            gate, up = w_gate_up[e * f:(e + 1) * f] @ xs, w_gate_up[n + e * f:n + (e + 1) * f] @ xs
+            a = probs[e] / probs[top].sum() * gate / (1 + np.exp(-gate)) * up
+            routed[t, e * f:(e + 1) * f] = a
+            y += w_down[:, e * f:(e + 1) * f] @ np.where(np.abs(a) > activation_threshold, a, 0.0)
+        ys.append(y)
+    return np.stack(ys), routed
+
+
+def test_routed_ffn_equals_a_float64_mixture_of_experts():
+    """The decoder's FFN (experts as neurons, routed activations) and the threshold mode's (thresholds in wide gaps
+    of the values, so rounding cannot flip a decision; the input threshold's skipping and the activation
+    threshold's both matter) against ``numpy_moe`` to KERNEL_RTOL / KERNEL_ATOL."""
+    engine = tiny_engine("swiglu", **MOE)
+    cfg, layer = engine.cfg, engine.weights.layers[1]
+    x = np.random.default_rng(0).standard_normal((5, cfg.d_model)).astype(np.float32)
+    expected, routed = numpy_moe(layer, x, cfg)
+    assert np.all((routed != 0).reshape(5, 4, -1).any(-1).sum(-1) == 2)  # two experts per token
+    np.testing.assert_allclose(np.asarray(transformer.ffn_dense(layer, jnp.asarray(x), cfg)), expected,
+                               rtol=KERNEL_RTOL, atol=KERNEL_ATOL)
+    input_threshold = float(thresholds_in_gaps([np.abs(x)], 0.3)[0])
+    _, routed = numpy_moe(layer, x, cfg, input_threshold)
+    picked = np.abs(routed[routed != 0])
+    activation_threshold = float(thresholds_in_gaps([picked], 0.4)[0])
+    expected, _ = numpy_moe(layer, x, cfg, input_threshold, activation_threshold)
+    assert np.abs(expected - numpy_moe(layer, x, cfg, input_threshold)[0]).max() > 100 * KERNEL_ATOL
+    for backend in BACKENDS:
+        ffn = threshold_layout.from_layer(layer, cfg.ffn_kind, input_threshold=input_threshold,
+                                          activation_threshold=activation_threshold, experts=cfg.experts)
+        for tokens in (x[:1], x):  # one token reads rows, several run zeroed dense products
+            y, counts = threshold_ffn(ffn, jnp.asarray(tokens), backend=backend)
+            np.testing.assert_allclose(np.asarray(y), expected[: len(tokens)], rtol=KERNEL_RTOL, atol=KERNEL_ATOL)
+            # the down rows read: the picked experts' neurons over the threshold, never an expert not picked
+            _, routed = numpy_moe(layer, tokens, cfg, input_threshold)
+            np.testing.assert_array_equal(np.asarray(counts["neurons"]), (np.abs(routed) > activation_threshold).sum(1))
+    with pytest.raises(ValueError, match="router"):
+        threshold_layout.from_layer(layer, cfg.ffn_kind, input_threshold=None, activation_threshold=0.0)
+
+
+def test_threshold_mode_within_experts_decodes_like_dense_at_threshold_zero():
+    """Threshold 0 keeps every non-zero routed activation and input: dense, summed in another order; the experts not
+    picked are skipped (their activations are exactly zero)."""
+    dense = tiny_engine("swiglu", **MOE)
+    cfg = dense.cfg
+    zeros = np.zeros(cfg.n_layers, np.float32)
+    engine = build_engine(dense.model, "threshold", thresholds=SparsityThresholds(zeros, zeros, {}, {}, "given"))
+    assert_decodes_alike(engine, dense, 24, 8)
+
+
+def test_calibration_counts_the_experts_not_picked_as_skipped():
+    """Half the neurons (2 experts of 4) are exactly zero on every token: a target of 0.7 calibrates a threshold
+    over zero that skips 0.7 of the neurons within the histogram's resolution; 0.3 falls among the zeros, in the
+    histogram's lowest bin (below 2^-31: no routed activation of these models is that small)."""
+    dense = tiny_engine("swiglu", **MOE)
+    tokens = windows(8, 32, seed=3)
+    th = calibrate_sparsity(dense, tokens, activation=0.7)
+    assert np.all(th.activation > 0)
+    np.testing.assert_allclose(th.layer_sparsity["activation"], 0.7, atol=SPARSITY_ATOL)
+    assert np.all(calibrate_sparsity(dense, tokens, activation=0.3).activation < 2.0**-31)
+
+
+def test_predictor_modes_refuse_experts_by_name():
+    dense = tiny_engine("swiglu", **MOE)
+    for mode in ("sparse", "hybrid"):
+        with pytest.raises(JpinferError, match="mixture of experts yet;.* modes dense, threshold and hybrid"):
+            build_engine(dense.model, mode, predictors="unused")
+
+
+def test_migration_scales_the_router_with_the_ffn_input():
+    """SmoothQuant divides the FFN input by s (through the norm) and multiplies gate/up's columns by s; the router
+    reads the same input, so its columns too: the smoothed float model scores like the original within
+    DECODER_ATOL (float32 rounding of the rescaled weights), and routes the same."""
+    cfg = tiny_engine("swiglu", **MOE).cfg
+    weights = params.build_weights(cfg, params.init_random(cfg, seed=1, scale=0.2))
+    smoothed = smoothquant.smooth(weights, random_peaks(cfg), 0.6)
+    tokens = jnp.asarray(windows(2, 12, seed=3))
+    np.testing.assert_allclose(np.asarray(transformer.score(smoothed, tokens, cfg)),
+                               np.asarray(transformer.score(weights, tokens, cfg)), rtol=0, atol=DECODER_ATOL)
+    assert np.abs(np.asarray(smoothed.layers[0].router) - np.asarray(weights.layers[0].router)).max() > 0.01
+    unscaled = dataclasses.replace(smoothed, layers=[dataclasses.replace(s, router=w.router)
+                                                     for s, w in zip(smoothed.layers, weights.layers)])
+    assert np.abs(np.asarray(transformer.score(unscaled, tokens, cfg))
+                  - np.asarray(transformer.score(weights, tokens, cfg))).max() > 100 * DECODER_ATOL
