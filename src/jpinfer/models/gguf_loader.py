@@ -266,39 +266,34 @@ def read_tensors(reader: GGUFReader, cfg: ModelConfig, path: os.PathLike | str,
     expected = expected_shapes(cfg)
     np_dtype = np.dtype(dtype)
     out: dict[str, np.ndarray] = {}
-    for gguf_name, names in plan.items():
+    for gguf_name, entry in plan.items():
         t = by_name.get(gguf_name)
         if t is None:
             raise GGUFError(path, f"missing tensor {gguf_name!r}")
         if t.tensor_type not in SUPPORTED_TENSOR_TYPES:
             supported = ", ".join(q.name for q in SUPPORTED_TENSOR_TYPES)
             raise GGUFError(path, f"tensor {gguf_name!r} has type {t.tensor_type.name}; supported types: {supported}")
-        copies = names.names[1:] if isinstance(names, _Shared) else ()
-        if copies:
-            names = names.names[0]
-        experts = isinstance(names, _Experts)
-        if experts:
-            names = names.name
-        parts = (names,) if isinstance(names, str) else names  # a fused tensor stacks its parts' rows
+        target = entry.names[0] if isinstance(entry, _Shared) else entry.name if isinstance(entry, _Experts) else entry
+        parts = (target,) if isinstance(target, str) else target  # a fused tensor stacks its parts' rows
         rows = [expected[name][0] for name in parts]
         implied = (sum(rows), *expected[parts[0]][1:])
-        if experts:  # (n_experts, expert rows, cols) or, for down, (n_experts, d_model, expert cols)
-            down = names.endswith("w_down")
+        if isinstance(entry, _Experts):  # (n_experts, expert rows, d_model); down: (n_experts, d_model, expert cols)
+            down = target.endswith(".w_down")
             implied = (cfg.n_experts, *((implied[0], cfg.expert_size) if down else (cfg.expert_size, implied[1])))
         stored = tuple(int(n) for n in reversed(t.shape.tolist()))  # numpy order: (out, in)
         if stored != implied:
             raise GGUFError(path, f"tensor {gguf_name!r} has shape {stored}, but the metadata implies {implied}")
         w = dequantize(t.data, t.tensor_type).reshape(stored)
-        if experts:
-            w = (w.transpose(1, 0, 2) if down else w).reshape(expected[names])
+        if isinstance(entry, _Experts):  # every expert's neurons in expert order
+            w = (w.transpose(1, 0, 2) if down else w).reshape(expected[target])
         for name, part in zip(parts, np.split(w, np.cumsum(rows)[:-1])):
             if name.endswith(".wq") and _permuted(cfg):
                 part = unpermute_rope_rows(part, cfg.n_heads)
             elif name.endswith(".wk") and _permuted(cfg):
                 part = unpermute_rope_rows(part, cfg.n_kv_heads)
             out[name] = np.array(part, dtype=np_dtype, order="C")  # a copy: no view of the file
-        for name in copies:
-            out[name] = out[parts[0]].copy()
+        if isinstance(entry, _Shared):
+            out |= {name: out[target].copy() for name in entry.names[1:]}
     return out
 
 
