@@ -24,6 +24,9 @@ def tiny_config(arch: str) -> transformers.PretrainedConfig:
         return transformers.LlamaConfig(**TINY, intermediate_size=48, num_key_value_heads=2, rope_theta=500.0,
                                         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 16})
+    if arch == "dynamic_rope":  # dynamic NTK past a context of 8 (a generation of 14 reaches 6 bases past it)
+        return transformers.LlamaConfig(**(TINY | {"max_position_embeddings": 8}), intermediate_size=48,
+                                        num_key_value_heads=2, rope_scaling={"rope_type": "dynamic", "factor": 3.0})
     if arch == "linear_rope":
         return transformers.LlamaConfig(**TINY, intermediate_size=48, num_key_value_heads=4,
                                         rope_scaling={"rope_type": "linear", "factor": 3.0})

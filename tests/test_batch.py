@@ -10,6 +10,7 @@ import pytest
 from test_modes import half_masks, predictors_for, random_predictor
 
 from jpinfer import GenerationConfig
+from jpinfer.config import RopeScaling
 from jpinfer.models import quantized, transformer
 from jpinfer.modes import build_engine
 from jpinfer.native import native_available
@@ -40,6 +41,9 @@ def engine_for(name: str):
         return tiny_engine("relu", **FALCON_LIKE)
     if name == "learned-positions":  # OPT's position table
         return tiny_engine("relu", positions="learned", max_position=256, position_offset=2)
+    if name == "dynamic-rope-experts":  # each sequence's own RoPE base past 8 positions; Mixtral-like experts
+        return tiny_engine("swiglu", n_experts=4, experts_per_token=2,
+                           rope_scaling=RopeScaling("dynamic", factor=3.0, original_max_position=8))
     dense = tiny_engine("swiglu", n_layers=3)
     cfg = dense.cfg
     if name == "dense":
@@ -111,7 +115,8 @@ def run_batched(engine, todo, slots: int, join_every: int = 2):
 # the modes the issue names run by default; the other variants (each ~9 s) with the slow tests, in CI
 ENGINES = ["dense", "int8", "threshold", "sparse", "hybrid"] + [
     pytest.param(name, marks=pytest.mark.slow)
-    for name in ("sparse-clipped", "threshold-hybrid", "gemma2-like", "falcon-like", "learned-positions")]
+    for name in ("sparse-clipped", "threshold-hybrid", "gemma2-like", "falcon-like", "learned-positions",
+                 "dynamic-rope-experts")]
 
 
 @pytest.mark.parametrize("name", ENGINES)

@@ -81,7 +81,7 @@ def _edit_config(directory, **changes):
     [
         ({"architectures": ["GPT2LMHeadModel"]}, "unsupported architecture 'GPT2LMHeadModel'"),
         ({"hidden_act": "gelu"}, "unsupported hidden_act 'gelu'"),
-        ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, "RoPE scaling type 'dynamic' is not supported"),
+        ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "RoPE scaling type 'longrope' is not supported"),
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "needs the original context length"),
         ({"rope_scaling": {"rope_type": "linear", "factor": 0}}, "factor must be positive"),
         ({"rope_scaling": {"rope_type": "yarn", "mscale": 1.0, "mscale_all_dim": 1.0}}, "RoPE scaling 'yarn'"),

@@ -14,7 +14,7 @@ PositionKind = Literal["rope", "learned"]
 
 FFN_KINDS: tuple[str, ...] = ("swiglu", "geglu", "reglu", "drelu", "relu", "gelu")
 UNGATED_KINDS: tuple[str, ...] = ("relu", "gelu")  # an up projection only (OPT, Falcon): bundles of 2 rows
-ROPE_SCALINGS: tuple[str, ...] = ("linear", "llama3", "yarn", "factors")
+ROPE_SCALINGS: tuple[str, ...] = ("linear", "llama3", "yarn", "factors", "dynamic")
 WEIGHT_FORMATS: tuple[str, ...] = ("float", "int8", "int4")  # jpinfer.load(weights=...); see jpinfer.models.quantized
 
 
@@ -29,7 +29,9 @@ class RopeScaling:
     divided and kept frequencies over the dimensions set by ``beta_fast`` / ``beta_slow`` rotations in
     ``original_max_position``, and cos/sin scaled by ``attention_factor``, 0.1 ln(factor) + 1 when None) or
     ``factors`` (each frequency divided by its own entry of ``frequency_factors``: llama.cpp's
-    ``rope_freqs`` tensor, how GGUF files carry Llama 3.1's scaling)."""
+    ``rope_freqs`` tensor, how GGUF files carry Llama 3.1's scaling) or ``dynamic`` (dynamic NTK: past
+    ``original_max_position`` the base grows with the length L a step reaches, theta * (factor L / original -
+    factor + 1) ^ (head_dim / (head_dim - 2)), applied to that step's new positions)."""
 
     kind: str
     factor: float = 1.0
@@ -47,7 +49,7 @@ class RopeScaling:
             raise ValueError(f"unsupported RoPE scaling {self.kind!r}; supported: {', '.join(ROPE_SCALINGS)}")
         if not self.factor > 0:
             raise ValueError(f"RoPE scaling factor must be positive, got {self.factor}")
-        if self.kind in ("llama3", "yarn") and not (self.original_max_position or 0) > 0:
+        if self.kind in ("llama3", "yarn", "dynamic") and not (self.original_max_position or 0) > 0:
             raise ValueError(f"RoPE scaling {self.kind!r} needs the original context length")
         if self.kind == "llama3" and not self.high_freq_factor > self.low_freq_factor:
             raise ValueError(f"llama3 RoPE scaling needs high_freq_factor > low_freq_factor, got "

@@ -39,10 +39,12 @@ def _rope(raw: dict[str, Any], path: pathlib.Path) -> tuple[float, RopeScaling |
         raise CheckpointError(f"{path}: partial rotary embedding (partial_rotary_factor) is not supported yet")
     if rope_type in ("default", None):
         return theta, None
-    if rope_type not in ("linear", "llama3", "yarn"):
+    if rope_type not in ("linear", "llama3", "yarn", "dynamic"):
         raise CheckpointError(f"{path}: RoPE scaling type {rope_type!r} is not supported yet "
-                              "(supported: linear, llama3, yarn)")
+                              "(supported: linear, llama3, yarn, dynamic)")
     original = scaling.get("original_max_position_embeddings")
+    if rope_type == "dynamic":  # transformers stretches past the config's own context length
+        original = raw["max_position_embeddings"]
     factor = scaling.get("factor")
     if factor is None and rope_type == "yarn" and original:  # transformers' default: the context's stretch
         factor = raw["max_position_embeddings"] / original

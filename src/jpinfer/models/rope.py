@@ -12,19 +12,35 @@ import jax.numpy as jnp
 from jpinfer.config import ModelConfig, RopeScaling
 
 
-def inverse_frequencies(cfg: ModelConfig) -> jax.Array:
+def inverse_frequencies(cfg: ModelConfig, length: jax.Array | None = None) -> jax.Array:
     """(head_dim / 2,) float32: theta^(-2i / head_dim), then the config's scaling, all in float32 jnp operations
     inside the step (transformers computes them in float32 too). Not float64 rounded once: that moved 11 of
     the default model's 32 frequencies by an ulp and flipped a greedy answer of its int8 threshold mode, so
-    unscaled models keep exactly the frequencies jpinfer always computed."""
-    inv = _plain_frequencies(cfg.rope_theta, cfg.head_dim)
+    unscaled models keep exactly the frequencies jpinfer always computed. Dynamic scaling reads the ``length``
+    the step reaches (a scalar, or (B,) per sequence: (B, head_dim / 2) then; None: the original context)."""
     s = cfg.rope_scaling
+    if s is not None and s.kind == "dynamic":
+        return _dynamic_frequencies(cfg, s, length)
+    inv = _plain_frequencies(cfg.rope_theta, cfg.head_dim)
     return inv if s is None else _scaled(inv, s, cfg.head_dim, cfg.rope_theta)
 
 
-def _plain_frequencies(theta: float, head_dim: int) -> jax.Array:
+def _plain_frequencies(theta: float | jax.Array, head_dim: int) -> jax.Array:
+    """theta^(-2i / head_dim); a traced theta (dynamic scaling's) of shape (B,) gives (B, head_dim / 2)."""
     half = head_dim // 2
+    if isinstance(theta, jax.Array):
+        theta = theta[..., None]
     return 1.0 / (theta ** (jnp.arange(0, half, dtype=jnp.float32) / half))
+
+
+def _dynamic_frequencies(cfg: ModelConfig, s: RopeScaling, length: jax.Array | None) -> jax.Array:
+    """Dynamic NTK (transformers' ``dynamic`` RoPE): the base stretched for the length reached, never below the
+    original context's (as transformers computes it per call, in float32)."""
+    original = s.original_max_position
+    reached = jnp.maximum(jnp.asarray(original if length is None else length, jnp.float32), original)
+    d = cfg.head_dim
+    base = cfg.rope_theta * (s.factor * reached / original - (s.factor - 1)) ** (d / (d - 2))
+    return _plain_frequencies(base, d)
 
 
 def table_scale(cfg: ModelConfig) -> float:
@@ -79,15 +95,17 @@ class RopeTables(NamedTuple):
         return self.sliding if window is not None and self.sliding is not None else self.full
 
 
-def rope_tables(positions: jax.Array, cfg: ModelConfig) -> RopeTables:
+def rope_tables(positions: jax.Array, cfg: ModelConfig, length: jax.Array | None = None) -> RopeTables:
     """The rotary tables of a step at ``positions``: (T,), or (B, T) when each sequence of a batch is at
-    its own position (batched decoding)."""
-    return RopeTables(_tables(positions, inverse_frequencies(cfg), table_scale(cfg)),
+    its own position (batched decoding); ``length``: the positions the step reaches (dynamic scaling's)."""
+    return RopeTables(_tables(positions, inverse_frequencies(cfg, length), table_scale(cfg)),
                       None if cfg.local_rope_theta is None else
                       _tables(positions, _plain_frequencies(cfg.local_rope_theta, cfg.head_dim), 1.0))
 
 
 def _tables(positions: jax.Array, inverse: jax.Array, scale: float) -> tuple[jax.Array, jax.Array]:
+    if inverse.ndim == 2:  # one set per sequence (dynamic scaling of a batch)
+        inverse = inverse[:, None, :]
     angles = positions.astype(jnp.float32)[..., None] * inverse
     if scale == 1.0:
         return jnp.cos(angles), jnp.sin(angles)

@@ -373,14 +373,16 @@ def embed(weights: Weights, tokens: jax.Array, positions: jax.Array, cfg: ModelC
 
 
 def step_inputs(
-    weights: Weights, tokens: jax.Array, start: jax.Array, cfg: ModelConfig
+    weights: Weights, tokens: jax.Array, start: jax.Array, cfg: ModelConfig, n_valid: jax.Array | None = None
 ) -> tuple[jax.Array, jax.Array, RopeTables | None]:
     """Embeddings (B, T, d) of T new tokens after ``start`` cached positions, their positions
     (T,) and the rotary tables the layers share (None for learned positions). A ``start`` per sequence
-    (B,) gives positions (B, T)."""
+    (B,) gives positions (B, T). ``n_valid``: how many of the T are real (a right-padded prompt; default T): the
+    length the step reaches, which dynamic RoPE scaling reads."""
     positions = start[..., None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
     h = embed(weights, tokens, positions, cfg)
-    rope_cs = rope_tables(positions, cfg) if cfg.positions == "rope" else None
+    length = start + (tokens.shape[1] if n_valid is None else n_valid)
+    rope_cs = rope_tables(positions, cfg, length) if cfg.positions == "rope" else None
     return h, positions, rope_cs
 
 
@@ -428,17 +430,18 @@ def forward(
     ffn_impl: FfnImpl | None = None,
     ffn_state: Any = None,
     attend: int | None = None,
+    n_valid: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache, list[Any]]:
     """Run T new tokens (B, T) after ``cache.length`` cached positions.
 
     ``attend`` (static): cache slots attention reads, at least ``cache.length + T``
-    (None = the whole cache). Returns the final-normalised hidden states (B, T, d), the
-    cache with the new positions written (``length`` advanced by T) and the per-layer FFN
-    aux outputs.
+    (None = the whole cache); ``n_valid``: the real tokens of a right-padded T (``step_inputs``).
+    Returns the final-normalised hidden states (B, T, d), the cache with the new positions
+    written (``length`` advanced by T) and the per-layer FFN aux outputs.
     """
     impl = ffn_impl or _dense_ffn_impl(cfg)
     start = cache.length
-    h, positions, rope_cs = step_inputs(weights, tokens, start, cfg)
+    h, positions, rope_cs = step_inputs(weights, tokens, start, cfg, n_valid)
     aux, keys, values = [], [], []
     for i, layer in enumerate(weights.layers):
         state = None if ffn_state is None else ffn_state[i]
@@ -498,7 +501,7 @@ def prefill(
     at the last real position. ``attend`` as in ``forward``.
     """
     start = cache.length
-    h, cache, _ = forward(weights, tokens, cache, cfg, ffn_impl, ffn_state, attend)
+    h, cache, _ = forward(weights, tokens, cache, cfg, ffn_impl, ffn_state, attend, n_valid)
     last = jax.lax.dynamic_index_in_dim(h, n_valid - 1, axis=1, keepdims=False)
     cache = dataclasses.replace(cache, length=start + n_valid)
     return logits(weights, last, cfg), cache

@@ -144,8 +144,8 @@ class HybridStepper:
         with jax.default_device(self.accelerator):
             return transformer.KVCache.create(self.cfg, batch, capacity, self.top.dtype, per_sequence=per_sequence)
 
-    def _run(self, tokens, cache, attend: int, decode: bool):
-        h, positions, rope_cs = _inputs(self.top, tokens, cache.length, cfg=self.cfg)
+    def _run(self, tokens, cache, attend: int, decode: bool, n_valid=None):
+        h, positions, rope_cs = _inputs(self.top, tokens, cache.length, cfg=self.cfg, n_valid=n_valid)
         zeros = jnp.zeros_like(h)
         y_hot = y_cold = zeros
         keys, values = [], []
@@ -165,7 +165,7 @@ class HybridStepper:
         return h, y_hot, y_cold, transformer.KVCache(keys, values, cache.length + tokens.shape[1])
 
     def first_logits(self, tokens, n_valid, cache, attend):
-        h, y_hot, y_cold, cache = self._run(tokens, cache, attend, decode=False)
+        h, y_hot, y_cold, cache = self._run(tokens, cache, attend, decode=False, n_valid=n_valid)
         logits = _final_logits(self.top, self.layers[-1].layer, h, y_hot, y_cold, n_valid - 1, cfg=self.cfg)
         return logits, dataclasses.replace(cache, length=cache.length - tokens.shape[1] + n_valid)
 
