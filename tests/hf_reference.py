@@ -27,6 +27,12 @@ def tiny_config(arch: str) -> transformers.PretrainedConfig:
     if arch == "dynamic_rope":  # dynamic NTK past a context of 8 (a generation of 14 reaches 6 bases past it)
         return transformers.LlamaConfig(**(TINY | {"max_position_embeddings": 8}), intermediate_size=48,
                                         num_key_value_heads=2, rope_scaling={"rope_type": "dynamic", "factor": 3.0})
+    if arch == "phi3_longrope":  # LongRoPE: short factors up to 8 positions, long ones past them; attention factor
+        # sqrt(1 + ln 8 / ln 8) from the stretch 64 / 8
+        return transformers.Phi3Config(**TINY, intermediate_size=40, num_key_value_heads=2, pad_token_id=0,
+                                       original_max_position_embeddings=8, rope_parameters={
+                                           "rope_type": "longrope", "rope_theta": 10000.0,
+                                           "short_factor": [1.0, 1.2, 1.5, 2.0], "long_factor": [1.0, 2.0, 4.0, 8.0]})
     if arch == "linear_rope":
         return transformers.LlamaConfig(**TINY, intermediate_size=48, num_key_value_heads=4,
                                         rope_scaling={"rope_type": "linear", "factor": 3.0})

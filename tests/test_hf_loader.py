@@ -81,10 +81,14 @@ def _edit_config(directory, **changes):
     [
         ({"architectures": ["GPT2LMHeadModel"]}, "unsupported architecture 'GPT2LMHeadModel'"),
         ({"hidden_act": "gelu"}, "unsupported hidden_act 'gelu'"),
-        ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "RoPE scaling type 'longrope' is not supported"),
+        ({"rope_scaling": {"rope_type": "mrope", "factor": 4.0}}, "RoPE scaling type 'mrope' is not supported"),
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "needs the original context length"),
         ({"rope_scaling": {"rope_type": "linear", "factor": 0}}, "factor must be positive"),
         ({"rope_scaling": {"rope_type": "yarn", "mscale": 1.0, "mscale_all_dim": 1.0}}, "RoPE scaling 'yarn'"),
+        ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 4, "original_max_position_embeddings": 8}},
+         "RoPE scaling 'longrope': KeyError\\('long_factor'"),
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}, "max_position_embeddings": None},
+         "needs the original context length"),
         ({"partial_rotary_factor": 0.5}, "partial rotary embedding"),
         ({"use_bidirectional_attention": True}, "bidirectional attention"),
         ({"architectures": ["Gemma3ForCausalLM"], "rope_parameters": {

@@ -122,30 +122,36 @@ def test_gemma3_reads_its_layer_types_and_both_rope_bases(tmp_path):
         assert np.abs(read - moved).max() > 100 * DECODER_ATOL, other
 
 
-def test_dynamic_rope_follows_transformers_step_by_step(tmp_path):
-    """Dynamic NTK scaling stretches the RoPE base by the length each call reaches past the original context (8):
-    a whole 12-token sequence scores like transformers' forward (one base for every position), and a generation
-    (a 10-token prompt, right-padded to 16 but reaching 10, then 5 new tokens, each rotated at the base of its own
-    step, the cached keys kept as they were) gives transformers' generate logits at every step. Both sides float32:
-    DECODER_ATOL."""
-    ref, cfg, weights = _load("dynamic_rope", tmp_path)
-    assert cfg.rope_scaling.kind == "dynamic" and cfg.rope_scaling.original_max_position == 8
-    prompt = [[5, 17, 3, 88, 41, 9, 60, 2, 33, 71]]
-    with torch.no_grad():  # a fresh module: transformers keeps the longest length seen in its rotary module
-        out = ref.generate(torch.tensor(prompt), max_new_tokens=5, do_sample=False, pad_token_id=0,
+@pytest.mark.parametrize("arch, kind, prompt_length, total", [
+    ("dynamic_rope", "dynamic", 4, 14), ("dynamic_rope", "dynamic", 10, 14),
+    ("phi3_longrope", "longrope", 4, 8), ("phi3_longrope", "longrope", 10, 14)])
+def test_length_dependent_rope_follows_transformers_step_by_step(arch, kind, prompt_length, total, tmp_path):
+    """Scalings that depend on the length a call reaches past the original context (8): dynamic NTK stretches the
+    base, LongRoPE switches from its short to its long factors. A generation (a prompt of 4 or 10 tokens,
+    right-padded to 16 but reaching only its length, then new tokens to ``total`` positions, each step's new
+    positions rotated for the length that step reaches, the cached keys kept as they were) gives transformers'
+    generate logits at every step, and a whole 12-token sequence scores like transformers' forward (one length for
+    every position). Both sides float32: DECODER_ATOL. LongRoPE generations stay on one side of the original
+    context: where one crosses it, transformers' Phi-3 re-encodes the whole sequence with the long factors
+    (README: not done here)."""
+    ref, cfg, weights = _load(arch, tmp_path)
+    assert cfg.rope_scaling.kind == kind and cfg.rope_scaling.original_max_position == 8
+    prompt = [[5, 17, 3, 88, 41, 9, 60, 2, 33, 71][:prompt_length]]
+    with torch.no_grad():  # a fresh module: transformers' dynamic rotary module keeps the longest length seen
+        out = ref.generate(torch.tensor(prompt), max_new_tokens=total - prompt_length, do_sample=False, pad_token_id=0,
                            output_logits=True, return_dict_in_generate=True)
     expected = np.stack([step[0].numpy() for step in out.logits])
     cache = transformer.KVCache.create(cfg, batch=1, capacity=16)
-    padded = np.zeros((1, 16), np.int64)  # right-padded: the step reaches 10 positions, not 16
-    padded[0, :10] = prompt[0]
-    step_logits, cache = transformer.prefill(weights, jnp.asarray(padded), jnp.int32(10), cache, cfg)
+    padded = np.zeros((1, 16), np.int64)  # right-padded: the step reaches the prompt's length, not 16
+    padded[0, :prompt_length] = prompt[0]
+    step_logits, cache = transformer.prefill(weights, jnp.asarray(padded), jnp.int32(prompt_length), cache, cfg)
     got = []
-    for token in out.sequences[0, 10:].tolist():
+    for token in out.sequences[0, prompt_length:].tolist():
         got.append(np.asarray(step_logits[0]))
         step_logits, cache = transformer.decode_step(weights, jnp.asarray([token]), cache, cfg)
     np.testing.assert_allclose(np.stack(got), expected, atol=DECODER_ATOL, rtol=0)
     tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, size=(2, 12))
-    fresh = make_model("dynamic_rope", tmp_path / "fresh")  # the same seed: the same weights, nothing seen yet
+    fresh = make_model(arch, tmp_path / "fresh")  # the same seed: the same weights, nothing seen yet
     with torch.no_grad():
         whole = fresh(torch.tensor(tokens)).logits.numpy()
     np.testing.assert_allclose(np.asarray(transformer.score(weights, jnp.asarray(tokens), cfg)), whole,

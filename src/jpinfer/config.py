@@ -14,7 +14,7 @@ PositionKind = Literal["rope", "learned"]
 
 FFN_KINDS: tuple[str, ...] = ("swiglu", "geglu", "reglu", "drelu", "relu", "gelu")
 UNGATED_KINDS: tuple[str, ...] = ("relu", "gelu")  # an up projection only (OPT, Falcon): bundles of 2 rows
-ROPE_SCALINGS: tuple[str, ...] = ("linear", "llama3", "yarn", "factors", "dynamic")
+ROPE_SCALINGS: tuple[str, ...] = ("linear", "llama3", "yarn", "factors", "dynamic", "longrope")
 WEIGHT_FORMATS: tuple[str, ...] = ("float", "int8", "int4")  # jpinfer.load(weights=...); see jpinfer.models.quantized
 
 
@@ -31,7 +31,9 @@ class RopeScaling:
     ``factors`` (each frequency divided by its own entry of ``frequency_factors``: llama.cpp's
     ``rope_freqs`` tensor, how GGUF files carry Llama 3.1's scaling) or ``dynamic`` (dynamic NTK: past
     ``original_max_position`` the base grows with the length L a step reaches, theta * (factor L / original -
-    factor + 1) ^ (head_dim / (head_dim - 2)), applied to that step's new positions)."""
+    factor + 1) ^ (head_dim / (head_dim - 2)), applied to that step's new positions) or ``longrope`` (Phi-3's
+    LongRoPE: each frequency divided by its entry of ``frequency_factors`` while a step reaches at most
+    ``original_max_position`` positions, of ``long_factors`` past it; cos/sin times ``attention_factor``)."""
 
     kind: str
     factor: float = 1.0
@@ -43,20 +45,25 @@ class RopeScaling:
     attention_factor: float | None = None
     truncate: bool = True
     frequency_factors: tuple[float, ...] = ()
+    long_factors: tuple[float, ...] = ()  # longrope's, past the original context
 
     def __post_init__(self) -> None:
         if self.kind not in ROPE_SCALINGS:
             raise ValueError(f"unsupported RoPE scaling {self.kind!r}; supported: {', '.join(ROPE_SCALINGS)}")
         if not self.factor > 0:
             raise ValueError(f"RoPE scaling factor must be positive, got {self.factor}")
-        if self.kind in ("llama3", "yarn", "dynamic") and not (self.original_max_position or 0) > 0:
+        if self.kind in ("llama3", "yarn", "dynamic", "longrope") and not (self.original_max_position or 0) > 0:
             raise ValueError(f"RoPE scaling {self.kind!r} needs the original context length")
         if self.kind == "llama3" and not self.high_freq_factor > self.low_freq_factor:
             raise ValueError(f"llama3 RoPE scaling needs high_freq_factor > low_freq_factor, got "
                              f"{self.high_freq_factor} and {self.low_freq_factor}")
-        if self.kind == "factors" and not (self.frequency_factors and min(self.frequency_factors) > 0):
+        if self.kind in ("factors", "longrope") and not (self.frequency_factors and min(self.frequency_factors) > 0):
             raise ValueError("RoPE frequency factors must be given and positive")
+        if self.kind == "longrope" and not (len(self.long_factors) == len(self.frequency_factors)
+                                            and min(self.long_factors) > 0 and self.attention_factor):
+            raise ValueError("LongRoPE needs as many positive long factors as short ones, and its attention factor")
         object.__setattr__(self, "frequency_factors", tuple(float(f) for f in self.frequency_factors))
+        object.__setattr__(self, "long_factors", tuple(float(f) for f in self.long_factors))
 
 
 @dataclasses.dataclass(frozen=True)

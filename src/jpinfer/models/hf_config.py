@@ -13,6 +13,7 @@ refused with a CheckpointError that names it.
 
 from __future__ import annotations
 
+import math
 import pathlib
 from typing import Any
 
@@ -39,9 +40,11 @@ def _rope(raw: dict[str, Any], path: pathlib.Path) -> tuple[float, RopeScaling |
         raise CheckpointError(f"{path}: partial rotary embedding (partial_rotary_factor) is not supported yet")
     if rope_type in ("default", None):
         return theta, None
+    if rope_type in ("longrope", "su"):  # "su": its name in older Phi-3 configs
+        return theta, _longrope(raw, scaling, path)
     if rope_type not in ("linear", "llama3", "yarn", "dynamic"):
         raise CheckpointError(f"{path}: RoPE scaling type {rope_type!r} is not supported yet "
-                              "(supported: linear, llama3, yarn, dynamic)")
+                              "(supported: linear, llama3, yarn, dynamic, longrope)")
     original = scaling.get("original_max_position_embeddings")
     if rope_type == "dynamic":  # transformers stretches past the config's own context length
         original = raw["max_position_embeddings"]
@@ -62,6 +65,22 @@ def _rope(raw: dict[str, Any], path: pathlib.Path) -> tuple[float, RopeScaling |
             truncate=bool(scaling.get("truncate", True)))
     except (TypeError, ValueError) as err:
         raise CheckpointError(f"{path}: RoPE scaling {rope_type!r}: {err}") from None
+
+
+def _longrope(raw: dict[str, Any], scaling: dict[str, Any], path: pathlib.Path) -> RopeScaling:
+    """Phi-3's LongRoPE as transformers reads it: the original context from the scaling or the config, the
+    attention factor sqrt(1 + ln(s) / ln(original)) for the stretch s = max_position_embeddings / original
+    unless given."""
+    original = scaling.get("original_max_position_embeddings") or raw.get("original_max_position_embeddings")
+    try:
+        factor = scaling.get("factor") or raw["max_position_embeddings"] / original
+        attention = scaling.get("attention_factor") or (
+            1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original)))
+        return RopeScaling("longrope", factor=float(factor), original_max_position=original,
+                           attention_factor=float(attention), frequency_factors=tuple(scaling["short_factor"]),
+                           long_factors=tuple(scaling["long_factor"]))
+    except (KeyError, TypeError, ValueError) as err:
+        raise CheckpointError(f"{path}: RoPE scaling 'longrope': {err!r}") from None
 
 
 def _gemma3_rope(raw: dict[str, Any], path: pathlib.Path) -> tuple[dict[str, Any], float]:

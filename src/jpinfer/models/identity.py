@@ -49,12 +49,15 @@ def model_fingerprint(cfg: ModelConfig, weights: Weights) -> str:
 LATER_FIELDS = {"rope_scaling": None, "qk_norm": False, "window_layers": None, "attn_scale": None,
                 "attn_softcap": None, "logit_softcap": None, "sandwich_norms": False, "embed_scale": 1.0,
                 "local_rope_theta": None, "parallel_block": False, "n_experts": 0, "experts_per_token": 0}
+LATER_SCALING_FIELDS = {"long_factors": ()}  # the same for config.RopeScaling's
 
 
 def _fingerprint(cfg: ModelConfig, weights: Weights) -> str:
     h = hashlib.blake2b(digest_size=16)
     # fields that came later are left out at their defaults, so that earlier models keep their fingerprints
     arch = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "name" and LATER_FIELDS.get(k, ...) != v}
+    if arch.get("rope_scaling"):
+        arch["rope_scaling"] = {k: v for k, v in arch["rope_scaling"].items() if LATER_SCALING_FIELDS.get(k, ...) != v}
     h.update(json.dumps(arch, sort_keys=True, default=list).encode())
     for leaf in jax.tree_util.tree_leaves(weights):
         h.update(str(leaf.shape).encode())

@@ -21,6 +21,8 @@ def inverse_frequencies(cfg: ModelConfig, length: jax.Array | None = None) -> ja
     s = cfg.rope_scaling
     if s is not None and s.kind == "dynamic":
         return _dynamic_frequencies(cfg, s, length)
+    if s is not None and s.kind == "longrope":
+        return _longrope_frequencies(cfg, s, length)
     inv = _plain_frequencies(cfg.rope_theta, cfg.head_dim)
     return inv if s is None else _scaled(inv, s, cfg.head_dim, cfg.rope_theta)
 
@@ -31,6 +33,15 @@ def _plain_frequencies(theta: float | jax.Array, head_dim: int) -> jax.Array:
     if isinstance(theta, jax.Array):
         theta = theta[..., None]
     return 1.0 / (theta ** (jnp.arange(0, half, dtype=jnp.float32) / half))
+
+
+def _longrope_frequencies(cfg: ModelConfig, s: RopeScaling, length: jax.Array | None) -> jax.Array:
+    """LongRoPE as transformers computes it: 1 / (factor_i theta^(2i / head_dim)), the long factors when the step
+    reaches past the original context, the short ones otherwise (and before any step)."""
+    half = cfg.head_dim // 2
+    short, long = (jnp.asarray(f, jnp.float32) for f in (s.frequency_factors, s.long_factors))
+    past = jnp.asarray(0 if length is None else length)[..., None] > s.original_max_position
+    return 1.0 / (jnp.where(past, long, short) * cfg.rope_theta ** (jnp.arange(0, half, dtype=jnp.float32) / half))
 
 
 def _dynamic_frequencies(cfg: ModelConfig, s: RopeScaling, length: jax.Array | None) -> jax.Array:
@@ -44,8 +55,10 @@ def _dynamic_frequencies(cfg: ModelConfig, s: RopeScaling, length: jax.Array | N
 
 
 def table_scale(cfg: ModelConfig) -> float:
-    """What cos and sin are multiplied by: YaRN's attention factor, 1 otherwise."""
+    """What cos and sin are multiplied by: YaRN's or LongRoPE's attention factor, 1 otherwise."""
     s = cfg.rope_scaling
+    if s is not None and s.kind == "longrope":
+        return float(s.attention_factor)
     if s is None or s.kind != "yarn":
         return 1.0
     return float(s.attention_factor) if s.attention_factor is not None else yarn_attention_factor(s.factor)
