@@ -316,6 +316,10 @@ def model_wide() -> list[str]:
             best = min(within, key=lambda r: r["bytes_ratio"])
             out.append(f"- Fewest bytes within 1.05x dense perplexity, {label}: {best['describe']}, "
                        f"{best['bytes_ratio']:.3f} of dense at {best['ppl_ratio']:.3f}x.")
+    kept = [f"{r['point']}: {r['allocation']}" for r in data["rows"] if r.get("allocation")]
+    if kept:
+        out.append("- The allocation each greedy point kept (the least held-out loss of the Fisher one, the measured "
+                   "one over kinds and uniform): " + "; ".join(kept) + ".")
     return out + ["", source("model_wide"), ""]
 
 
