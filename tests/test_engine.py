@@ -1,5 +1,7 @@
 """Engine: generation loop, sampling, stops, streaming and argument checks (tiny random models)."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,10 +9,12 @@ import pytest
 import torch
 
 from jpinfer import Engine, GenerationConfig, LoadedModel
+from jpinfer.config import RopeScaling
 from jpinfer.models import hf_loader, params
 from jpinfer.runtime.sampling import ARGMAX_BLOCK, Sampler, argmax, sample
 
 from hf_reference import make_model
+from profiler_fixtures import tiny_engine
 
 
 class CharTokenizer:
@@ -153,3 +157,20 @@ def test_generation_stops_at_context_end(tiny):
     prompt = list(np.random.default_rng(0).integers(1, 90, n))
     result = engine.generate(prompt, max_new_tokens=50)
     assert len(result.token_ids) <= 3
+
+
+def test_a_longrope_generation_that_can_cross_the_original_context_warns():
+    """jpinfer keeps the keys cached before a LongRoPE generation crosses the original context (8 here), where
+    transformers' Phi-3 re-encodes them: said when a generation can cross it, alone or in a batch; silent when
+    it cannot (all on one side)."""
+    scaling = RopeScaling("longrope", original_max_position=8, attention_factor=1.2,
+                          frequency_factors=(1.0, 1.2, 1.5, 2.0), long_factors=(1.0, 2.0, 4.0, 8.0))
+    engine = tiny_engine("swiglu", rope_scaling=scaling)
+    with pytest.warns(UserWarning, match="8 positions of tiny-swiglu's original context"):
+        engine.generate([1, 5, 9], max_new_tokens=8, ignore_eos=True)
+    with pytest.warns(UserWarning, match="LongRoPE"):
+        engine.batch_decoder(2, 64).add([1, 5, 9], GenerationConfig(max_new_tokens=8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        engine.generate([1, 5, 9], max_new_tokens=5, ignore_eos=True)  # reaches 8 positions: never past
+        engine.generate(list(range(1, 11)), max_new_tokens=5, ignore_eos=True)  # past it from the prompt on

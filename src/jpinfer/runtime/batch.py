@@ -42,6 +42,7 @@ from jpinfer.runtime.generation import (
     attend_length,
     cache_capacity,
     generation_shapes,
+    warn_if_crossing_longrope,
 )
 from jpinfer.runtime.sampling import sample_rows
 
@@ -192,6 +193,7 @@ class BatchDecoder:
                                  self._top_k[slot:slot + 1], self._top_p[slot:slot + 1])
         self._keys = self._keys.at[slot].set(key[0])
         eos = set() if config.ignore_eos else self.engine.eos_ids()
+        warn_if_crossing_longrope(self.engine.cfg, n, min(config.max_new_tokens, self.capacity - n))
         request = BatchedRequest(list(prompt_ids), config, slot, min(config.max_new_tokens, self.capacity - n),
                                  TextStream(self.engine.decode_text, config.stop), eos)
         token_id = int(np.asarray(token)[0])

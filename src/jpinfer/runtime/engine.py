@@ -17,7 +17,14 @@ from jpinfer.models.loading import LoadedModel
 from jpinfer.models.params import Weights
 from jpinfer.runtime.batch import BatchDecoder, generate_together
 from jpinfer.runtime.chat import chat_ids
-from jpinfer.runtime.generation import GenerationConfig, GenerationResult, TextStream, attend_length, generation_shapes
+from jpinfer.runtime.generation import (
+    GenerationConfig,
+    GenerationResult,
+    TextStream,
+    attend_length,
+    generation_shapes,
+    warn_if_crossing_longrope,
+)
 from jpinfer.runtime.sampling import Sampler, sample_next
 
 
@@ -237,6 +244,7 @@ class Engine:
         """Prefill and sample the first token; returns (token, cache, key, tokens that fit)."""
         n = len(prompt_ids)
         bucket, capacity, max_new = self._shapes(n, max_new_tokens)
+        warn_if_crossing_longrope(self.cfg, n, max_new)
         cache = self.stepper.new_cache(capacity)
         padded = np.zeros((1, bucket), np.int32)
         padded[0, :n] = prompt_ids

@@ -5,8 +5,10 @@ Shared by the one-sequence loop (``engine``) and batched decoding (``batch``).""
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Callable
 
+from jpinfer.config import ModelConfig
 from jpinfer.runtime.sampling import Sampler
 
 MIN_PROMPT_BUCKET = 16
@@ -86,6 +88,17 @@ def generation_shapes(n_prompt: int, max_new_tokens: int, max_position: int) -> 
     max_new = min(max_new_tokens, max_position - n_prompt)
     bucket = prompt_bucket(n_prompt)
     return bucket, max(bucket, cache_capacity(bucket + max_new, max_position)), max_new
+
+
+def warn_if_crossing_longrope(cfg: ModelConfig, n_prompt: int, max_new_tokens: int) -> None:
+    """Warn when a generation can cross a LongRoPE model's original context: from that step on jpinfer keeps the
+    cached keys (rotated with the short factors), where transformers' Phi-3 re-encodes the whole sequence with the
+    long ones, so the two generations differ."""
+    s = cfg.rope_scaling
+    if s is not None and s.kind == "longrope" and n_prompt <= s.original_max_position < n_prompt + max_new_tokens:
+        warnings.warn(f"this generation can run past the {s.original_max_position} positions of {cfg.name}'s "
+                      "original context (LongRoPE): from there jpinfer keeps the keys rotated with the short factors, "
+                      "where transformers' Phi-3 re-encodes the sequence with the long ones", stacklevel=3)
 
 
 def attend_length(n: int, capacity: int) -> int:
