@@ -5,8 +5,10 @@
 // XLA:CPU's products of 2-8 rows run far under the bandwidth its one-row products reach: the default
 // model's (3072, 576) gate/up product took 0.72 ms for 8 rows against 0.25 ms for one, its (49152, 576)
 // head 13.8 ms against 4.7 (2-core EPYC, 2026-12-03), so an 8-sequence step cost 3.8x a one-sequence step.
-// A step reads every weight once however many tokens it carries: here each tile of 4 rows is loaded
-// once from memory and every token passes over it while it is in L1, so T tokens cost little more than one.
+// A step reads every weight once however many tokens it carries: here each tile of rows is loaded once
+// from memory and every token passes over it while it is in L1. Eight tokens still cost more than one: the
+// products are 8x the multiply-adds, and on the 2-core EPYC the row loads from memory and the multiply-adds
+// barely overlap (30 layers' gate/up and down: 0.59 ms a layer for one token, 0.85-0.96 for eight).
 // One token runs Dots (blocks of 8 rows, the next block prefetched), whose sums are Tile's bit for bit:
 // the decoder runs every float32 decode product here, one token or eight, so a sequence's output in a
 // batch is exactly its output alone (with XLA's one-row product beside native few-token ones, rounding
@@ -19,16 +21,19 @@
 namespace jpn {
 namespace {
 
-constexpr int64_t kRows = 64;  // rows per piece: 64 x 2.3 KiB at in = 576, the default model's width
-constexpr int kTileRows = 4;
-// Tokens per tile: R x TT accumulators, R row vectors and one x vector in registers (16 ymm with AVX2,
-// 32 with AVX-512). Per 8 columns a tile loads R + TT vectors for R x TT multiply-adds: Dots' layout
-// (8 rows, every token) loads 9 for 8 and ran the (3072, 576) product at 4x its one-token time for 8
-// tokens (0.45 against 0.11 ms, 2-core EPYC, 2026-12-03).
+constexpr int64_t kRows = 48;  // rows per piece (48 x 2.3 KiB at in = 576, the default model's width): whole tiles
+// A tile is R rows x TT tokens: R x TT accumulators, R row vectors and one x vector in registers (16 ymm
+// with AVX2, 32 with AVX-512); per 8 columns it loads R + TT vectors for R x TT multiply-adds. GCC folds each
+// x load into its multiply-adds unless told the vector lives in a register (the empty asm in Tile): folded,
+// a 4 x 2 tile issued 12 loads per 8 multiply-adds, load-port bound at 40 GFLOP/s a core with the rows in
+// L2, against 66 for a 3 x 4 tile with x held (2-core EPYC Zen 3, 2026-12-04; its FMA peak measures 100). In
+// the default model's 8-sequence decode step the FFI products fell from 56 to 37 ms (of a 48 ms step).
 #ifdef __AVX512F__
+constexpr int kTileRows = 4;
 constexpr int kTileTokens = 4;
 #else
-constexpr int kTileTokens = 2;
+constexpr int kTileRows = 3;
+constexpr int kTileTokens = 4;
 #endif
 
 // out[t * R + r] = sum_j rows[r][j] * x[t * in + j] for R rows and TT tokens: per (token, row) 8 float lanes
@@ -47,7 +52,8 @@ inline void Tile(const float* const* rows, const float* x, int64_t in, float* ou
     for (int r = 0; r < R; ++r) w[r] = _mm256_loadu_ps(rows[r] + j);
 #pragma GCC unroll 4
     for (int t = 0; t < TT; ++t) {
-      const __m256 xv = _mm256_loadu_ps(x + t * in + j);
+      __m256 xv = _mm256_loadu_ps(x + t * in + j);
+      asm("" : "+x"(xv));  // keep x in a register: one load for R multiply-adds (see kTileRows)
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) acc[t][r] = _mm256_fmadd_ps(w[r], xv, acc[t][r]);
     }
