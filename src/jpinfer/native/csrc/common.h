@@ -113,9 +113,16 @@ constexpr int64_t kInlineBytes = 96 * 1024;
 // machine's load. (An average of the helpers' start delays instead kept that 95% layer on the caller
 // alone on the idle machine as well, where two threads ran it 1.4x faster.) Which thread runs a piece
 // never changes a result (above).
+//
+// A Schedule sample counts at most kScheduleSampleCapNs: on the idle 2-core EPYC a call now and then took
+// 1-5 ms (the caller preempted by the thread it woke), which lifted the average past the 7 MB gate/up
+// product's bar, and a run of steps then ran products on the caller alone: the default model's
+// 8-sequence decode step took 64-68 ms against 48-55 with the helpers always used (2026-12-04). The
+// busy machine's 11-22 us a call stays under the cap, so the average still follows real load.
 constexpr int64_t kBytesPerNs = 16;  // about one core's read rate (9-28 GB/s measured on the EPYC VMs)
 constexpr int64_t kScheduleMultiple = 4;
 constexpr uint32_t kProbeEvery = 16;
+constexpr int64_t kScheduleSampleCapNs = 100 * 1000;
 struct ScheduleCost {
   std::atomic<int64_t> ns{0};
   std::atomic<uint32_t> skipped{0};
@@ -177,7 +184,8 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t n, int64_t work_bytes, F&& body)
   using Clock = std::chrono::steady_clock;
   const Clock::time_point start = Clock::now();
   for (int64_t h = 0; h < helpers; ++h) pool.Schedule(decltype(work)(work));
-  const int64_t ns = std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count();
+  const int64_t ns = std::min(kScheduleSampleCapNs,
+                              std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count());
   const int64_t average = cost.ns.load(std::memory_order_relaxed);
   cost.ns.store(average + (ns - average) / 8, std::memory_order_relaxed);  // a racing call may lose an update
   work();
