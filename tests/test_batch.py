@@ -10,8 +10,9 @@ import pytest
 from test_modes import half_masks, predictors_for, random_predictor
 
 from jpinfer import GenerationConfig
-from jpinfer.config import RopeScaling
+from jpinfer.config import ModelConfig, RopeScaling
 from jpinfer.models import quantized, transformer
+from jpinfer.models.params import Norm
 from jpinfer.modes import build_engine
 from jpinfer.native import native_available
 from jpinfer.profiler.sparsity import SparsityThresholds
@@ -250,3 +251,50 @@ def test_a_batch_step_runs_the_native_few_token_products_and_keeps_nan_rows():
     assert np.isnan(logits[1]).all() and np.isfinite(logits[[0, 2]]).all()
     expected = np.asarray(h)[[0, 2]] @ np.asarray(weights.head)
     np.testing.assert_allclose(logits[[0, 2]], expected, rtol=0, atol=DECODER_ATOL)
+
+
+@pytest.mark.skipif(not native_available(), reason="the native kernels' fixed-order products are what make it exact")
+def test_a_batched_step_is_each_sequence_alone_bit_for_bit_at_a_real_width():
+    """On the CPU every product of a decode step is a native kernel with fixed-order sums and the norms sum in
+    a fixed order (``transformer.fixed_order_sum``), so a sequence's logits in a batch of 8 are its logits
+    alone exactly, here at the default model's width (576, where XLA's own row reduction for the norms
+    rounds a batch of 8 rows differently from one; with it, the real model's threshold mode flipped keep
+    decisions and 5 of 32 served greedy answers differed from the request alone)."""
+    engine = tiny_engine("swiglu", d_model=576, n_heads=9, n_kv_heads=3, head_dim=64, d_ff=96, n_layers=2)
+    rng = np.random.default_rng(7)
+    prompts = [[int(t) for t in rng.integers(3, 40, size=3 + 2 * i)] for i in range(MAX_SLOTS)]
+    config = GenerationConfig(max_new_tokens=40, ignore_eos=True)
+    decoder = BatchDecoder(engine, MAX_SLOTS, 256)
+    for p in prompts:
+        decoder.add(p, config)
+    logits, _ = engine.stepper.step_logits(jnp.asarray(decoder._tokens), decoder.cache, 128)
+    for i, p in enumerate(prompts):
+        alone = BatchDecoder(engine, 1, 256)
+        alone.add(p, config)
+        one, _ = engine.stepper.step_logits(jnp.asarray(alone._tokens), alone.cache, 128)
+        np.testing.assert_array_equal(np.asarray(logits[i]), np.asarray(one[0]))
+
+
+@pytest.mark.parametrize("kind, d", [("rmsnorm", 576), ("layernorm", 577), ("rmsnorm", 1)])
+def test_norms_sum_each_row_in_one_order_for_any_batch(kind, d):
+    """``transformer.norm`` of 8 rows equals the norm of each row alone bit for bit, and a float64 norm within
+    float32 rounding (pairwise sums: a relative error of a few u)."""
+    cfg = ModelConfig(vocab_size=8, d_model=d, n_layers=1, n_heads=1, n_kv_heads=1, head_dim=8, d_ff=8,
+                      norm_kind=kind, norm_eps=1e-5)
+    rng = np.random.default_rng(d)
+    x = rng.standard_normal((8, 1, d)).astype(np.float32) * 3
+    p = Norm(jnp.asarray(rng.uniform(0.5, 1.5, d).astype(np.float32)),
+             jnp.asarray(rng.standard_normal(d).astype(np.float32)) if kind == "layernorm" else None)
+    f = jax.jit(lambda x: transformer.norm(p, x, cfg))
+    together = np.asarray(f(jnp.asarray(x)))
+    for i in range(8):
+        np.testing.assert_array_equal(together[i], np.asarray(f(jnp.asarray(x[i : i + 1])))[0])
+    x64 = x.astype(np.float64)
+    if kind == "layernorm":
+        x64 = x64 - x64.mean(-1, keepdims=True)
+    want = x64 / np.sqrt((x64 * x64).mean(-1, keepdims=True) + 1e-5) * np.asarray(p.scale, np.float64)
+    if p.bias is not None:
+        want = want + np.asarray(p.bias, np.float64)
+    # float32 rounding: ~log2(d) roundings in each pairwise sum, a few more in rsqrt and the products; 1e-5 is
+    # far above that (u = 6e-8) and far below any wrong formula
+    np.testing.assert_allclose(together, want, rtol=1e-5, atol=1e-5)

@@ -81,12 +81,31 @@ class KVCache:
         return self.k[0].shape[2]
 
 
+def fixed_order_sum(v: jax.Array) -> jax.Array:
+    """Sum over the last axis (keepdims) by halving it, pairwise: every row gets the same additions whatever the
+    leading shape. XLA:CPU's own row reductions do not: the mean of squares of 576 floats rounded differently in
+    a batch of 8 rows than alone (2e-6 relative, jax 0.10), so a sequence's decode step in a batch was not its
+    step alone, and in the threshold mode such differences flipped keep decisions (5 of 32 served greedy answers
+    differed from the request alone, 2026-12-04). Each addition is an elementwise op, computed the same in any
+    shape; odd lengths get an exact zero appended."""
+    n = v.shape[-1]
+    while n > 1:
+        if n % 2:
+            v = jnp.concatenate([v, jnp.zeros((*v.shape[:-1], 1), v.dtype)], axis=-1)
+            n += 1
+        v = v[..., : n // 2] + v[..., n // 2 :]
+        n //= 2
+    return v
+
+
 def norm(p: Norm, x: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """RMSNorm or LayerNorm, computed in float32 and returned in x's dtype."""
+    """RMSNorm or LayerNorm, computed in float32 and returned in x's dtype; the row sums in a fixed order
+    (``fixed_order_sum``), so a token's result does not depend on the rows beside it."""
     x32 = x.astype(jnp.float32)
+    d = x32.shape[-1]
     if cfg.norm_kind == "layernorm":
-        x32 = x32 - x32.mean(-1, keepdims=True)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + cfg.norm_eps)
+        x32 = x32 - fixed_order_sum(x32) / d
+    y = x32 * jax.lax.rsqrt(fixed_order_sum(x32 * x32) / d + cfg.norm_eps)
     y = y * p.scale.astype(jnp.float32)
     if p.bias is not None:
         y = y + p.bias.astype(jnp.float32)
@@ -320,11 +339,14 @@ def gate_and_up(layer: Layer, x: jax.Array, cfg: ModelConfig) -> tuple[jax.Array
 def expert_weights(router: jax.Array, x: jax.Array, experts_per_token: int) -> jax.Array:
     """(..., n_experts) float32 routing weights of normalised input x: Mixtral's router, a softmax over the experts'
     scores whose top ``experts_per_token`` are renormalized to sum 1 and the others zeroed (ties go to the lower
-    expert, as ``torch.topk``'s)."""
-    probs = jax.nn.softmax(linear(x, router).astype(jnp.float32), axis=-1)
+    expert, as ``torch.topk``'s). Sums in a fixed order (``fixed_order_sum``): a token's routing does not depend on
+    the rows beside it."""
+    scores = linear(x, router).astype(jnp.float32)
+    exp = jnp.exp(scores - scores.max(-1, keepdims=True))
+    probs = exp / fixed_order_sum(exp)
     top, picked = jax.lax.top_k(probs, experts_per_token)
     chosen = jax.nn.one_hot(picked, router.shape[0], dtype=jnp.bool_).any(-2)
-    return jnp.where(chosen, probs, 0.0) / top.sum(-1, keepdims=True)
+    return jnp.where(chosen, probs, 0.0) / fixed_order_sum(top)
 
 
 def expert_routing(layer: Layer, x: jax.Array, cfg: ModelConfig) -> jax.Array | None:
