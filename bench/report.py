@@ -37,7 +37,7 @@ COMMANDS = {
     "first_run": "python bench/first_run.py --out bench/results/first_run.md",
     "accuracy_curves": "python bench/accuracy_curves.py --out bench/results/accuracy_curves.md",
     "model_wide": "python bench/model_wide.py --out bench/results/model_wide.md",
-    "serve": "python bench/serve.py --clients 16 --out bench/results/serve.md",
+    "serve": "python bench/serve.py --out bench/results/serve.md",
     "decode_speed": "python bench/decode_speed.py --out bench/results/decode_speed.md",
     "modelled_speed": "python bench/modelled_speed.py --out bench/results/modelled_speed.md",
     "placement_share": "python bench/placement_share.py --out bench/results/placement_share.md",

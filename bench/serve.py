@@ -196,7 +196,8 @@ def report(data: dict) -> str:
                          f"{r['tokens_per_s']:.1f}", f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x",
                          f"{r['ttft_p50_s'] * 1e3:.0f}", f"{r['ttft_p99_s'] * 1e3:.0f}",
                          f"{r['tpot_p50_s'] * 1e3:.1f}", f"{r['tpot_p99_s'] * 1e3:.1f}",
-                         f"{r['step_s'] * 1e3:.1f}", f"{r['step_s'] / base['step_s']:.2f}x"])
+                         f"{r['step_s'] * 1e3:.1f}", f"{r['step_s'] / base['step_s']:.2f}x",
+                         f"{int(slots) / r['step_s']:.1f}", f"{int(slots) * base['step_s'] / r['step_s']:.2f}x"])
     lines = [
         "# jpinfer serve under load",
         "",
@@ -206,10 +207,12 @@ def report(data: dict) -> str:
         f"{data['tokens']} tokens each, default model, loopback). Output tok/s: all completion tokens over the wall "
         "time of the load; TTFT and TPOT (time per output token after the first) in ms, p50 / p99 over requests; "
         "'equal': greedy texts equal to the request run alone; step: the batched decode step with every slot full, "
-        "in this process (median of interleaved rounds), and its cost against the one-slot step.",
+        "in this process (median of interleaved rounds), and its cost against the one-slot step; decode tok/s: the "
+        "tokens those steps make per second (slots / step), the aggregate decode throughput without prefills; the "
+        "one-slot step is the memory-bound cost of a step (it reads every weight once for one token).",
         "",
         *markdown_table(["mode", "slots", "complete", "equal", "output tok/s", "x 1 slot", "TTFT p50", "TTFT p99",
-                         "TPOT p50", "TPOT p99", "step ms", "x 1-slot step"], rows),
+                         "TPOT p50", "TPOT p99", "step ms", "x 1-slot step", "decode tok/s", "x 1 slot"], rows),
     ]
     return "\n".join(lines) + "\n"
 
