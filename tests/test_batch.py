@@ -267,11 +267,12 @@ def test_a_batched_step_is_each_sequence_alone_bit_for_bit_at_a_real_width():
     decoder = BatchDecoder(engine, MAX_SLOTS, 256)
     for p in prompts:
         decoder.add(p, config)
-    logits, _ = engine.stepper.step_logits(jnp.asarray(decoder._tokens), decoder.cache, 128)
+    tokens = np.array([request.text.ids[-1] for request in decoder.running], np.int32)
+    logits, _ = engine.stepper.step_logits(jnp.asarray(tokens), decoder.cache, 128)
     for i, p in enumerate(prompts):
         alone = BatchDecoder(engine, 1, 256)
         alone.add(p, config)
-        one, _ = engine.stepper.step_logits(jnp.asarray(alone._tokens), alone.cache, 128)
+        one, _ = engine.stepper.step_logits(jnp.asarray(tokens[i : i + 1]), alone.cache, 128)
         np.testing.assert_array_equal(np.asarray(logits[i]), np.asarray(one[0]))
 
 

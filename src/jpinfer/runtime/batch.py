@@ -177,6 +177,8 @@ class BatchDecoder:
             raise RuntimeError("no free slot: step until a sequence finishes, or remove one")
         n = len(prompt_ids)
         bucket = self._prompt_bucket(n)
+        max_new = min(config.max_new_tokens, self.capacity - n)
+        warn_if_crossing_longrope(self.engine.cfg, n, max_new)
         slot = self.running.index(None)
         t0 = time.perf_counter()
         padded = np.zeros((1, bucket), np.int32)
@@ -193,9 +195,8 @@ class BatchDecoder:
                                  self._top_k[slot:slot + 1], self._top_p[slot:slot + 1])
         self._keys = self._keys.at[slot].set(key[0])
         eos = set() if config.ignore_eos else self.engine.eos_ids()
-        warn_if_crossing_longrope(self.engine.cfg, n, min(config.max_new_tokens, self.capacity - n))
-        request = BatchedRequest(list(prompt_ids), config, slot, min(config.max_new_tokens, self.capacity - n),
-                                 TextStream(self.engine.decode_text, config.stop), eos)
+        stream = TextStream(self.engine.decode_text, config.stop)
+        request = BatchedRequest(list(prompt_ids), config, slot, max_new, stream, eos)
         token_id = int(np.asarray(token)[0])
         now = time.perf_counter()
         request.prefill_s = now - t0
