@@ -13,6 +13,7 @@ import json
 import pathlib
 from typing import Any, Callable
 
+from jpinfer.bench.gpu_suite import part_note
 from jpinfer.bench.protocol import AGREEMENT_LABELS, AGREEMENT_MEANINGS, machine_line, prefix_agreement
 from jpinfer.bench.results import format_cell as fmt
 from jpinfer.bench.results import markdown_table as table
@@ -227,7 +228,7 @@ def gpu() -> list[str]:
     tiny = " --tiny (shrunk shapes on the CPU): a check of the suite, not a timing." if suite["tiny"] else ""
     out += [f"{machine_line(suite['machine'])} Command: `{suite['command']}`; {suite['elapsed_s']:.0f} s of "
             f"--max-seconds {suite['max_seconds']:g}.{tiny}", ""]
-    out += [f"- part {p['name']}: {p['status']}" + (f" ({p['reason']})" if p.get("reason") else "")
+    out += [f"- part {p['name']}: {p['status']}" + (f" ({part_note(p)})" if part_note(p) else "")
             for p in suite["parts"]]
     checks = suite.get("checks")
     if checks:

@@ -52,7 +52,7 @@ def test_load_with_a_pack_takes_its_artifacts(env):
         assert main(argv) == 0
     pack = Pack.load(pack_dir)
     hybrid = jpinfer.load(model, mode="hybrid", pack=pack_dir)
-    for part, mask in zip(hybrid.stepper.layers, pack.placement.masks()):
+    for part, mask in zip(hybrid.ffn.state, pack.placement.masks()):
         np.testing.assert_array_equal(np.asarray(part.hot_ids), np.flatnonzero(mask))
     threshold = jpinfer.load(model, mode="threshold", pack=pack_dir)
     for state, expected in zip(threshold.ffn.state, pack.thresholds.activation):

@@ -167,3 +167,41 @@ def test_without_the_model_package_the_modes_get_random_weights_of_its_shape(mon
     assert source.startswith("random weights of its shape") and "not installed" in source
     assert model.cfg == gpu_suite.DEFAULT_MODEL_SHAPE and model.weights.embed is None  # tied, as SmolLM2
     assert model.weights.head.dtype == jnp.bfloat16 and len(model.weights.layers) == 30
+
+
+def test_update_keeps_the_parts_not_run_and_names_their_run(tmp_path, monkeypatch, capsys):
+    """``--parts checks --update`` over a record: the earlier record's other parts stay, each naming the run that
+    measured them; the re-run part is this run's; a part skipped for time keeps the earlier result. Without a
+    record to update, or with --tiny against a full-size record, it refuses."""
+    monkeypatch.setattr(gpu_checks, "decode_checks", lambda *a, **k: [])  # the verdict only: kernels checked above
+    assert main(["bench-gpu", "--tiny", "--parts", "checks", "--update", "--out", str(tmp_path)]) != 0
+    assert "--update needs --parts and a gpu_suite.json in --out" in capsys.readouterr().err
+    earlier_machine = dict(cpu="Earlier CPU", cores=16, load_before=[0, 0], load_after=[0, 0], jax="0.11.2",
+                           backend="gpu", device="NVIDIA H200", date="2026-12-01T00:00:00+00:00")
+    earlier = dict(suite="gpu", version=gpu_suite.SUITE_VERSION, command="earlier command", tiny=True,
+                   max_seconds=400, elapsed_s=1.0, machine=earlier_machine,
+                   parts=[dict(name="checks", status="ran", estimate_s=1.0, seconds=1.0),
+                          dict(name="kernels", status="ran", estimate_s=1.0, seconds=1.0),
+                          dict(name="modes", status="ran", estimate_s=1.0, seconds=1.0)],
+                   checks=dict(passed=False, rows=[]),
+                   kernels=dict(d_model=64, d_ff=128, layers=1, copy_bandwidth=1e12, tables=[]),
+                   modes=dict(model="earlier modes", new_tokens=8, facts=[], rows=[]))
+    (tmp_path / gpu_suite.DATA).write_text(json.dumps(earlier))
+    assert main(["bench-gpu", "--tiny", "--parts", "checks", "--update", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / gpu_suite.DATA).read_text())
+    assert [p["name"] for p in data["parts"]] == ["checks", "kernels", "modes"]
+    assert "run" not in data["parts"][0] and data["checks"]["passed"] and data["checks"]["rows"]
+    assert all(p["run"]["command"] == "earlier command" for p in data["parts"][1:])
+    assert data["kernels"] == earlier["kernels"] and data["modes"] == earlier["modes"]
+    assert data["machine"]["cpu"] != "Earlier CPU"
+    assert "measured by an earlier run: Machine: Earlier CPU" in (tmp_path / gpu_suite.MARKDOWN).read_text()
+    # a part skipped for time keeps what the earlier run measured
+    assert main(["bench-gpu", "--tiny", "--parts", "modes", "--update", "--max-seconds", "0.001",
+                 "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / gpu_suite.DATA).read_text())
+    assert data["modes"] == earlier["modes"] and data["parts"][2]["run"]["command"] == "earlier command"
+    assert data["checks"]["passed"] and "run" in data["parts"][0]  # the checks now come from the run before
+    full = dict(earlier, tiny=False)
+    (tmp_path / gpu_suite.DATA).write_text(json.dumps(full))
+    assert main(["bench-gpu", "--tiny", "--parts", "checks", "--update", "--out", str(tmp_path)]) != 0
+    assert "another suite version or size" in capsys.readouterr().err

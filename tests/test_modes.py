@@ -224,10 +224,10 @@ def test_hybrid_on_two_devices_equals_sparse_on_one():
     sparse = build_engine(dense.model, "sparse", predictors=predictors, capacity=cfg.d_ff)
     hybrid = build_engine(dense.model, "hybrid", predictors=predictors, capacity=cfg.d_ff, placement=masks)
     accelerator, host = jax.devices("cpu")[:2]
-    stepper = hybrid.stepper
-    assert {stepper.layers[0].hot.rows.device} == {accelerator} and stepper.cold[0].rows.device == host
-    assert stepper.layers[0].hot.n_neurons == masks[0].sum() and stepper.cold[0].n_neurons == (~masks[0]).sum()
-    assert stepper.cold[1].n_neurons == 0 and stepper.layers[2].hot.n_neurons == 0
+    parts, cold = hybrid.ffn.state, hybrid.ffn.impl.cold
+    assert {parts[0].hot.rows.device} == {accelerator} and cold[0].rows.device == host
+    assert parts[0].hot.n_neurons == masks[0].sum() and cold[0].n_neurons == (~masks[0]).sum()
+    assert cold[1].n_neurons == 0 and parts[2].hot.n_neurons == 0
     config = GenerationConfig(max_new_tokens=32)
     assert hybrid.generate(PROMPT, config).token_ids == sparse.generate(PROMPT, config).token_ids
     forced = sparse.generate(PROMPT, config).token_ids[:10]
@@ -295,7 +295,7 @@ def test_gpu_budget_places_the_hottest_neurons_and_refuses_what_cannot_fit():
     budget = minimum + 60 * neuron_bytes
     hybrid = build_engine(dense.model, "hybrid", predictors=predictors, profile=prof, gpu_budget=budget,
                           capacity=dense.cfg.d_ff)
-    hot = [part.hot_ids for part in hybrid.stepper.layers]
+    hot = [part.hot_ids for part in hybrid.ffn.state]
     assert 0 < sum(h.size for h in hot) <= 60
     freq = prof.frequency()
     for layer, ids in enumerate(hot):  # the mass objective takes each layer's most frequent neurons first
@@ -349,8 +349,8 @@ def test_a_16_bit_model_keeps_its_cold_neurons_in_float32_on_the_cpu():
     model = LoadedModel(tiny.cfg, weights, tiny.tokenizer, "tiny-bf16")
     predictors = predictors_for(jpinfer.Engine(model), [constant_predictor(tiny.cfg, np.ones(48, bool))] * 2)
     hybrid = build_engine(model, "hybrid", predictors=predictors, capacity=48, placement=half_masks(tiny.cfg))
-    assert hybrid.stepper.cold[0].rows.dtype == jnp.float32
-    assert hybrid.stepper.layers[0].hot.rows.dtype == jnp.bfloat16
+    assert hybrid.ffn.impl.cold[0].rows.dtype == jnp.float32
+    assert hybrid.ffn.state[0].hot.rows.dtype == jnp.bfloat16
     assert len(hybrid.generate(PROMPT, max_new_tokens=8).token_ids) == 8
 
 

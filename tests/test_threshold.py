@@ -379,6 +379,6 @@ def test_hybrid_threshold_on_two_devices_equals_one_device(kinds, arch):
     one = build_engine(dense.model, "threshold", thresholds=th)
     masks = [np.ones(cfg.d_ff, bool), np.zeros(cfg.d_ff, bool), np.random.default_rng(2).random(cfg.d_ff) < 0.5]
     two = build_engine(dense.model, "hybrid", thresholds=th, placement=masks)
-    assert two.stepper.cold[2].d_ff + two.stepper.layers[2].hot.d_ff == cfg.d_ff
-    assert all((part.layer.w_qkv is None) == (kinds == "model-wide") for part in two.stepper.layers)
+    assert two.ffn.impl.cold[2].d_ff + two.ffn.state[2].hot.d_ff == cfg.d_ff
+    assert all((layer.w_qkv is None) == (kinds == "model-wide") for layer in two.weights.layers)
     assert_decodes_alike(two, one, 24, 10)

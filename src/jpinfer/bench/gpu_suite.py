@@ -322,13 +322,20 @@ def decode_table(rows: list[dict]) -> list[str]:
           r.get("agreement") or "-", r.get("note", "")] for r in rows])
 
 
+def part_note(part: dict) -> str:
+    """A part's reason (skipped, failed) and, for a part kept by ``--update``, the run that measured it."""
+    run = part.get("run")
+    earlier = f"measured by an earlier run: {machine_line(run['machine'])} `{run['command']}`" if run else ""
+    return "; ".join(text for text in (part.get("reason", ""), earlier) if text)
+
+
 def markdown(data: dict) -> str:
     lines = ["# GPU suite", "", f"- {machine_line(data['machine'])}", f"- command: `{data['command']}`",
              f"- --max-seconds {data['max_seconds']:g}; elapsed {data['elapsed_s']:.0f} s"
              + ("; --tiny: shrunk shapes on the CPU, Pallas in interpret mode: a check of the suite, not a timing"
                 if data["tiny"] else ""), "", "| part | status | seconds (estimate) | note |", "|---|---|---|---|"]
     lines += [f"| {p['name']} | {p['status']} | {fmt(p.get('seconds'), '.0f')} ({p['estimate_s']:.0f}) | "
-              f"{p.get('reason', '')} |" for p in data["parts"]]
+              f"{part_note(p)} |" for p in data["parts"]]
     if checks := data.get("checks"):
         lines += ["", "## Checks (bfloat16)", "", f"All passed: {'yes' if checks['passed'] else 'NO'}.", ""]
         lines += [f"- {'PASS' if c['passed'] else 'FAIL'} {c['name']}: {c['detail']}" for c in checks["rows"]]
@@ -354,6 +361,39 @@ def markdown(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def earlier_record(args: argparse.Namespace) -> dict | None:
+    """The record ``--update`` keeps parts of (None without --update); refused where it cannot be merged."""
+    if not args.update:
+        return None
+    path = None if args.out is None else args.out / DATA
+    if not args.parts or path is None or not path.is_file():
+        raise ValueError(f"--update needs --parts and a {DATA} in --out to update")
+    earlier = json.loads(path.read_text())
+    if earlier.get("version") != SUITE_VERSION or earlier.get("tiny") != args.tiny:
+        raise ValueError(f"{path} is of another suite version or size (--tiny); run the whole suite instead")
+    return earlier
+
+
+def carried(data: dict, earlier: dict | None, s: Sizes) -> dict:
+    """``data`` with the parts it did not run (or skipped for time) taken from ``earlier`` (``--update``), in the
+    suite's order; each carried part keeps the machine and command of the run that measured it."""
+    if earlier is None:
+        return data
+    now = {p["name"]: p for p in data["parts"]}
+    old = {p["name"]: p for p in earlier["parts"]}
+    merged = dict(data, parts=[])
+    for name in s.priors:
+        if name in old and old[name]["status"] != "skipped" and now.get(name, {}).get("status", "skipped") == "skipped":
+            entry = dict(old[name])
+            entry.setdefault("run", dict(machine=earlier["machine"], command=earlier["command"]))
+            merged["parts"].append(entry)
+            if name in earlier:
+                merged[name] = earlier[name]
+        elif name in now:
+            merged["parts"].append(now[name])
+    return merged
+
+
 def write(data: dict, out: pathlib.Path | None) -> None:
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
@@ -370,6 +410,9 @@ def add_arguments(ap: argparse.ArgumentParser, command: str = "bench-gpu") -> No
     ap.add_argument("--tiny", action="store_true", help="shrunk shapes on the CPU: a check of the suite, not a timing")
     ap.add_argument("--parts", nargs="+", choices=["checks", "kernels", "fixed_list", "hybrid", "modes"],
                     help="run only these parts (default: all)")
+    ap.add_argument("--update", action="store_true",
+                    help=f"with --parts: keep the other parts' results from the {DATA} already in --out (each part "
+                         "then names the run that measured it)")
     ap.add_argument("--seed", type=int, default=0)
 
 
@@ -381,6 +424,7 @@ def run(args: argparse.Namespace) -> int:
         pass
     if args.max_seconds <= 0:
         raise ValueError(f"--max-seconds must be positive, got {args.max_seconds}")
+    earlier = earlier_record(args)
     load_before = load_average()
     start = time.perf_counter()
     s = sizes(args.tiny)
@@ -425,8 +469,9 @@ def run(args: argparse.Namespace) -> int:
         gc.collect()
         data["machine"] = machine(load_before)
         data["elapsed_s"] = time.perf_counter() - start
-        write(data, args.out)
+        write(carried(data, earlier, s), args.out)
     data["elapsed_s"] = time.perf_counter() - start
+    data = carried(data, earlier, s)
     write(data, args.out)
     print(markdown(data))
     checks = data.get("checks")

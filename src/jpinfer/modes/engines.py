@@ -5,7 +5,8 @@
 - ``threshold_engine``: every neuron on one device; training-free activation and input sparsity
   with calibrated per-layer thresholds (``ffn.ThresholdRowsFFN``), no predictor.
 - ``hybrid_engine``: the placement's hot neurons on the accelerator, the cold ones on the CPU
-  device (``hybrid.HybridStepper``), chosen by the predictor or by the thresholds.
+  device (``hybrid.HybridFFN``: one jitted step, the cold part called from it), chosen by the predictor
+  or by the thresholds.
 
 In each the decoder's FFN matrices are replaced by the mode's layout, not copied.
 """
@@ -24,7 +25,7 @@ from jpinfer.ffn import PredictorListFFN, PredictorListState, ThresholdLayer, Th
 from jpinfer.models.loading import LoadedModel
 from jpinfer.models.params import Layer
 from jpinfer.modes.devices import default_devices, host_dtype_for
-from jpinfer.modes.hybrid import AcceleratorLayer, HybridStepper
+from jpinfer.modes.hybrid import HybridFFN, HybridLayer
 from jpinfer.predictor.store import Predictors
 from jpinfer.profiler import SparsityThresholds
 from jpinfer.runtime.engine import Engine, FfnStrategy
@@ -116,7 +117,7 @@ def hybrid_engine(model: LoadedModel, predictors: Predictors | None, hot_masks: 
     cfg = model.cfg
     if len(hot_masks) != cfg.n_layers or any(np.shape(m) != (cfg.d_ff,) for m in hot_masks):
         raise JpinferError(f"need one boolean mask of {cfg.d_ff} neurons per layer ({cfg.n_layers})")
-    parts, colds, sizes = [], [], []
+    layers, parts, colds, sizes = [], [], [], []
     for i, (layer, hot) in enumerate(zip(model.weights.layers, hot_masks)):
         hot_ids, cold_ids = np.flatnonzero(hot).astype(np.int32), np.flatnonzero(~np.asarray(hot)).astype(np.int32)
         if thresholds is None:
@@ -131,11 +132,12 @@ def hybrid_engine(model: LoadedModel, predictors: Predictors | None, hot_masks: 
         cold_part = _host_copy(cold_part, host_dtype)
         sizes.append((hot_ids.size, cold_ids.size))
         projections = (None, None) if thresholds is None else _attention_projections(layer, thresholds, i)
-        part = AcceleratorLayer(_attention_part(layer, thresholds), predictor, hot_part, jnp.asarray(hot_ids),
-                                jnp.asarray(cold_ids), *projections)
+        part = HybridLayer(predictor, hot_part, jnp.asarray(hot_ids), jnp.asarray(cold_ids), *projections)
+        layers.append(jax.device_put(_attention_part(layer, thresholds), accelerator))
         parts.append(jax.device_put(part, accelerator))
         colds.append(jax.device_put(cold_part, host))
-    top = jax.device_put(dataclasses.replace(model.weights, layers=[]), accelerator)
-    stepper = HybridStepper(cfg, top, parts, colds, capacity or tuple(sizes), accelerator, host)
-    weights = dataclasses.replace(top, layers=[part.layer for part in parts])
-    return Engine(LoadedModel(cfg, weights, model.tokenizer, model.source), stepper=stepper)
+    weights = dataclasses.replace(jax.device_put(dataclasses.replace(model.weights, layers=[]), accelerator),
+                                  layers=layers)
+    impl = HybridFFN(capacity or tuple(sizes), tuple(colds), host)
+    strategy = FfnStrategy(impl, parts, "hybrid", two_devices=True)
+    return Engine(LoadedModel(cfg, weights, model.tokenizer, model.source), strategy)

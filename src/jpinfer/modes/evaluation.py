@@ -22,7 +22,7 @@ import numpy as np
 from jpinfer.config import ModelConfig
 from jpinfer.ffn import PredictorListFFN, PredictorMaskFFN, ThresholdLayer, ThresholdRowsFFN, mask_states
 from jpinfer.models.loading import LoadedModel
-from jpinfer.modes.hybrid import AcceleratorLayer, HybridStepper
+from jpinfer.modes.hybrid import HybridFFN, HybridLayer
 from jpinfer.runtime.engine import Engine, FfnStrategy
 from jpinfer.sparse import threshold_layout
 
@@ -37,17 +37,16 @@ def decode_equivalent(engine: Engine, dense: LoadedModel, activity_thresholds: n
     """
     cfg = dense.cfg
     activity = np.zeros(cfg.n_layers) if activity_thresholds is None else np.asarray(activity_thresholds)
-    stepper = engine.stepper
-    if isinstance(stepper, HybridStepper):
-        if stepper.layers[0].predictor is None:  # threshold sparsity split by the placement
-            states = [_threshold_state(layer, part, cfg)
-                      for layer, part in zip(dense.weights.layers, stepper.layers)]
+    if isinstance(engine.ffn.impl, HybridFFN):
+        parts = engine.ffn.state
+        if parts[0].predictor is None:  # threshold sparsity split by the placement
+            states = [_threshold_state(layer, part, cfg) for layer, part in zip(dense.weights.layers, parts)]
             return dense, FfnStrategy(ThresholdRowsFFN(), states, "threshold (hybrid)")
-        hot = [np.isin(np.arange(cfg.d_ff), np.asarray(part.hot_ids)) for part in stepper.layers]
-        states = mask_states([part.predictor for part in stepper.layers], activity, hot)
+        hot = [np.isin(np.arange(cfg.d_ff), np.asarray(part.hot_ids)) for part in parts]
+        states = mask_states([part.predictor for part in parts], activity, hot)
         # a part's K of its whole size clips nothing: None skips the selection (exact, and fast)
         capacity = tuple(tuple(None if k >= n else k for k, n in zip(ks, (part.hot_ids.size, part.cold_ids.size)))
-                         for ks, part in zip(stepper.capacity, stepper.layers))
+                         for ks, part in zip(engine.ffn.impl.capacity, parts))
         return dense, FfnStrategy(PredictorMaskFFN(cfg, capacity), states, "hybrid (masked)")
     if isinstance(engine.ffn.impl, PredictorListFFN):
         states = mask_states([state.predictor for state in engine.ffn.state], activity)
@@ -55,7 +54,7 @@ def decode_equivalent(engine: Engine, dense: LoadedModel, activity_thresholds: n
     return engine.model, engine.ffn
 
 
-def _threshold_state(layer, part: AcceleratorLayer, cfg: ModelConfig) -> ThresholdLayer:
+def _threshold_state(layer, part: HybridLayer, cfg: ModelConfig) -> ThresholdLayer:
     """The whole layer's threshold FFN with the thresholds the hybrid's parts apply, and its attention's."""
     hot = part.hot
     pick = lambda on, value: float(jnp.asarray(value)) if on else None

@@ -41,6 +41,7 @@ class FfnStrategy:
     impl: transformer.FfnImpl | None = None
     state: Any = None
     name: str = "dense"
+    two_devices: bool = False  # part of the FFN's weights live on another device (the hybrid): with_ffn refuses
 
 
 DENSE = FfnStrategy()
@@ -90,8 +91,8 @@ class Stepper(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class FusedStepper:
-    """The whole step as one jitted function on one device, its FFN computed by ``ffn``
-    (dense, oracle masks, or the predictor-driven sparse FFN)."""
+    """The whole step as one jitted function, its FFN computed by ``ffn`` (dense, oracle masks, the
+    predictor-driven sparse FFN, or the hybrid's two parts, the cold one called on the host from the step)."""
 
     model: LoadedModel
     ffn: FfnStrategy = DENSE
@@ -125,8 +126,8 @@ class Engine:
     """A loaded model ready to generate, with an FFN strategy (dense by default).
 
     Create it with ``jpinfer.load``; ``with_ffn`` gives an engine over the same weights with
-    another strategy. ``stepper`` replaces the one-jitted-step runner (the hybrid engine
-    splits each step over two devices); ``ffn`` is then ignored.
+    another strategy. ``stepper`` replaces the one-jitted-step runner (the bench's layer offload
+    runs whole layers per device); ``ffn`` is then ignored.
     """
 
     def __init__(self, model: LoadedModel, ffn: FfnStrategy = DENSE, stepper: Stepper | None = None) -> None:
@@ -157,7 +158,7 @@ class Engine:
 
     def with_ffn(self, ffn: FfnStrategy) -> "Engine":
         """An engine over the same model (no copy of the weights) that computes FFNs with ``ffn``."""
-        if not isinstance(self.stepper, FusedStepper):
+        if not isinstance(self.stepper, FusedStepper) or self.ffn.two_devices:
             raise ValueError(f"with_ffn needs a one-device engine; this one runs {self.stepper.name!r}")
         return Engine(self.model, ffn)
 
