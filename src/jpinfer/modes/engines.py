@@ -14,6 +14,7 @@ In each the decoder's FFN matrices are replaced by the mode's layout, not copied
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any, Sequence
 
 import jax
@@ -25,7 +26,7 @@ from jpinfer.ffn import PredictorListFFN, PredictorListState, ThresholdLayer, Th
 from jpinfer.models.loading import LoadedModel
 from jpinfer.models.params import Layer
 from jpinfer.modes.devices import default_devices, host_dtype_for
-from jpinfer.modes.hybrid import HybridFFN, HybridLayer
+from jpinfer.modes.hybrid import ColdParts, HybridFFN, HybridLayer
 from jpinfer.predictor.store import Predictors
 from jpinfer.profiler import SparsityThresholds
 from jpinfer.runtime.engine import Engine, FfnStrategy
@@ -138,6 +139,6 @@ def hybrid_engine(model: LoadedModel, predictors: Predictors | None, hot_masks: 
         colds.append(jax.device_put(cold_part, host))
     weights = dataclasses.replace(jax.device_put(dataclasses.replace(model.weights, layers=[]), accelerator),
                                   layers=layers)
-    impl = HybridFFN(capacity or tuple(sizes), tuple(colds), host)
-    strategy = FfnStrategy(impl, parts, "hybrid", two_devices=True)
+    cold = ColdParts(colds, host)
+    strategy = FfnStrategy(HybridFFN(capacity or tuple(sizes), weakref.ref(cold)), parts, "hybrid", held=cold)
     return Engine(LoadedModel(cfg, weights, model.tokenizer, model.source), strategy)

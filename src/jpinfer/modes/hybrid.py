@@ -31,6 +31,7 @@ its merge run in tests.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any
 
 import jax
@@ -86,17 +87,37 @@ def _part_ffn(ffn: NeuronFFN | ThresholdLayout, x: jax.Array,
 _cold_ffn = jax.jit(_part_ffn)
 
 
+class ColdParts:
+    """Every layer's cold part (``parts[layer]``, arrays on ``host``). The engine's strategy holds it
+    (``FfnStrategy.held``); ``HybridFFN`` only refers to it: jax keeps a compiled step, and the static
+    ``ffn_impl`` it was compiled for, in its caches after the engine is gone, and a 7B model's cold
+    part is ~17 GB of host memory."""
+
+    def __init__(self, parts: list[NeuronFFN | ThresholdLayout], host: Any) -> None:
+        self.parts = tuple(parts)
+        self.host = host
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class HybridFFN:
     """Static ``ffn_impl`` of the hybrid (state per layer: ``HybridLayer``): the hot part in the step, the
-    cold part (``cold[layer]``, arrays on ``host``) through a host callback.
+    cold part (``cold[layer]``, on the host device) through a host callback.
 
     ``capacity`` per layer: (hot K, cold K), each at most its part's size; 0 for an empty part. Compared by
-    identity (it holds the cold arrays): one engine's steps compile once per attention length."""
+    identity: one engine's steps compile once per attention length."""
 
     capacity: tuple[tuple[int, int], ...]
-    cold: tuple[NeuronFFN | ThresholdLayout, ...]
-    host: Any
+    held: weakref.ref  # to the engine's ColdParts
+
+    @property
+    def cold(self) -> tuple[NeuronFFN | ThresholdLayout, ...]:
+        return self._parts().parts
+
+    def _parts(self) -> ColdParts:
+        parts = self.held()
+        if parts is None:
+            raise RuntimeError("this hybrid engine's cold neurons were freed with the engine")
+        return parts
 
     def __call__(self, i: int, layer: Layer, x: jax.Array, state: HybridLayer) -> tuple[jax.Array, None]:
         capacity = None if x.ndim > 1 and x.shape[-2] > 1 else self.capacity[i]  # None: a prompt's positions
@@ -109,22 +130,24 @@ class HybridFFN:
         y = _part_ffn(state.hot, x, hot_list)
         cold = self.cold[i]
         if cold.n_neurons and (capacity is None or capacity[1]):
-            y = y + self._on_host(cold, x, cold_list)
+            y = y + self._on_host(i, x, cold_list)
         return y, None
 
     def project(self, i: int, layer: Layer, name: str, x: jax.Array, state: HybridLayer) -> jax.Array:
         """The attention's ``name`` product ("qkv" or "o"): by its kept input rows where thresholds apply."""
         return threshold_projections(layer, state.qkv, state.o)(name, x)
 
-    def _on_host(self, cold: NeuronFFN | ThresholdLayout, x: jax.Array, chosen: Any) -> jax.Array:
-        """The cold part's output for x and its list (or mask), computed on the host device from inside the
-        accelerator's step; shape and dtype as ``_part_ffn`` gives them (the host's dtype)."""
+    def _on_host(self, index: int, x: jax.Array, chosen: Any) -> jax.Array:
+        """Layer ``index``'s cold output for x and its list (or mask), computed on the host device from inside
+        the accelerator's step; shape and dtype as ``_part_ffn`` gives them (the host's dtype)."""
         leaves, tree = jax.tree_util.tree_flatten(chosen)
         struct = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)
-        out = jax.eval_shape(_part_ffn, cold, struct(x), jax.tree_util.tree_map(struct, chosen))
+        out = jax.eval_shape(_part_ffn, self.cold[index], struct(x), jax.tree_util.tree_map(struct, chosen))
+        held = self.held  # the compiled callback keeps neither the weights nor their holder alive
 
         def run(x_value, *chosen_values):
-            args = jax.device_put((x_value, jax.tree_util.tree_unflatten(tree, chosen_values)), self.host)
-            return np.asarray(_cold_ffn(cold, *args))
+            parts = held()
+            args = jax.device_put((x_value, jax.tree_util.tree_unflatten(tree, chosen_values)), parts.host)
+            return np.asarray(_cold_ffn(parts.parts[index], *args))
 
         return jax.pure_callback(run, out, x, *leaves)

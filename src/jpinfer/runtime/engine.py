@@ -41,7 +41,9 @@ class FfnStrategy:
     impl: transformer.FfnImpl | None = None
     state: Any = None
     name: str = "dense"
-    two_devices: bool = False  # part of the FFN's weights live on another device (the hybrid): with_ffn refuses
+    # What ``impl`` refers to without holding (the hybrid's cold neurons on the host): kept alive by the engine;
+    # an engine with it refuses with_ffn (part of its FFN lives on another device)
+    held: Any = None
 
 
 DENSE = FfnStrategy()
@@ -158,7 +160,7 @@ class Engine:
 
     def with_ffn(self, ffn: FfnStrategy) -> "Engine":
         """An engine over the same model (no copy of the weights) that computes FFNs with ``ffn``."""
-        if not isinstance(self.stepper, FusedStepper) or self.ffn.two_devices:
+        if not isinstance(self.stepper, FusedStepper) or self.ffn.held is not None:
             raise ValueError(f"with_ffn needs a one-device engine; this one runs {self.stepper.name!r}")
         return Engine(self.model, ffn)
 
