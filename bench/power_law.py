@@ -24,6 +24,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jpinfer  # noqa: E402
+from jpinfer.bench.protocol import machine, machine_line  # noqa: E402
 from jpinfer.bench.results import publish  # noqa: E402
 from jpinfer.cache import cache_dir  # noqa: E402
 from jpinfer.profiler import ActivationProfile, profile  # noqa: E402
@@ -92,6 +93,8 @@ def main() -> None:
         "",
         f"Command: `python bench/power_law.py {' '.join(a for a in sys.argv[1:] if a != '--reuse')}`"
         + (" (this page redrawn from its saved profile with `--reuse`)" if args.reuse else ""),
+        "",
+        machine_line(machine()),
         "",
         f"Profile: {prof.n_tokens} tokens ({prof.meta['corpus']['n_windows']} random windows of {args.window}, "
         f"seed 0) of WikiText-2 valid; active = |silu(g)*u| over a per-layer threshold calibrated (uniform) for "

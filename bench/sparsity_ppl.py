@@ -20,6 +20,7 @@ import time
 import numpy as np
 
 import jpinfer
+from jpinfer.bench.protocol import machine, machine_line
 from jpinfer.bench.results import publish
 from jpinfer.cache import cache_dir
 from jpinfer.ffn import perplexity
@@ -117,6 +118,8 @@ def write_markdown(args, rows, sens, sens_s, total_s) -> None:
         "# Oracle-sparse perplexity vs FFN sparsity (SmolLM2-135M-Instruct, default model, float32)",
         "",
         f"Command: `{cmd}`",
+        "",
+        machine_line(machine()),
         "",
         f"WikiText-2 test, first {args.windows} windows of {args.window} tokens (raw file text tokenised as one "
         f"document, no BOS, {args.window - 1} predictions per window). Thresholds on |silu(g)*u| calibrated on the "

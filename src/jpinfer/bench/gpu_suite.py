@@ -98,7 +98,9 @@ def sizes(tiny: bool) -> Sizes:
                  default_model=DEFAULT_MODEL_SHAPE, kernel_shape=(LLAMA2_7B.d_model, LLAMA2_7B.d_ff), kernel_layers=8,
                  kernel_sparsities=KERNEL_SPARSITIES, rounds=3, kernel_rounds=5, new_tokens=32, rank=128,
                  hybrid_budget=HYBRID_BUDGET,
-                 priors=dict(checks=45, kernels=90, fixed_list=50, hybrid=120, modes=40))
+                 # seconds the parts took on one H200 (2026-12-04, bench/results/gpu_suite.md: 39-46, 27, 30; the
+                 # hybrid 148-213 and the modes 38-108 with engines skipped for time, so rounded up)
+                 priors=dict(checks=45, kernels=30, fixed_list=30, hybrid=170, modes=110))
 
 
 class Clock:
