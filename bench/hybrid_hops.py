@@ -30,9 +30,12 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from jpinfer.bench.protocol import load_average, machine, machine_line
 from jpinfer.bench.results import markdown_table, publish
+from jpinfer.modes.devices import default_devices
 
 
 def _step_seconds(step, steps: int) -> float:
@@ -48,11 +51,6 @@ def _step_seconds(step, steps: int) -> float:
 
 def measure(width: int, layers: int, steps: int) -> dict:
     """Per-layer microseconds of each variant (dict of name -> us) on the default devices."""
-    import jax.numpy as jnp
-    import numpy as np
-
-    from jpinfer.modes.devices import default_devices
-
     accelerator, host = default_devices()[:2]
     bump = jax.jit(lambda v: v + 1.0)
     x_acc = jax.device_put(jnp.zeros((1, width), jnp.float32), accelerator)

@@ -384,8 +384,9 @@ def carried(data: dict, earlier: dict | None, s: Sizes) -> dict:
     now = {p["name"]: p for p in data["parts"]}
     old = {p["name"]: p for p in earlier["parts"]}
     merged = dict(data, parts=[])
+    measured = lambda entry: entry is not None and entry["status"] != "skipped"
     for name in s.priors:
-        if name in old and old[name]["status"] != "skipped" and now.get(name, {}).get("status", "skipped") == "skipped":
+        if measured(old.get(name)) and not measured(now.get(name)):
             entry = dict(old[name])
             entry.setdefault("run", dict(machine=earlier["machine"], command=earlier["command"]))
             merged["parts"].append(entry)

@@ -425,7 +425,8 @@ def attention_residual(
     ``ModelConfig.layer_window``), the attention's output normalised too with ``sandwich_norms``.
     Returns that residual stream, the normalised FFN input x (of the layer's input h itself with
     ``parallel_block``) and the layer's updated keys and values; the layer's output is ``ffn_residual``
-    of the FFN of x (``forward``, or the hybrid engine's two partial FFNs summed). ``project`` as in
+    of the FFN of x (``forward``; the bench's layer offload and the profiler's smoothing pass call both
+    themselves). ``project`` as in
     ``attention_block``."""
     attn, k, v = attention_block(layer, norm(layer.attn_norm, h, cfg), positions, rope_cs, cache_k, cache_v, cfg,
                                  attend, window=window, project=project)

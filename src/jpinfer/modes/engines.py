@@ -137,8 +137,8 @@ def hybrid_engine(model: LoadedModel, predictors: Predictors | None, hot_masks: 
         layers.append(jax.device_put(_attention_part(layer, thresholds), accelerator))
         parts.append(jax.device_put(part, accelerator))
         colds.append(jax.device_put(cold_part, host))
-    weights = dataclasses.replace(jax.device_put(dataclasses.replace(model.weights, layers=[]), accelerator),
-                                  layers=layers)
+    top = jax.device_put(dataclasses.replace(model.weights, layers=[]), accelerator)
+    weights = dataclasses.replace(top, layers=layers)
     cold = ColdParts(colds, host)
     strategy = FfnStrategy(HybridFFN(capacity or tuple(sizes), weakref.ref(cold)), parts, "hybrid", held=cold)
     return Engine(LoadedModel(cfg, weights, model.tokenizer, model.source), strategy)

@@ -111,13 +111,10 @@ class HybridFFN:
 
     @property
     def cold(self) -> tuple[NeuronFFN | ThresholdLayout, ...]:
-        return self._parts().parts
-
-    def _parts(self) -> ColdParts:
         parts = self.held()
         if parts is None:
             raise RuntimeError("this hybrid engine's cold neurons were freed with the engine")
-        return parts
+        return parts.parts
 
     def __call__(self, i: int, layer: Layer, x: jax.Array, state: HybridLayer) -> tuple[jax.Array, None]:
         capacity = None if x.ndim > 1 and x.shape[-2] > 1 else self.capacity[i]  # None: a prompt's positions
