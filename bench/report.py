@@ -46,6 +46,7 @@ COMMANDS = {
     "power_law": "python bench/power_law.py --pack --out-dir bench/results",
     "predictor_sizes": "python bench/predictor_sizes.py --out bench/results/predictor_sizes.md",
     "quantized": "python bench/quantized.py --out bench/results/quantized.md",
+    "cpu_7b": "python bench/cpu_7b.py --out-dir bench/results",
     "gpu_suite": "PYTHONPATH=src python -m jpinfer.bench gpu --out bench/results",  # on a GPU machine
 }
 
@@ -360,6 +361,28 @@ def quantized_weights() -> list[str]:
     return out + ["", source("quantized"), ""]
 
 
+def cpu_7b() -> list[str]:
+    out = ["## CPU decode at Llama-2-7B's shapes (random weights, planted activity)", ""]
+    data = load("cpu_7b")
+    if data is None:
+        return out + missing(COMMANDS["cpu_7b"])
+    out += [f"{machine_line(data['machine'])} Random weights of Llama-2-7B's shapes in one GGUF per format, loaded by "
+            "llama.cpp and by jpinfer (straight into int8 / 4-bit); the sparse rows compute planted active sets "
+            "drawn from a power law at PowerInfer's skew, with or without per-layer predictors "
+            f"(rank {data['args']['rank']}) run every step; 'x llama.cpp': same-round decode ratio to llama.cpp's "
+            "dense decode of the same file; 'of bound': measured over bytes read per token / XLA's matrix-vector "
+            f"read bandwidth ({data['bandwidth'] / 1e9:.1f} GB/s, same run).", ""]
+    out += table(["format", "engine", "decode tok/s", "x llama.cpp", "of bound"],
+                 [[r["format"], r["engine"], fmt(r["decode_tok_s"], ".2f"), fmt(r.get("x_llama_cpp"), ".2f"),
+                   fmt(r["decode_tok_s"] / r["bytes_bound_tok_s"], ".2f")] for r in data["rows"]])
+    if data["memory"]:
+        tensors = {ft: f["tensor_bytes"] for ft, f in data["files"].items()}
+        out += ["", "Peak resident memory of each engine alone in its process, over its file's tensor bytes: " +
+                "; ".join(f"{r['engine']} {r['peak'] / tensors[r['format']]:.2f}" for r in data["memory"]
+                          if "peak" in r) + "."]
+    return out + ["", source("cpu_7b"), ""]
+
+
 def activity() -> list[str]:
     out = ["## Activity and predictors", ""]
     law = load("power_law")
@@ -388,8 +411,8 @@ def activity() -> list[str]:
     return out
 
 
-SECTIONS: list[Callable[[], list[str]]] = [setup, accuracy, speed, serving, gpu, quantized_weights, placement, kernels,
-                                          activity]
+SECTIONS: list[Callable[[], list[str]]] = [setup, accuracy, speed, serving, gpu, quantized_weights, cpu_7b, placement,
+                                          kernels, activity]
 
 
 def render() -> str:

@@ -113,6 +113,30 @@ def test_q4_derivative_is_straight_through(kind):
 
 # ----- int4 weights
 
+def test_a_prompt_dequantizes_one_4bit_matrix_at_a_time():
+    """The XLA product of a prompt (more than 8 tokens) dequantizes each 4-bit matrix once its tokens exist: the
+    compiled temporaries of a stack of layers stay near one layer's float32 matrix, whatever the depth (they grew
+    with it, a whole model's float weights at once, before ``_dequantize_after``)."""
+    rng = np.random.default_rng(0)
+    d = 256
+    one_layer = 4 * d * d * 4  # a (4d, d) float32 matrix
+
+    def temporaries(n_layers: int) -> int:
+        ms = [q4.quantize(rng.standard_normal((4 * d, d)).astype(np.float32), "q4_0") for _ in range(n_layers)]
+
+        def stack(x, ms):
+            for m in ms:
+                x = jnp.tanh(q4.product(m, x))[:, :d]
+            return x
+
+        compiled = jax.jit(stack).lower(jnp.ones((32, d), jnp.float32), ms).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    shallow, deep = temporaries(2), temporaries(8)
+    assert deep < 2 * one_layer, (deep, one_layer)
+    assert deep <= shallow + one_layer // 4
+
+
 def test_quantize_weights_int4_uses_blocks_where_the_width_allows():
     """The tiny decoder's d_ff (48) is not a multiple of 32: its down projection stays int8, the rest 4-bit."""
     dense = tiny_engine("swiglu")

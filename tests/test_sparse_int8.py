@@ -314,3 +314,35 @@ def test_modes_and_formats():
     with pytest.raises(JpinferError, match="int8 weights run in the modes dense, sparse and threshold"):
         jpinfer.load("/no/such/checkpoint", weights="int8", mode="hybrid", predictors="/no/such/predictors",
                      placement=[])
+
+
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.float32], ids=["int8", "float32"])
+def test_a_prompt_copies_one_layer_of_bundle_blocks_at_a_time(dtype):
+    """``all_rows_ffn`` (a prompt) copies the gate, up and down column blocks out of each layer's bundles only once
+    that layer's tokens exist: the compiled temporaries of a stack of layers do not grow with its depth (every
+    layer's blocks were copied at the start of the step and held at once before ``ordering.after``)."""
+    rng = np.random.default_rng(0)
+    n, d = 1024, 128
+
+    def bundle() -> neurons.NeuronFFN:
+        if dtype == jnp.int8:
+            return neurons.NeuronFFN(jnp.asarray(rng.integers(-127, 128, (n, 3, d), dtype=np.int8)),
+                                     jnp.arange(n, dtype=jnp.int32), None, None, "swiglu",
+                                     jnp.asarray(rng.random((n, 2), np.float32)),
+                                     jnp.asarray(rng.random(d, np.float32)))
+        return neurons.NeuronFFN(jnp.asarray(rng.standard_normal((n, 3, d), np.float32)),
+                                 jnp.arange(n, dtype=jnp.int32), None, None, "swiglu")
+
+    def temporaries(n_layers: int) -> int:
+        ffns = [bundle() for _ in range(n_layers)]
+
+        def stack(x, ffns):
+            for ffn in ffns:
+                x = x + all_rows_ffn(ffn, x) * 1e-3
+            return x
+
+        compiled = jax.jit(stack).lower(jnp.ones((32, d), jnp.float32), ffns).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    layer_bytes = 3 * n * d * jnp.dtype(dtype).itemsize
+    assert temporaries(8) <= temporaries(2) + layer_bytes // 4

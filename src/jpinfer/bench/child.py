@@ -115,6 +115,12 @@ class ChildEngine:
     def run(self, prompt_ids: list[int], max_new_tokens: int) -> RunStats:
         return self.call("run", prompt_ids, max_new_tokens)
 
+    def memory(self) -> dict[str, int]:
+        """The child's resident memory now and at its peak (``machine.process_memory``)."""
+        from jpinfer.bench.machine import process_memory
+
+        return process_memory(self._process.pid)
+
     def close(self) -> None:
         """Stop the child (also done when the engine is garbage-collected, or at exit)."""
         self._stopper()

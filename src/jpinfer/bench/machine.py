@@ -20,3 +20,16 @@ def matvec_read_bandwidth(n_bytes: int = 512 << 20, repeats: int = 5) -> float:
     f = jax.jit(lambda w, x: w @ x)
     (best,) = fastest([lambda: f(w, x)], rounds=repeats, per_round=1)
     return rows * cols * 4 / best
+
+
+def process_memory(pid: int | str = "self") -> dict[str, int]:
+    """A process's resident memory now (``rss``) and at its peak so far (``peak``), in bytes (Linux's
+    /proc/PID/status VmRSS and VmHWM: anonymous memory and the file pages it has mapped, such as a model file
+    read through mmap); an empty dict where the system has no such file."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+    except OSError:
+        return {}
+    kib = lambda key: int(fields[key].split()[0]) * 1024
+    return {"rss": kib("VmRSS"), "peak": kib("VmHWM")} if "VmHWM" in fields else {}

@@ -15,6 +15,7 @@ def publish(text: str, out: str | os.PathLike | None, data: Any) -> None:
     print(text)
     if out:
         path = pathlib.Path(out)
+        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
         path.with_suffix(".json").write_text(json.dumps(data, indent=1, default=float))
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pathlib
-from typing import Any
+from typing import Any, Callable
 
 import jax.numpy as jnp
 import numpy as np
@@ -22,9 +22,11 @@ from gguf.quants import dequantize
 
 from jpinfer.config import ModelConfig, RopeScaling
 from jpinfer.errors import CheckpointError
-from jpinfer.models.params import expected_shapes
+from jpinfer.models.params import Norm, Weights, build_layer, expected_shapes
+from jpinfer.models.quantized import INT4_KIND
 from jpinfer.models.tokenizer import Tokenizer, tokenizer_from_gguf_metadata
-from jpinfer.quant import q4
+from jpinfer.quant import int8, q4
+from jpinfer.quant.int8 import Int8Matrix
 
 GGUF_MAGIC = b"GGUF"
 ROPE_FREQS = "rope_freqs.weight"  # llama.cpp: per-frequency divisors of the RoPE frequencies (Llama 3.1)
@@ -110,15 +112,33 @@ def load_gguf(
     """
     path = pathlib.Path(path)
     reader = open_gguf(path)
-    metadata = read_metadata(reader)
-    by_name = _tensor_map(reader)
-    freqs = by_name.get(ROPE_FREQS)
-    factors = None if freqs is None else tuple(float(f) for f in dequantize(freqs.data, freqs.tensor_type).ravel())
-    cfg = config_from_metadata(metadata, has_output="output.weight" in by_name, path=path, rope_factors=factors,
-                               longrope=any(name in by_name for name in _LONGROPE_TENSORS))
-    tokenizer = tokenizer_from_gguf_metadata(metadata, source=str(path))
+    cfg = read_config(reader, path)
+    tokenizer = tokenizer_from_gguf_metadata(read_metadata(reader), source=str(path))
     tensors = read_tensors(reader, cfg, path, dtype)
     return cfg, tensors, tokenizer
+
+
+def read_config(reader: GGUFReader, path: os.PathLike | str) -> ModelConfig:
+    """The ModelConfig of an open GGUF file (its metadata and the tensors that carry RoPE scaling)."""
+    by_name = _tensor_map(reader)
+    freqs = by_name.get(ROPE_FREQS)
+    factors = None if freqs is None else tuple(
+        float(f) for f in dequantize(_tensor_data(path, freqs), freqs.tensor_type).ravel())
+    return config_from_metadata(read_metadata(reader), has_output="output.weight" in by_name, path=path,
+                                rope_factors=factors, longrope=any(name in by_name for name in _LONGROPE_TENSORS))
+
+
+def _tensor_data(path: os.PathLike | str, t) -> np.ndarray:
+    """A tensor's stored data, read from the file into memory of its own (shaped and typed like the reader's
+    ``t.data``). The reader's ``t.data`` is a view of the whole file mapped in memory: every page a conversion
+    touches would stay in this process's resident set until the reader goes, so a 7 GB file converted tensor by
+    tensor would count twice at its peak."""
+    with open(path, "rb") as f:
+        f.seek(int(t.data_offset))
+        raw = np.fromfile(f, np.uint8, int(t.n_bytes))
+    if raw.size != int(t.n_bytes):
+        raise GGUFError(path, f"truncated GGUF file: tensor {t.name!r} is cut short")
+    return raw.view(t.data.dtype).reshape(t.data.shape)
 
 
 def load_gguf_tokenizer(path: os.PathLike | str) -> Tokenizer:
@@ -256,8 +276,9 @@ def _float32_decimal(value: float) -> float:
 
 
 def read_tensors(reader: GGUFReader, cfg: ModelConfig, path: os.PathLike | str,
-                 dtype=jnp.float32) -> dict[str, np.ndarray]:
-    """Dequantized tensors keyed like ``expected_shapes(cfg)``, checked against it."""
+                 dtype=jnp.float32, skip: frozenset[str] = frozenset()) -> dict[str, np.ndarray]:
+    """Dequantized tensors keyed like ``expected_shapes(cfg)``, checked against it; the file's tensors named in
+    ``skip`` are left out (read another way by the caller)."""
     by_name = _tensor_map(reader)
     plan = _tensor_plan(cfg, set(by_name))
     unknown = sorted(set(by_name) - set(plan) - {ROPE_FREQS})  # rope_freqs: the config's (load_gguf)
@@ -267,12 +288,9 @@ def read_tensors(reader: GGUFReader, cfg: ModelConfig, path: os.PathLike | str,
     np_dtype = np.dtype(dtype)
     out: dict[str, np.ndarray] = {}
     for gguf_name, entry in plan.items():
-        t = by_name.get(gguf_name)
-        if t is None:
-            raise GGUFError(path, f"missing tensor {gguf_name!r}")
-        if t.tensor_type not in SUPPORTED_TENSOR_TYPES:
-            supported = ", ".join(q.name for q in SUPPORTED_TENSOR_TYPES)
-            raise GGUFError(path, f"tensor {gguf_name!r} has type {t.tensor_type.name}; supported types: {supported}")
+        if gguf_name in skip:
+            continue
+        t = _stored(by_name, gguf_name, path)
         target = entry.names[0] if isinstance(entry, _Shared) else entry.name if isinstance(entry, _Experts) else entry
         parts = (target,) if isinstance(target, str) else target  # a fused tensor stacks its parts' rows
         rows = [expected[name][0] for name in parts]
@@ -283,7 +301,7 @@ def read_tensors(reader: GGUFReader, cfg: ModelConfig, path: os.PathLike | str,
         stored = tuple(int(n) for n in reversed(t.shape.tolist()))  # numpy order: (out, in)
         if stored != implied:
             raise GGUFError(path, f"tensor {gguf_name!r} has shape {stored}, but the metadata implies {implied}")
-        w = dequantize(t.data, t.tensor_type).reshape(stored)
+        w = dequantize(_tensor_data(path, t), t.tensor_type).reshape(stored)
         if isinstance(entry, _Experts):  # every expert's neurons in expert order
             w = (w.transpose(1, 0, 2) if down else w).reshape(expected[target])
         for name, part in zip(parts, np.split(w, np.cumsum(rows)[:-1])):
@@ -295,6 +313,17 @@ def read_tensors(reader: GGUFReader, cfg: ModelConfig, path: os.PathLike | str,
         if isinstance(entry, _Shared):
             out |= {name: out[target].copy() for name in entry.names[1:]}
     return out
+
+
+def _stored(by_name: dict, name: str, path: os.PathLike | str):
+    """The file's tensor ``name``; a GGUFError when it is missing or of a type jpinfer does not read."""
+    t = by_name.get(name)
+    if t is None:
+        raise GGUFError(path, f"missing tensor {name!r}")
+    if t.tensor_type not in SUPPORTED_TENSOR_TYPES:
+        supported = ", ".join(q.name for q in SUPPORTED_TENSOR_TYPES)
+        raise GGUFError(path, f"tensor {name!r} has type {t.tensor_type.name}; supported types: {supported}")
+    return t
 
 
 _Q4_TYPES = {GGMLQuantizationType.Q4_0: "q4_0", GGMLQuantizationType.Q4_1: "q4_1"}
@@ -327,13 +356,119 @@ def read_q4_blocks(path: os.PathLike | str, cfg: ModelConfig) -> dict[str, q4.Q4
             kind = kinds.pop()
             matrices = []
             for part, t in zip(parts, tensors):
-                m = q4.from_gguf(t.data, (int(t.shape[1]), int(t.shape[0])), kind)
+                m = q4.from_gguf(_tensor_data(path, t), (int(t.shape[1]), int(t.shape[0])), kind)
                 if part in heads:
                     unpermute = lambda a: jnp.asarray(unpermute_rope_rows(np.asarray(a), heads[part]))
                     m = q4.Q4Matrix(*(None if a is None else unpermute(a) for a in (m.packed, m.scales, m.mins)), kind)
                 matrices.append(m)
             out[f"layers.{i}.{fused}"] = matrices[0] if len(matrices) == 1 else q4.concatenate(matrices)
     return out
+
+
+# Rows converted at a time when a tensor is dequantized to be quantized again: ~4M weights (16 MB of float32,
+# 32 MB of the float64 ``int8.quantize`` works in), so a 7B file's largest tensors never exist in float whole
+CONVERT_WEIGHTS = 1 << 22
+
+
+def read_quantized_weights(reader: GGUFReader, cfg: ModelConfig, path: os.PathLike | str, fmt: str,
+                           progress: Callable[[int], None] | None = None) -> Weights:
+    """The file's weights straight in a quantized format, one tensor in memory at a time: a model too large for
+    memory in float (a 7B model is 27 GB in float32) loads in about its own file's size.
+
+    ``fmt`` "int8": every projection, the head and an untied input embedding per output row
+    (``quant.int8``, no SmoothQuant migration: that needs the float model and calibration text); "int4": the
+    projections in 4-bit blocks, the file's own Q4_0 / Q4_1 blocks as they are (``quant.q4.from_gguf``), others
+    quantized to ``quantized.INT4_KIND``; head and embedding int8 as for "int8". A tensor stored in another type
+    is dequantized and quantized again ``CONVERT_WEIGHTS`` at a time (rows are quantized independently, so the
+    result is that of quantizing the whole float tensor). Norms and biases stay float32. ``progress`` is called
+    with each layer done."""
+    if fmt not in ("int8", "int4"):
+        raise ValueError(f"fmt must be 'int8' or 'int4', got {fmt!r}")
+    if cfg.n_experts:
+        raise GGUFError(path, "a mixture-of-experts file cannot be read straight into int8 or int4 weights; "
+                              "load it in float")
+    by_name = _tensor_map(reader)
+    fusions = _FUSED_TENSORS_OF.get(cfg.architecture, _FUSED_TENSORS)
+    tables = {"token_embd.weight"} | ({"output.weight"} if not cfg.tie_embeddings else set())
+    projections = {f"blk.{i}.{part}.weight" for i in range(cfg.n_layers) for parts in fusions.values()
+                   for part in parts}
+    small = read_tensors(reader, cfg, path, jnp.float32, skip=frozenset(projections | tables))
+    expected = expected_shapes(cfg)
+    heads = {"attn_q": cfg.n_heads, "attn_k": cfg.n_kv_heads} if _permuted(cfg) else {}
+
+    def matrix(name: str, form: str, rows_of: int | None = None, keep_blocks: bool = True):
+        t = _stored(by_name, name, path)
+        stored = tuple(int(n) for n in reversed(t.shape.tolist()))  # numpy order: (out, in)
+        if len(stored) != 2 or (rows_of is not None and stored[0] % rows_of):
+            raise GGUFError(path, f"tensor {name!r} has shape {stored}, not a projection of this model")
+        m = _quantized_matrix(path, t, stored, form, keep_blocks)
+        return m if rows_of is None else _permute_matrix_rows(m, rows_of)
+
+    def checked(name: str, m, shape: tuple[int, ...]):
+        if tuple(m.shape) != shape:
+            raise GGUFError(path, f"{name} has shape {tuple(m.shape)}, but the metadata implies {shape}")
+        return m
+
+    layers = []
+    for i in range(cfg.n_layers):
+        fused = {}
+        for target, parts in fusions.items():
+            want = [expected[f"layers.{i}.{n}"] for n in _PROJECTION_PARTS[target] if f"layers.{i}.{n}" in expected]
+            names = [f"blk.{i}.{part}.weight" for part in parts]
+            # 4-bit blocks of two types do not stack: a fused matrix of mixed types is quantized anew
+            one_type = len({getattr(by_name.get(name), "tensor_type", None) for name in names}) == 1
+            ms = [matrix(name, fmt, heads.get(part), one_type) for name, part in zip(names, parts)]
+            fused[target] = checked(f"layer {i}'s {'+'.join(parts)}", ms[0] if len(ms) == 1 else _stack(ms),
+                                    (sum(w[0] for w in want), want[0][1]))
+        layers.append(build_layer(cfg, small, i, jnp.float32, projections=fused))
+        if progress is not None:
+            progress(i + 1)
+    vocab_rows = (cfg.vocab_size, cfg.d_model)
+    embed = checked("token_embd.weight", matrix("token_embd.weight", "int8"), vocab_rows)
+    head = embed if cfg.tie_embeddings else checked("output.weight", matrix("output.weight", "int8"), vocab_rows)
+    bias = small.get("final_norm.bias")
+    return Weights(head=head, layers=layers,
+                   final_norm=Norm(jnp.asarray(small["final_norm.scale"]), None if bias is None else jnp.asarray(bias)),
+                   embed=None if cfg.tie_embeddings else embed)
+
+
+# the separate tensors of ours each fused projection stacks (params.build_weights)
+_PROJECTION_PARTS = {"w_qkv": ("wq", "wk", "wv"), "wo": ("wo",), "w_gate_up": ("w_gate", "w_up"), "w_down": ("w_down",)}
+
+
+def _quantized_matrix(path: os.PathLike | str, t, shape: tuple[int, int], form: str,
+                      keep_blocks: bool = True) -> Int8Matrix | q4.Q4Matrix:
+    """One (out, in) tensor of the file in ``form`` ("int8" or "int4"; ``read_quantized_weights``); a Q4_0 / Q4_1
+    tensor's blocks are kept as they are for "int4" unless ``keep_blocks`` is false."""
+    kind = _Q4_TYPES.get(t.tensor_type)
+    raw = _tensor_data(path, t)
+    if form == "int4" and kind is not None and keep_blocks:
+        return q4.from_gguf(raw, shape, kind)
+    as_int4 = form == "int4" and shape[1] % q4.QK == 0
+    rows = raw.reshape(shape[0], -1)
+    step = max(1, CONVERT_WEIGHTS // shape[1])
+    parts = []
+    for start in range(0, shape[0], step):
+        w = dequantize(rows[start:start + step], t.tensor_type).reshape(-1, shape[1])
+        parts.append(q4.quantize(w, INT4_KIND) if as_int4 else int8.quantize(w))
+    return _stack(parts)
+
+
+def _stack(parts: list) -> Int8Matrix | q4.Q4Matrix:
+    """The rows of several row-quantized matrices of one format stacked."""
+    if isinstance(parts[0], q4.Q4Matrix):
+        return parts[0] if len(parts) == 1 else q4.concatenate(parts)
+    if len({type(p) for p in parts}) != 1:
+        raise ValueError("cannot stack int8 and 4-bit matrices")
+    return Int8Matrix(jnp.concatenate([p.values for p in parts]), jnp.concatenate([p.scales for p in parts]), 0)
+
+
+def _permute_matrix_rows(m: Int8Matrix | q4.Q4Matrix, n_heads: int) -> Int8Matrix | q4.Q4Matrix:
+    """``unpermute_rope_rows`` on a row-quantized matrix: whole rows move, with their scales."""
+    move = lambda a: None if a is None else jnp.asarray(unpermute_rope_rows(np.asarray(a), n_heads))
+    if isinstance(m, q4.Q4Matrix):
+        return q4.Q4Matrix(move(m.packed), move(m.scales), move(m.mins), m.kind)
+    return Int8Matrix(move(m.values), move(m.scales), 0)
 
 
 def _tensor_map(reader: GGUFReader) -> dict:

@@ -107,6 +107,26 @@ def load_model(source: str | os.PathLike | None = None, dtype: Any = "float32",
     return LoadedModel(cfg, weights, tok, str(path))
 
 
+def load_quantized_gguf(source: str | os.PathLike, weights: str, tokenizer: bool = True,
+                        progress: bool = False) -> LoadedModel:
+    """A GGUF file read straight into ``weights`` "int8" or "int4" (``gguf_loader.read_quantized_weights``: one
+    tensor in float at a time, so a model that would not fit in memory in float loads in about its file's
+    size; no SmoothQuant migration, no cache). ``tokenizer=False`` skips the file's tokenizer (prompts are
+    then token ids); ``progress`` shows a bar over the layers."""
+    from tqdm.auto import tqdm
+
+    from jpinfer.models import gguf_loader
+
+    path = pathlib.Path(source).expanduser()
+    reader = gguf_loader.open_gguf(path)
+    cfg = gguf_loader.read_config(reader, path)
+    with tqdm(total=cfg.n_layers, desc=f"reading {path.name} into {weights}", unit="layer",
+              disable=not progress) as layers:
+        quantized = gguf_loader.read_quantized_weights(reader, cfg, path, weights,
+                                                       progress=lambda n: layers.update(n - layers.n))
+    tok = gguf_loader.load_gguf_tokenizer(path) if tokenizer else None
+    return LoadedModel(cfg, quantized, tok, str(path))
+
 def int4_model(model: LoadedModel) -> LoadedModel:
     """``model`` with int4 weights (``quantized.quantize_weights``): a GGUF file's own Q4_0 / Q4_1 blocks
     where it has them (the default model's are Q4_1), the other projections quantized now."""

@@ -142,47 +142,62 @@ def build_weights(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype=jnp.fl
                 f"tensor {name!r} has shape {tuple(tensors[name].shape)}, but the config implies {shape}"
             )
 
-    def get(name: str):
-        return jnp.asarray(tensors[name], dtype=dtype) if name in expected else None
-
-    def fused(*names: str):
-        present = [np.asarray(tensors[n]) for n in names if n in expected]
-        if not present:
-            return None
-        return jnp.asarray(present[0] if len(present) == 1 else np.concatenate(present), dtype=dtype)
-
-    def norm(prefix: str) -> Norm:
-        return Norm(scale=get(prefix + ".scale"), bias=get(prefix + ".bias"))
-
-    layers = []
-    for i in range(cfg.n_layers):
-        p = f"layers.{i}."
-        layers.append(
-            Layer(
-                attn_norm=norm(p + "attn_norm"),
-                w_qkv=fused(p + "wq", p + "wk", p + "wv"),
-                b_qkv=fused(p + "bq", p + "bk", p + "bv"),
-                wo=get(p + "wo"),
-                bo=get(p + "bo"),
-                ffn_norm=norm(p + "ffn_norm"),
-                w_gate_up=fused(p + "w_gate", p + "w_up"),
-                b_up=get(p + "b_up"),
-                w_down=get(p + "w_down"),
-                b_down=get(p + "b_down"),
-                q_norm=norm(p + "q_norm") if cfg.qk_norm else None,
-                k_norm=norm(p + "k_norm") if cfg.qk_norm else None,
-                attn_out_norm=norm(p + "attn_out_norm") if cfg.sandwich_norms else None,
-                ffn_out_norm=norm(p + "ffn_out_norm") if cfg.sandwich_norms else None,
-                router=get(p + "router"),
-            )
-        )
+    get = lambda name: _get(tensors, expected, name, dtype)
+    layers = [build_layer(cfg, tensors, i, dtype) for i in range(cfg.n_layers)]
     head = tensors["embed"] if cfg.tie_embeddings else tensors["lm_head"]
     return Weights(
         head=jnp.asarray(np.ascontiguousarray(np.asarray(head).T), dtype=dtype),
         layers=layers,
-        final_norm=norm("final_norm"),
+        final_norm=_norm(tensors, expected, "final_norm", dtype),
         embed=None if cfg.tie_embeddings else get("embed"),
         positions=get("positions"),
+    )
+
+
+def _get(tensors: dict, expected: dict, name: str, dtype):
+    return jnp.asarray(tensors[name], dtype=dtype) if name in expected else None
+
+
+def _norm(tensors: dict, expected: dict, prefix: str, dtype) -> Norm:
+    get = lambda name: _get(tensors, expected, prefix + name, dtype)
+    return Norm(scale=get(".scale"), bias=get(".bias"))
+
+
+def build_layer(cfg: ModelConfig, tensors: dict[str, np.ndarray], i: int, dtype=jnp.float32,
+                projections: dict | None = None) -> Layer:
+    """Layer ``i`` from a flat dict keyed like ``expected_shapes`` (not checked here: ``build_weights`` checks).
+    ``projections``: fused matrices made elsewhere (``w_qkv``, ``wo``, ``w_gate_up``, ``w_down``, e.g. quantized
+    ones read straight from a file), used as they are in place of those fused from ``tensors``."""
+    expected = expected_shapes(cfg)
+    projections = projections or {}
+    p = f"layers.{i}."
+    get = lambda name: _get(tensors, expected, p + name, dtype)
+    norm = lambda name: _norm(tensors, expected, p + name, dtype)
+
+    def fused(name: str, *parts: str):
+        if name in projections:
+            return projections[name]
+        present = [np.asarray(tensors[p + n]) for n in parts if p + n in expected]
+        if not present:
+            return None
+        return jnp.asarray(present[0] if len(present) == 1 else np.concatenate(present), dtype=dtype)
+
+    return Layer(
+        attn_norm=norm("attn_norm"),
+        w_qkv=fused("w_qkv", "wq", "wk", "wv"),
+        b_qkv=fused("b_qkv", "bq", "bk", "bv"),
+        wo=fused("wo", "wo"),
+        bo=get("bo"),
+        ffn_norm=norm("ffn_norm"),
+        w_gate_up=fused("w_gate_up", "w_gate", "w_up"),
+        b_up=get("b_up"),
+        w_down=fused("w_down", "w_down"),
+        b_down=get("b_down"),
+        q_norm=norm("q_norm") if cfg.qk_norm else None,
+        k_norm=norm("k_norm") if cfg.qk_norm else None,
+        attn_out_norm=norm("attn_out_norm") if cfg.sandwich_norms else None,
+        ffn_out_norm=norm("ffn_out_norm") if cfg.sandwich_norms else None,
+        router=get("router"),
     )
 
 

@@ -380,8 +380,11 @@ def _dense_ffn_impl(cfg: ModelConfig) -> FfnImpl:
 
 
 def embed(weights: Weights, tokens: jax.Array, positions: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """Input embeddings (B, T, d): rows of ``embed``, or columns of the tied ``head``."""
-    if weights.embed is not None:
+    """Input embeddings (B, T, d): rows of ``embed`` (int8 rows when read straight from a file into int8,
+    ``gguf_loader.read_quantized_weights``), or columns of the tied ``head``."""
+    if weights.embed is not None and quantized.is_quantized(weights.embed):
+        h = quantized.rows(weights.embed, tokens, weights.dtype)
+    elif weights.embed is not None:
         h = weights.embed[tokens]
     elif quantized.is_quantized(weights.head):  # the tied head's (vocab, d) quantized rows
         h = quantized.rows(weights.head, tokens, weights.dtype)

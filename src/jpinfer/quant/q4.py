@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jpinfer.ordering import after
 from jpinfer.quant.int8 import quantize_tokens
 
 QK = 32  # weights per block (llama.cpp's QK4_0 / QK4_1), and inputs per block of quantized activations
@@ -199,4 +200,12 @@ def product(m: Q4Matrix, tokens: jax.Array) -> jax.Array:
     T, inp = tokens.shape
     xq, xd, _ = quantize_blocks(tokens)
     x_hat = (xq.reshape(T, inp // QK, QK).astype(jnp.float32) * xd[..., None]).reshape(T, inp)
-    return jnp.dot(x_hat, dequantize(m).T, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    return jnp.dot(x_hat, _dequantize_after(m, tokens).T, precision=jax.lax.Precision.HIGHEST,
+                   preferred_element_type=jnp.float32)
+
+
+def _dequantize_after(m: Q4Matrix, tokens: jax.Array) -> jax.Array:
+    """``dequantize(m)`` once ``tokens`` exist (``ordering.after``: otherwise XLA dequantized every layer's
+    matrix at the start of a prompt's step and held them all; tests/test_quantized.py checks the compiled
+    step's temporaries)."""
+    return dequantize(dataclasses.replace(m, scales=after(m.scales, tokens)))

@@ -36,6 +36,7 @@ import numpy as np
 from jpinfer.activations import activate
 from jpinfer.native import kernels as native_kernels
 from jpinfer.native import native_available
+from jpinfer.ordering import after
 from jpinfer.quant import int8
 from jpinfer.quant.int8 import Int8Matrix
 from jpinfer.sparse.cpu_backend import sparse_ffn_chunked
@@ -173,9 +174,11 @@ def all_rows_ffn(ffn: NeuronFFN, x: jax.Array, keep: jax.Array | None = None) ->
         raise ValueError(f"x must be (d_model,) or (T, d_model) with d_model={ffn.d_model}, got {x.shape}")
     n, n_rows, d = ffn.rows.shape
     flat = ffn.rows.reshape(n, n_rows * d)
-    block = lambda j: flat[:, j * d : (j + 1) * d]
     n_proj = n_rows - 1
     x2 = x.reshape(-1, d).astype(jnp.float32 if ffn.quantized else flat.dtype)
+    # each block is copied out of the bundles once the layer's tokens exist (``ordering.after``: XLA otherwise
+    # copied every layer's at the start of a prompt's step and held them all, 4.4 GB for a 7B int8 model)
+    block = lambda j: after(flat[:, j * d : (j + 1) * d], x2)
     if ffn.quantized:
         project = lambda j: int8.product(x2, Int8Matrix(block(j), ffn.scales[:, j], 0))
         # the down block is (n, d) input-major: a scale per column
