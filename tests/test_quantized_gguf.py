@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from jpinfer.errors import CheckpointError
+from jpinfer.errors import CheckpointError, JpinferError
 from jpinfer.models import gguf_loader, quantized, transformer
 from jpinfer.models.gguf_loader import load_gguf, read_q4_blocks
 from jpinfer.models.loading import LoadedModel, load_quantized_gguf
@@ -119,7 +119,7 @@ def test_refusals(tmp_path):
     cfg = fx.tiny_config()
     tensors = fx.random_tensors(cfg, seed=6)
     path = fx.write_gguf(tmp_path / "m.gguf", cfg, tensors, Q.Q8_0)
-    with pytest.raises(ValueError, match="'int8' or 'int4'"):
+    with pytest.raises(JpinferError, match="weights must be 'int8' or 'int4'"):
         load_quantized_gguf(path, "int3")
     missing = fx.write_gguf(tmp_path / "missing.gguf", cfg,
                             {k: v for k, v in tensors.items() if k != "layers.1.w_up"}, Q.Q8_0)

@@ -117,6 +117,8 @@ def load_quantized_gguf(source: str | os.PathLike, weights: str, tokenizer: bool
 
     from jpinfer.models import gguf_loader
 
+    if weights not in ("int8", "int4"):
+        raise JpinferError(f"weights must be 'int8' or 'int4' to read a file straight into them, got {weights!r}")
     path = pathlib.Path(source).expanduser()
     reader = gguf_loader.open_gguf(path)
     cfg = gguf_loader.read_config(reader, path)
@@ -126,6 +128,7 @@ def load_quantized_gguf(source: str | os.PathLike, weights: str, tokenizer: bool
                                                        progress=lambda n: layers.update(n - layers.n))
     tok = gguf_loader.load_gguf_tokenizer(path) if tokenizer else None
     return LoadedModel(cfg, quantized, tok, str(path))
+
 
 def int4_model(model: LoadedModel) -> LoadedModel:
     """``model`` with int4 weights (``quantized.quantize_weights``): a GGUF file's own Q4_0 / Q4_1 blocks
