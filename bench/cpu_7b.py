@@ -133,7 +133,8 @@ def main() -> None:
     paths = random_ggufs(shapes, tuple(args.formats), progress=lambda done, total: print(
         f"\rwriting random {shapes.name} files: tensor {done}/{total}", end="\n" if done == total else "",
         flush=True))
-    files = {ft: {"path": str(p), "bytes": p.stat().st_size, "tensor_bytes": file_bytes(p),
+    files = {ft: {"path": f"$JPINFER_CACHE/random_gguf/{p.name}", "bytes": p.stat().st_size,
+                  "tensor_bytes": file_bytes(p),
                   **json.loads(p.with_suffix(".json").read_text())} for ft, p in paths.items()}
     bandwidth = matvec_read_bandwidth()
     print(f"XLA float32 matrix-vector read bandwidth: {bandwidth / 1e9:.1f} GB/s", flush=True)

@@ -431,3 +431,15 @@ def test_calibration_peaks_are_cached(tmp_path, monkeypatch):
         rebuilt = smoothing.cached_channel_peaks(engine.model, tokens)
     assert len(calls) == 4
     np.testing.assert_array_equal(rebuilt.down, first.down)
+
+
+def test_concatenate_stacks_rows_with_their_scales():
+    """Rows are quantized independently, so stacking quantized parts equals quantizing the stacked floats."""
+    rng = np.random.default_rng(11)
+    a, b = rng.standard_normal((5, 16)).astype(np.float32), rng.standard_normal((3, 16)).astype(np.float32)
+    got = int8.concatenate([int8.quantize(a), int8.quantize(b)])
+    want = int8.quantize(np.concatenate([a, b]))
+    np.testing.assert_array_equal(np.asarray(got.values), np.asarray(want.values))
+    np.testing.assert_array_equal(np.asarray(got.scales), np.asarray(want.scales))
+    with pytest.raises(ValueError, match="one scale per row"):
+        int8.concatenate([int8.quantize(a), int8.quantize(a.T, scale_axis=1)])

@@ -116,7 +116,7 @@ def test_q4_derivative_is_straight_through(kind):
 def test_a_prompt_dequantizes_one_4bit_matrix_at_a_time():
     """The XLA product of a prompt (more than 8 tokens) dequantizes each 4-bit matrix once its tokens exist: the
     compiled temporaries of a stack of layers stay near one layer's float32 matrix, whatever the depth (they grew
-    with it, a whole model's float weights at once, before ``_dequantize_after``)."""
+    with it, a whole model's float weights at once, before ``q4.product`` used ``ordering.after``)."""
     rng = np.random.default_rng(0)
     d = 256
     one_layer = 4 * d * d * 4  # a (4d, d) float32 matrix

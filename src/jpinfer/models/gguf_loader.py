@@ -22,7 +22,7 @@ from gguf.quants import dequantize
 
 from jpinfer.config import ModelConfig, RopeScaling
 from jpinfer.errors import CheckpointError
-from jpinfer.models.params import Norm, Weights, build_layer, expected_shapes
+from jpinfer.models.params import FUSED_PROJECTIONS, Norm, Weights, build_layer, expected_shapes
 from jpinfer.models.quantized import INT4_KIND
 from jpinfer.models.tokenizer import Tokenizer, tokenizer_from_gguf_metadata
 from jpinfer.quant import int8, q4
@@ -357,10 +357,7 @@ def read_q4_blocks(path: os.PathLike | str, cfg: ModelConfig) -> dict[str, q4.Q4
             matrices = []
             for part, t in zip(parts, tensors):
                 m = q4.from_gguf(_tensor_data(path, t), (int(t.shape[1]), int(t.shape[0])), kind)
-                if part in heads:
-                    unpermute = lambda a: jnp.asarray(unpermute_rope_rows(np.asarray(a), heads[part]))
-                    m = q4.Q4Matrix(*(None if a is None else unpermute(a) for a in (m.packed, m.scales, m.mins)), kind)
-                matrices.append(m)
+                matrices.append(_permute_matrix_rows(m, heads[part]) if part in heads else m)
             out[f"layers.{i}.{fused}"] = matrices[0] if len(matrices) == 1 else q4.concatenate(matrices)
     return out
 
@@ -413,7 +410,7 @@ def read_quantized_weights(reader: GGUFReader, cfg: ModelConfig, path: os.PathLi
     for i in range(cfg.n_layers):
         fused = {}
         for target, parts in fusions.items():
-            want = [expected[f"layers.{i}.{n}"] for n in _PROJECTION_PARTS[target] if f"layers.{i}.{n}" in expected]
+            want = [expected[f"layers.{i}.{n}"] for n in FUSED_PROJECTIONS[target] if f"layers.{i}.{n}" in expected]
             names = [f"blk.{i}.{part}.weight" for part in parts]
             # 4-bit blocks of two types do not stack: a fused matrix of mixed types is quantized anew
             one_type = len({getattr(by_name.get(name), "tensor_type", None) for name in names}) == 1
@@ -430,10 +427,6 @@ def read_quantized_weights(reader: GGUFReader, cfg: ModelConfig, path: os.PathLi
     return Weights(head=head, layers=layers,
                    final_norm=Norm(jnp.asarray(small["final_norm.scale"]), None if bias is None else jnp.asarray(bias)),
                    embed=None if cfg.tie_embeddings else embed)
-
-
-# the separate tensors of ours each fused projection stacks (params.build_weights)
-_PROJECTION_PARTS = {"w_qkv": ("wq", "wk", "wv"), "wo": ("wo",), "w_gate_up": ("w_gate", "w_up"), "w_down": ("w_down",)}
 
 
 def _quantized_matrix(path: os.PathLike | str, t, shape: tuple[int, int], form: str,
@@ -455,12 +448,10 @@ def _quantized_matrix(path: os.PathLike | str, t, shape: tuple[int, int], form: 
 
 
 def _stack(parts: list) -> Int8Matrix | q4.Q4Matrix:
-    """The rows of several row-quantized matrices of one format stacked."""
-    if isinstance(parts[0], q4.Q4Matrix):
-        return parts[0] if len(parts) == 1 else q4.concatenate(parts)
-    if len({type(p) for p in parts}) != 1:
-        raise ValueError("cannot stack int8 and 4-bit matrices")
-    return Int8Matrix(jnp.concatenate([p.values for p in parts]), jnp.concatenate([p.scales for p in parts]), 0)
+    """The rows of several row-quantized matrices of one format stacked (one part as it is)."""
+    if len(parts) == 1:
+        return parts[0]
+    return q4.concatenate(parts) if isinstance(parts[0], q4.Q4Matrix) else int8.concatenate(parts)
 
 
 def _permute_matrix_rows(m: Int8Matrix | q4.Q4Matrix, n_heads: int) -> Int8Matrix | q4.Q4Matrix:

@@ -27,6 +27,11 @@ import numpy as np
 
 from jpinfer.config import ModelConfig
 
+# The fused projections and the separate (out, in) tensors each stacks, in row order (build_layer; gguf_loader's
+# straight-to-quantized reader). A part a config lacks (the gate of kind relu) is left out.
+FUSED_PROJECTIONS: dict[str, tuple[str, ...]] = {
+    "w_qkv": ("wq", "wk", "wv"), "wo": ("wo",), "w_gate_up": ("w_gate", "w_up"), "w_down": ("w_down",),
+}
 
 def _register(cls):
     fields = [f.name for f in dataclasses.fields(cls)]
@@ -184,14 +189,14 @@ def build_layer(cfg: ModelConfig, tensors: dict[str, np.ndarray], i: int, dtype=
 
     return Layer(
         attn_norm=norm("attn_norm"),
-        w_qkv=fused("w_qkv", "wq", "wk", "wv"),
+        w_qkv=fused("w_qkv", *FUSED_PROJECTIONS["w_qkv"]),
         b_qkv=fused("b_qkv", "bq", "bk", "bv"),
-        wo=fused("wo", "wo"),
+        wo=fused("wo", *FUSED_PROJECTIONS["wo"]),
         bo=get("bo"),
         ffn_norm=norm("ffn_norm"),
-        w_gate_up=fused("w_gate_up", "w_gate", "w_up"),
+        w_gate_up=fused("w_gate_up", *FUSED_PROJECTIONS["w_gate_up"]),
         b_up=get("b_up"),
-        w_down=fused("w_down", "w_down"),
+        w_down=fused("w_down", *FUSED_PROJECTIONS["w_down"]),
         b_down=get("b_down"),
         q_norm=norm("q_norm") if cfg.qk_norm else None,
         k_norm=norm("k_norm") if cfg.qk_norm else None,

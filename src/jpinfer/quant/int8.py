@@ -69,6 +69,13 @@ class Int8Matrix:
         return Int8Matrix(values, self.scales[index] if axis == self.scale_axis else self.scales, self.scale_axis)
 
 
+def concatenate(parts: list[Int8Matrix]) -> Int8Matrix:
+    """The rows of several row-scaled matrices of one width stacked (e.g. q, k, v into one fused matrix), their
+    scales with them."""
+    if any(not isinstance(p, Int8Matrix) or p.scale_axis != 0 for p in parts):
+        raise ValueError("can stack the rows of int8 matrices with one scale per row only")
+    return Int8Matrix(jnp.concatenate([p.values for p in parts]), jnp.concatenate([p.scales for p in parts]), 0)
+
 def quantize(w: np.ndarray | jax.Array, scale_axis: int = 0) -> Int8Matrix:
     """Quantize a float matrix: one scale per entry of ``w.shape[scale_axis]`` (the outputs).
 

@@ -200,12 +200,7 @@ def product(m: Q4Matrix, tokens: jax.Array) -> jax.Array:
     T, inp = tokens.shape
     xq, xd, _ = quantize_blocks(tokens)
     x_hat = (xq.reshape(T, inp // QK, QK).astype(jnp.float32) * xd[..., None]).reshape(T, inp)
-    return jnp.dot(x_hat, _dequantize_after(m, tokens).T, precision=jax.lax.Precision.HIGHEST,
-                   preferred_element_type=jnp.float32)
-
-
-def _dequantize_after(m: Q4Matrix, tokens: jax.Array) -> jax.Array:
-    """``dequantize(m)`` once ``tokens`` exist (``ordering.after``: otherwise XLA dequantized every layer's
-    matrix at the start of a prompt's step and held them all; tests/test_quantized.py checks the compiled
-    step's temporaries)."""
-    return dequantize(dataclasses.replace(m, scales=after(m.scales, tokens)))
+    # dequantized once the tokens exist (``ordering.after``): otherwise XLA dequantized every layer's matrix at the
+    # start of a prompt's step and held them all (tests/test_quantized.py checks the compiled step's temporaries)
+    w = dequantize(dataclasses.replace(m, scales=after(m.scales, tokens)))
+    return jnp.dot(x_hat, w.T, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
