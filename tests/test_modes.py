@@ -112,12 +112,18 @@ def assert_decodes_like(engine, reference, new_tokens: int, *, rtol: float, atol
                                rtol=rtol, atol=atol)
 
 
+MIXTRAL_LIKE = dict(n_experts=4, experts_per_token=2)  # tiny_engine's d_ff 48: 4 experts of 12 neurons, top 2
+
+
 @pytest.mark.parametrize("kind, arch", [("swiglu", {}), ("relu", {}), ("geglu", GEMMA2_LIKE), ("geglu", GEMMA3_LIKE),
-                                        ("relu", FALCON_LIKE), ("gelu", FALCON_LIKE)],
-                         ids=["swiglu", "relu", "gemma2-like", "gemma3-like", "relu-falcon-like", "falcon-like"])
+                                        ("relu", FALCON_LIKE), ("gelu", FALCON_LIKE), ("swiglu", MIXTRAL_LIKE)],
+                         ids=["swiglu", "relu", "gemma2-like", "gemma3-like", "relu-falcon-like", "falcon-like",
+                              "mixtral-like"])
 def test_all_active_sparse_and_hybrid_decode_like_dense(kind, arch):
     """gemma2-like: the hybrid engine normalises the sum of its two partial FFN outputs (sandwich norms), each
-    layer attends within its own window; falcon-like: the FFN reads the layer's input, beside the attention."""
+    layer attends within its own window; falcon-like: the FFN reads the layer's input, beside the attention;
+    mixtral-like: each part weights its neurons by their experts' routing, and selects among the picked experts'
+    neurons only."""
     dense = tiny_engine(kind, **arch)
     predictors = all_active(dense)
     sparse = build_engine(dense.model, "sparse", predictors=predictors, capacity=dense.cfg.d_ff)
@@ -151,8 +157,10 @@ def test_fixed_masks_equal_the_masked_dense_reference():
         np.testing.assert_allclose(forced_logits(engine, PROMPT, forced), expected, rtol=0, atol=DECODER_ATOL)
 
 
-def test_clipping_capacity_keeps_the_largest_logits_like_the_reference():
-    dense = tiny_engine("swiglu")
+@pytest.mark.parametrize("arch", [{}, MIXTRAL_LIKE], ids=["swiglu", "mixtral-like"])
+def test_clipping_capacity_keeps_the_largest_logits_like_the_reference(arch):
+    """mixtral-like: the capacity goes to the picked experts' neurons (the reference masks the same logits)."""
+    dense = tiny_engine("swiglu", **arch)
     cfg = dense.cfg
     predictors = predictors_for(dense, [random_predictor(cfg, seed=i) for i in range(cfg.n_layers)])
     capacity = (8, 16)

@@ -1,8 +1,9 @@
 """Mixtral-style experts as neurons of one FFN: the router and the routed activations against a float64 numpy
 mixture of experts written from Mixtral's definition (each picked expert's FFN output times its renormalized
-router weight), the threshold mode within experts, the modes that refuse experts, SmoothQuant's migration and
-calibration on a model with experts. Parity with transformers' Mixtral: tests/test_transformer_parity.py and
-tests/test_gguf.py. Tolerances: tests/tolerances.py."""
+router weight), the threshold mode within experts, the sparse op over listed neurons of experts (the predictor
+modes' FFN), SmoothQuant's migration and calibration on a model with experts. The sparse and hybrid modes decode
+a model with experts like dense: tests/test_modes.py (float) and tests/test_sparse_int8.py (int8). Parity with
+transformers' Mixtral: tests/test_transformer_parity.py and tests/test_gguf.py. Tolerances: tests/tolerances.py."""
 
 import dataclasses
 
@@ -12,11 +13,11 @@ import pytest
 from test_int8 import random_peaks
 from test_threshold import BACKENDS, assert_decodes_alike, windows
 
-from jpinfer.errors import JpinferError
 from jpinfer.models import params, smoothquant, transformer
 from jpinfer.modes import build_engine
+from jpinfer.predictor import routed_logits
 from jpinfer.profiler import SparsityThresholds, calibrate_sparsity
-from jpinfer.sparse import threshold_ffn, threshold_layout
+from jpinfer.sparse import all_rows_ffn, neurons, sparse_ffn, threshold_ffn, threshold_layout
 
 from profiler_fixtures import thresholds_in_gaps, tiny_engine
 from tolerances import DECODER_ATOL, KERNEL_ATOL, KERNEL_RTOL, SPARSITY_ATOL
@@ -103,11 +104,55 @@ def test_calibration_counts_the_experts_not_picked_as_skipped():
     assert np.all(calibrate_sparsity(dense, tokens, activation=0.3).activation < 2.0**-31)
 
 
-def test_predictor_modes_refuse_experts_by_name():
-    dense = tiny_engine("swiglu", **MOE)
-    for mode in ("sparse", "hybrid"):
-        with pytest.raises(JpinferError, match="mixture of experts yet;.* modes dense, threshold and hybrid"):
-            build_engine(dense.model, mode, predictors="unused")
+SPARSE_BACKENDS = ("auto", "xla", "gather")  # the Pallas kernels take no routing weights (refused below)
+
+
+def test_listed_neurons_of_experts_equal_a_float64_mixture_of_experts():
+    """The sparse op over a list of an expert layout's neurons (the predictor modes' FFN): each listed neuron's
+    activation times its expert's routing weight, the others absent. Against ``numpy_moe``'s routed activations
+    with the unlisted neurons zeroed, for a list in any order with padding and an id out of range, the whole
+    layer, and every row at once (``all_rows_ffn``, prefill) with and without a mask per token."""
+    engine = tiny_engine("swiglu", **MOE)
+    cfg, layer = engine.cfg, engine.weights.layers[1]
+    ffn = neurons.from_layer(layer, cfg.ffn_kind, cfg.experts)
+    x = np.random.default_rng(1).standard_normal((4, cfg.d_model)).astype(np.float32)
+    _, routed = numpy_moe(layer, x, cfg)
+    down = np.asarray(layer.w_down, np.float64)
+    rng = np.random.default_rng(2)
+    listed = rng.permutation(cfg.d_ff)[:20]
+    ids = np.concatenate([listed, [cfg.d_ff + 3, 0, 0]]).astype(np.int32)  # a bad id and padding after count 21
+    for token in range(len(x)):
+        expected = down[:, listed] @ routed[token, listed]
+        assert np.abs(expected - down @ routed[token]).max() > 100 * KERNEL_ATOL  # the list matters
+        for backend in SPARSE_BACKENDS:
+            y = sparse_ffn(ffn, jnp.asarray(x[token]), jnp.asarray(ids), 21, backend=backend)
+            np.testing.assert_allclose(np.asarray(y), expected, rtol=KERNEL_RTOL, atol=KERNEL_ATOL)
+            y = sparse_ffn(ffn, jnp.asarray(x[token]), jnp.arange(cfg.d_ff, dtype=jnp.int32), cfg.d_ff,
+                           backend=backend)
+            np.testing.assert_allclose(np.asarray(y), down @ routed[token], rtol=KERNEL_RTOL, atol=KERNEL_ATOL)
+    np.testing.assert_allclose(np.asarray(all_rows_ffn(ffn, jnp.asarray(x))), routed @ down.T,
+                               rtol=KERNEL_RTOL, atol=KERNEL_ATOL)
+    keep = rng.random((len(x), cfg.d_ff)) < 0.5
+    np.testing.assert_allclose(np.asarray(all_rows_ffn(ffn, jnp.asarray(x), jnp.asarray(keep))),
+                               np.where(keep, routed, 0.0) @ down.T, rtol=KERNEL_RTOL, atol=KERNEL_ATOL)
+    with pytest.raises(ValueError, match="routing weights"):
+        sparse_ffn(ffn, jnp.asarray(x[0]), jnp.asarray(ids), 21, backend="pallas")
+    with pytest.raises(ValueError, match="router"):
+        neurons.from_layer(layer, cfg.ffn_kind)
+
+
+def test_selection_spends_no_capacity_on_experts_not_picked():
+    """``routed_logits`` leaves the logits of the picked experts' neurons and sets the others' to -inf (numpy_moe's
+    routed activations say which experts are picked)."""
+    engine = tiny_engine("swiglu", **MOE)
+    cfg, layer = engine.cfg, engine.weights.layers[0]
+    x = np.random.default_rng(3).standard_normal((6, cfg.d_model)).astype(np.float32)
+    _, routed = numpy_moe(layer, x, cfg)
+    picked = np.repeat((routed != 0).reshape(6, cfg.n_experts, -1).any(-1), cfg.expert_size, axis=1)
+    logits = np.random.default_rng(4).standard_normal((6, cfg.d_ff)).astype(np.float32)
+    out = np.asarray(routed_logits(jnp.asarray(logits), layer.router, jnp.asarray(x), cfg.experts_per_token))
+    np.testing.assert_array_equal(out, np.where(picked, logits, -np.inf))
+    np.testing.assert_array_equal(np.asarray(routed_logits(jnp.asarray(logits), None, jnp.asarray(x), 0)), logits)
 
 
 def test_migration_scales_the_router_with_the_ffn_input():

@@ -31,7 +31,7 @@ from jpinfer.predictor import PredictorMismatchError
 from jpinfer.profiler import ProfileMismatchError, smoothing
 from jpinfer.solver import InfeasibleBudgetError
 
-from profiler_fixtures import GEMMA2_LIKE, tiny_engine
+from profiler_fixtures import FALCON_LIKE, GEMMA2_LIKE, GEMMA3_LIKE, tiny_engine
 
 TEXT = " ".join(["the quick brown fox jumps over the lazy dog", "a stitch in time saves nine",
                  "all that glitters is not gold", "where there is smoke there is fire"] * 120)
@@ -311,44 +311,35 @@ def test_a_quantized_model_gets_a_pack_of_its_own(quantized_packs, made, model, 
     assert engine.stepper.name == "threshold" and len(engine.generate([1, 5, 9], max_new_tokens=4).token_ids) == 4
 
 
-def test_every_stage_and_mode_runs_on_a_gemma2_like_model(cache, settings, tmp_path):
-    """A GeGLU model with Gemma 2's norms, windows and caps through every stage: its thresholds are calibrated
-    (GeGLU's inactive neurons are small, not zero) and every mode builds from the pack and decodes; its
-    int8 form (SmoothQuant's calibration walks the same layers) gets a pack of its own."""
-    model = tiny_engine("geglu", **GEMMA2_LIKE).model
+@pytest.mark.parametrize("kind, arch", [("geglu", GEMMA2_LIKE), ("geglu", GEMMA3_LIKE), ("gelu", FALCON_LIKE),
+                                        ("swiglu", dict(n_experts=4, experts_per_token=2))],
+                         ids=["gemma2-like", "gemma3-like", "falcon-like", "mixtral-like"])
+def test_every_stage_and_mode_runs_on_each_architecture(kind, arch, cache, settings, tmp_path):
+    """A model with each architecture's features through every stage, then every mode built from the pack decodes:
+    Gemma 2's norms, windows and caps and Gemma 3's q/k norms and two RoPE bases (GeGLU: the inactive neurons are
+    small, not zero, so the thresholds are calibrated over zero); Falcon's side-by-side block with its ungated GELU;
+    Mixtral-like experts (4 of 12 neurons, top 2: the profile counts the experts' neurons, the placement splits
+    them, the predictors are trained on routed activations). The int8 form (SmoothQuant's calibration walks the
+    same layers, scaling the router too) gets a pack of its own, and its threshold and sparse modes decode."""
+    model = tiny_engine(kind, **arch).model
     pack = prepare(model, tmp_path / "pack", settings, progress=False)
     assert pack.ran == STAGES and pack.thresholds.target == {"activation": settings.sparsity}
-    assert np.all(pack.profile.thresholds > 0)
+    assert pack.profile.counts.shape[-1] == model.cfg.d_ff
+    if not model.cfg.n_experts:  # with experts, half the neurons are exactly zero on every token
+        assert np.all(pack.profile.thresholds > 0)
     prompt = [1, 5, 9, 12, 3]
-    for mode in ("sparse", "hybrid", "threshold"):
+    for mode, thresholds in (("sparse", None), ("hybrid", None), ("threshold", None), ("hybrid", "profile")):
         inputs = get_mode(mode).from_pack(pack, "float32", ModeInputs())
+        if thresholds:
+            inputs = dataclasses.replace(inputs, predictors=None, thresholds=thresholds)
         engine = build_engine(model, mode, **{k: v for k, v in vars(inputs).items() if k != "capacity"})
         assert engine.stepper.name == mode
         assert len(engine.generate(prompt, max_new_tokens=6, ignore_eos=True).token_ids) == 6
     windows = np.random.default_rng(0).integers(0, 40, (4, 32)).astype(np.int32)
     qmodel = smoothing.int8_model(model, windows)
     qpack = prepare(qmodel, tmp_path / "int8", settings, progress=False)
-    engine = build_engine(qmodel, "threshold", profile=qpack.profile)
-    assert qpack.weights == "int8" and len(engine.generate(prompt, max_new_tokens=6, ignore_eos=True).token_ids) == 6
-
-
-def test_every_stage_runs_on_a_mixture_of_experts(cache, settings, tmp_path):
-    """A Mixtral-like model (4 experts of 12 neurons, top 2) through every stage: its neurons are the experts' (the
-    profile counts them, the placement splits them); the threshold mode and its hybrid split build from the pack
-    and decode, in float and int8 (SmoothQuant scales the router too); the predictor modes refuse experts."""
-    model = tiny_engine("swiglu", n_experts=4, experts_per_token=2).model
-    pack = prepare(model, tmp_path / "pack", settings, progress=False)
-    assert pack.ran == STAGES and pack.profile.counts.shape[-1] == model.cfg.d_ff
-    prompt = [1, 5, 9, 12, 3]
-    for mode in ("threshold", "hybrid"):
-        inputs = get_mode(mode).from_pack(pack, "float32", ModeInputs())
-        inputs = dataclasses.replace(inputs, predictors=None, thresholds="profile")
-        engine = build_engine(model, mode, **{k: v for k, v in vars(inputs).items() if k != "capacity"})
+    assert qpack.weights == "int8"
+    for mode in ("threshold", "sparse"):
+        inputs = get_mode(mode, weights="int8").from_pack(qpack, "float32", ModeInputs())
+        engine = build_engine(qmodel, mode, **{k: v for k, v in vars(inputs).items() if k != "capacity"})
         assert len(engine.generate(prompt, max_new_tokens=6, ignore_eos=True).token_ids) == 6
-    with pytest.raises(JpinferError, match="mixture of experts"):
-        build_engine(model, "sparse", predictors=pack.predictors)
-    windows = np.random.default_rng(0).integers(0, 40, (4, 32)).astype(np.int32)
-    qmodel = smoothing.int8_model(model, windows)
-    qpack = prepare(qmodel, tmp_path / "int8", settings, progress=False)
-    engine = build_engine(qmodel, "threshold", profile=qpack.profile)
-    assert len(engine.generate(prompt, max_new_tokens=6, ignore_eos=True).token_ids) == 6

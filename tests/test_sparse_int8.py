@@ -58,17 +58,19 @@ def tokens32(x):
     return np.clip(np.rint(x * inverse[:, None]), -127, 127).astype(np.int64), (peak * INV127).astype(np.float32)
 
 
-def reference(rows, scales, down_scales, b_up, x, ids, count, kind, near=8 * U * 127):
+def reference(rows, scales, down_scales, b_up, x, ids, count, kind, near=8 * U * 127, weights=None):
     """(y float64 (T, d), the smallest distance of a listed activation's scaled value to a rounding boundary,
     (T, d) what rounding the activations within ``near`` of a boundary the other way could move y by, and how
     many there are).
 
     Gate/up exact int64 dots times the float32 scales (the float32 products of the kernel), the activation in
-    float64, the listed activations quantized per token in float64, exact int64 down sums."""
+    float64 (times its list position's weight when ``weights`` (T, K) are given), the listed activations
+    quantized per token in float64, exact int64 down sums."""
     n, R, d = rows.shape
     q, ts = tokens32(x)
     c = int(np.clip(count, 0, len(ids)))
-    listed = [int(ids[p]) for p in range(c) if 0 <= ids[p] < n]
+    positions = [p for p in range(c) if 0 <= ids[p] < n]
+    listed = [int(ids[p]) for p in positions]
     T = x.shape[0]
     if not listed:
         return np.zeros((T, d)), np.inf, np.zeros((T, d)), 0
@@ -76,6 +78,8 @@ def reference(rows, scales, down_scales, b_up, x, ids, count, kind, near=8 * U *
     h = [np.float32(q @ w[listed, s].T) * (ts[:, None] * scales[listed, s][None]) for s in range(R - 1)]  # (T, m)
     up = h[-1].astype(np.float64) + (0 if b_up is None else b_up[listed].astype(np.float64))
     a = activation64(kind, h[0].astype(np.float64) if R == 3 else None, up)
+    if weights is not None:
+        a = a * np.asarray(weights, np.float64)[:, positions]
     peak = np.abs(a).max(-1, keepdims=True)
     scaled = np.divide(a * 127, peak, out=np.zeros_like(a), where=peak > 0)
     qa = np.rint(scaled).astype(np.int64)
@@ -125,6 +129,26 @@ def test_int8_kernel_lists(case, T, native):
     y = K.sparse_ffn_int8(rows, scales, down_scales, x, ids, np.int32(count), kind="swiglu", b_up=b_up, native=native)
     assert y.shape == (T, D) and y.dtype == jnp.float32
     assert_scaled_equal(y, ref, f"{case} T={T}")
+
+
+@pytest.mark.parametrize("native", BACKENDS)
+@pytest.mark.parametrize("T", [1, 3])
+def test_int8_kernel_weights_multiply_the_activations(T, native):
+    """Weights by list position (a neuron's routing weight with experts) multiply each activation before the
+    activations are quantized; some are 0 (an expert not picked), the list has a bad id and padding. The
+    weights' product is one more float32 rounding of the activation, within the reference's 8 u margin."""
+    rows, scales, down_scales, b_up = bundles("swiglu", seed=5)
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((T, D)).astype(np.float32)
+    ids = np.concatenate([rng.permutation(N)[:30], [N + 2, 0, 0]]).astype(np.int32)
+    weights = np.where(rng.random((T, len(ids))) < 0.3, 0.0, rng.random((T, len(ids)))).astype(np.float32)
+    ref, margin, _, _ = reference(rows, scales, down_scales, b_up, x, ids, 31, "swiglu", weights=weights)
+    assert margin > 8 * U * 127, "setup: an activation on a rounding boundary (change the seed)"
+    unweighted, _, _, _ = reference(rows, scales, down_scales, b_up, x, ids, 31, "swiglu")
+    assert np.abs(ref - unweighted).max() > 1000 * 16 * U * np.abs(ref).max()  # the weights matter
+    y = K.sparse_ffn_int8(rows, scales, down_scales, x, ids, 31, kind="swiglu", b_up=b_up, weights=weights,
+                          native=native)
+    assert_scaled_equal(y, ref, f"weighted T={T}")
 
 
 @pytest.mark.parametrize("native", BACKENDS)
@@ -206,20 +230,26 @@ def test_bad_int8_bundles_are_value_errors():
 
 # ------------------------------------------------------------------ the layout and the op
 
-def int8_engine(kind: str, seed: int = 0) -> jpinfer.Engine:
-    model = tiny_engine(kind, seed).model
+MIXTRAL_LIKE = dict(n_experts=4, experts_per_token=2)
+
+
+def int8_engine(kind: str, seed: int = 0, **arch) -> jpinfer.Engine:
+    model = tiny_engine(kind, seed, **arch).model
     return jpinfer.Engine(dataclasses.replace(model, weights=quantized.quantize_weights(model.weights, "int8")))
 
 
-@pytest.mark.parametrize("kind", ["swiglu", "relu"])
+@pytest.mark.parametrize("kind, arch", [("swiglu", {}), ("relu", {}), ("swiglu", MIXTRAL_LIKE)],
+                         ids=["swiglu", "relu", "mixtral-like"])
 @pytest.mark.parametrize("backend", ["auto", "xla", "gather"])
-def test_the_full_list_is_the_dense_int8_ffn(kind, backend):
+def test_the_full_list_is_the_dense_int8_ffn(kind, arch, backend):
     """Every neuron listed: the dense int8 FFN's integers (transformer.ffn_dense over the int8 layer), and the
-    prefill form (all_rows_ffn) likewise; the bundles hold the dense model's own values and scales."""
-    engine = int8_engine(kind)
+    prefill form (all_rows_ffn) likewise; the bundles hold the dense model's own values and scales. With experts
+    the activations are the routed ones (the kernel's weights), zero for the experts not picked."""
+    engine = int8_engine(kind, **arch)
     layer = engine.weights.layers[1]
-    x = ffn_inputs(tiny_engine(kind), np.random.default_rng(2).integers(0, 40, (2, 16)))[1][:3].astype(np.float32)
-    ffn = neurons.from_layer(layer, kind)
+    x = ffn_inputs(tiny_engine(kind, **arch), np.random.default_rng(2).integers(0, 40, (2, 16)))[1][:3]
+    x = x.astype(np.float32)
+    ffn = neurons.from_layer(layer, kind, engine.cfg.experts)
     assert ffn.quantized and ffn.rows.dtype == jnp.int8
     n = engine.cfg.d_ff
     R = ffn.rows.shape[1]
@@ -256,8 +286,9 @@ def test_the_pallas_backend_refuses_int8_bundles():
 
 # ------------------------------------------------------------------ the mode
 
-def test_all_active_sparse_int8_decodes_like_dense_int8():
-    dense = int8_engine("swiglu")
+@pytest.mark.parametrize("arch", [{}, MIXTRAL_LIKE], ids=["swiglu", "mixtral-like"])
+def test_all_active_sparse_int8_decodes_like_dense_int8(arch):
+    dense = int8_engine("swiglu", **arch)
     sparse = build_engine(dense.model, "sparse", predictors=all_active(dense), capacity=dense.cfg.d_ff)
     assert all(state.ffn.quantized for state in sparse.ffn.state)
     assert_decodes_like(sparse, dense, 24, rtol=KERNEL_RTOL, atol=max(KERNEL_ATOL, DECODER_ATOL))

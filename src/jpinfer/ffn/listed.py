@@ -11,7 +11,8 @@
   of what a prompt's tokens activate is nearly the whole layer (docs/architecture.md, "Engine
   modes"), so a list per token would only add work. One token of each of several sequences (batched
   decoding) reads every row once too, keeping each token's own selection (``all_rows_ffn``'s
-  ``keep``), so a sequence's output is what it would be alone.
+  ``keep``), so a sequence's output is what it would be alone. With experts the selection is among
+  the neurons of the experts the router picks (``routed_logits``: the others compute zero).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from jpinfer.ffn.capacity import per_layer
 from jpinfer.models import transformer
 from jpinfer.models.loading import LoadedModel
 from jpinfer.models.params import Layer, Weights
-from jpinfer.predictor.mlp import PredictorWeights, predict_logits, select_neurons, selection_mask
+from jpinfer.predictor.mlp import PredictorWeights, predict_logits, routed_logits, select_neurons, selection_mask
 from jpinfer.runtime.engine import FfnStrategy
 from jpinfer.sparse import neurons
 from jpinfer.sparse.op import BACKENDS, all_rows_ffn, sparse_ffn
@@ -150,7 +151,9 @@ class PredictorListFFN(_ListedFFN):
             return all_rows_ffn(state.ffn, tokens).reshape(x.shape), None
         # one token: its list (a 1-D selection runs one branch of its cond); one token per sequence of a
         # batch: each with its own neurons
-        logits = predict_logits(state.predictor, tokens[0] if tokens.shape[0] == 1 else tokens)
+        x_sel = tokens[0] if tokens.shape[0] == 1 else tokens
+        logits = routed_logits(predict_logits(state.predictor, x_sel), state.ffn.router, x_sel,
+                               state.ffn.experts_per_token)
         chosen = select_neurons(logits, state.predictor.cutoff, self.capacity[i])
         if tokens.shape[0] > 1:
             keep = selection_mask(chosen, state.ffn.n_neurons)

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jpinfer.config import ModelConfig
 from jpinfer.models import transformer
 from jpinfer.models.params import Layer
-from jpinfer.predictor.mlp import PredictorWeights, predict_logits, select_neurons, selection_mask
+from jpinfer.predictor.mlp import PredictorWeights, predict_logits, routed_logits, select_neurons, selection_mask
 from jpinfer.profiler.activity import Score, activation_and_score
 
 
@@ -68,7 +68,7 @@ class PredictorMaskFFN:
 
     def __call__(self, i: int, layer: Layer, x: jax.Array, state: MaskState) -> tuple[jax.Array, dict[str, jax.Array]]:
         a, s = activation_and_score(layer, x, self.cfg, "product")
-        logits = predict_logits(state.predictor, x)
+        logits = routed_logits(predict_logits(state.predictor, x), layer.router, x, self.cfg.experts_per_token)
         wanted = logits > state.predictor.cutoff
         active = s > state.threshold
         if self.capacity is None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from jpinfer.errors import JpinferError
 from jpinfer.models.loading import LoadedModel
 from jpinfer.modes.catalog import FORMAT_MODES, MODE_NAMES, MODES, REFERENCE_MODE, Mode, ModeInputs, get_mode, listing
 from jpinfer.runtime.engine import Engine
@@ -39,10 +38,6 @@ def build_engine(
     from jpinfer.models import quantized
 
     chosen = get_mode(mode, thresholds=thresholds, weights=quantized.weights_format(model.weights))
-    if model.cfg.n_experts and not chosen.with_experts:
-        able = [m.label for m in (*MODES.values(), MODES["hybrid"].variant_for("profile")) if m.with_experts]
-        raise JpinferError(f"mode {chosen.label!r} picks neurons with predictors, which jpinfer does not train for a "
-                           f"mixture of experts yet; {model.cfg.name} runs in the modes {listing(able)}")
     inputs = ModeInputs(predictors, profile, placement, gpu_budget, thresholds, capacity)
     chosen.check(inputs)
     return chosen.build(model, inputs, devices=devices, hardware=hardware)

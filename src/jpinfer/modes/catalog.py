@@ -58,7 +58,6 @@ class Mode:
     formats_reason: str = ""  # why it runs no other format (said when one is refused)
     uses_pack: bool = True  # takes what it needs from a pack
     two_devices: bool = False  # runs over an accelerator and the host (two simulated CPU devices without a GPU)
-    with_experts: bool = True  # runs mixture-of-experts models (ModelConfig.n_experts)
 
     def variant_for(self, thresholds: Any) -> Mode:
         """The mode that runs when ``thresholds`` are given (itself unless a variant handles them)."""
@@ -101,8 +100,6 @@ def _read_profile(model: LoadedModel, profile: Any) -> Any:
 
 class _Predicted(Mode):
     """A mode whose neurons the predictors choose."""
-
-    with_experts = False  # predictors over experts' neurons (routed and not) are not trained yet
 
     def check(self, inputs):
         if inputs.predictors is None:

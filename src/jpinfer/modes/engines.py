@@ -42,7 +42,7 @@ def sparse_engine(model: LoadedModel, predictors: Predictors, capacity: tuple[in
                   backend: str = "auto") -> Engine:
     """One device; the model's FFN matrices are replaced by the neuron-major copies."""
     kind = model.cfg.ffn_kind
-    states = [PredictorListState(neurons.from_layer(layer, kind), p)
+    states = [PredictorListState(neurons.from_layer(layer, kind, model.cfg.experts), p)
               for layer, p in zip(model.weights.layers, predictors.layers)]
     weights = dataclasses.replace(model.weights, layers=[without_ffn(layer) for layer in model.weights.layers])
     sparse_model = LoadedModel(model.cfg, weights, model.tokenizer, model.source)
@@ -122,7 +122,7 @@ def hybrid_engine(model: LoadedModel, predictors: Predictors | None, hot_masks: 
     for i, (layer, hot) in enumerate(zip(model.weights.layers, hot_masks)):
         hot_ids, cold_ids = np.flatnonzero(hot).astype(np.int32), np.flatnonzero(~np.asarray(hot)).astype(np.int32)
         if thresholds is None:
-            full = neurons.from_layer(layer, cfg.ffn_kind)
+            full = neurons.from_layer(layer, cfg.ffn_kind, cfg.experts)
             hot_part, cold_part = full.subset(hot_ids)[0], full.subset(cold_ids, with_b_down=False)[0]
             predictor = predictors.layers[i]
         else:

@@ -40,7 +40,7 @@ import numpy as np
 
 from jpinfer.ffn import threshold_projections
 from jpinfer.models.params import Layer
-from jpinfer.predictor.mlp import PredictorWeights, predict_logits, select_neurons, selection_mask
+from jpinfer.predictor.mlp import PredictorWeights, predict_logits, routed_logits, select_neurons, selection_mask
 from jpinfer.sparse import NeuronFFN, ThresholdLayout, ThresholdProjection, all_rows_ffn, sparse_ffn, threshold_ffn
 
 
@@ -121,7 +121,9 @@ class HybridFFN:
         hot_list = cold_list = None
         if capacity is not None and state.predictor is not None:
             tokens = x.reshape(-1, x.shape[-1])  # decode: one token per sequence
-            logits = predict_logits(state.predictor, tokens[0] if tokens.shape[0] == 1 else tokens)
+            x_sel = tokens[0] if tokens.shape[0] == 1 else tokens
+            logits = routed_logits(predict_logits(state.predictor, x_sel), state.hot.router, x_sel,
+                                   state.hot.experts_per_token)
             hot_list = _part_list(logits, state.hot_ids, state.predictor.cutoff, capacity[0])
             cold_list = _part_list(logits, state.cold_ids, state.predictor.cutoff, capacity[1])
         y = _part_ffn(state.hot, x, hot_list)

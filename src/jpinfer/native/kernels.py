@@ -179,10 +179,11 @@ def _check_int8_ffn(rows, scales, down_scales, kind: str, b_up, b_down):
 
 
 @functools.partial(jax.jit, static_argnames=("kind",))
-def xla_sparse_ffn_int8(rows, scales, down_scales, b_up, x, ids, count, kind):
+def xla_sparse_ffn_int8(rows, scales, down_scales, b_up, x, ids, count, kind, weights=None):
     """``sparse_ffn_int8`` in XLA ops (no b_down): the listed bundles gathered at once, the kernel's
     integers and scales (the full list: those of ``quant.int8.product`` on the dense matrices). The
-    fallback here and the form ``sparse.op`` runs on accelerators."""
+    fallback here and the form ``sparse.op`` runs on accelerators. ``weights`` (T, K): as in
+    ``sparse_ffn_int8``."""
     n, R, d = rows.shape
     if ids.shape[0] == 0:  # an empty list (quantize_tokens needs at least one activation)
         return jnp.zeros((x.shape[0], d), jnp.float32)
@@ -194,12 +195,14 @@ def xla_sparse_ffn_int8(rows, scales, down_scales, b_up, x, ids, count, kind):
     h = acc.astype(jnp.float32) * (token_scales[:, None, None] * scales[safe][None])
     up = h[..., -1] if b_up is None else h[..., -1] + b_up[safe]
     a = jnp.where(valid[None, :], activate(kind, h[..., 0] if R == 3 else None, up), 0.0)
+    if weights is not None:
+        a = a * weights
     qa, act_scales = int8.quantize_tokens(a)
     down = jnp.einsum("tk,kd->td", qa, picked[:, R - 1], preferred_element_type=jnp.int32)
     return down.astype(jnp.float32) * (act_scales[:, None] * down_scales[None, :])
 
 
-def sparse_ffn_int8(rows, scales, down_scales, x, ids, count, *, kind: str, b_up=None, b_down=None,
+def sparse_ffn_int8(rows, scales, down_scales, x, ids, count, *, kind: str, b_up=None, b_down=None, weights=None,
                     native: bool | None = None) -> jax.Array:
     """``sparse_ffn`` over int8 bundles (W8A8), float32 (T, d) (or (d,)).
 
@@ -210,19 +213,24 @@ def sparse_ffn_int8(rows, scales, down_scales, x, ids, count, *, kind: str, b_up
     h = exact int32 dot * (token scale * row scale) (+ b_up), float activations; the listed activations
     quantized per token (the peak of the dense activation vector with the unlisted neurons at 0), the
     listed down slots summed exactly in int32, y = acc * (activation scale * down scale) (+ b_down).
-    With every neuron listed the integers are those of the dense int8 FFN."""
+    With every neuron listed the integers are those of the dense int8 FFN. ``weights`` (T, K) (or (K,)), by list
+    position, multiply the float activations before their quantization: a neuron's routing weight with experts,
+    so the full list gives the dense int8 FFN's integers over the routed activations."""
     rows, scales, down_scales, b_up, b_down = _check_int8_ffn(rows, scales, down_scales, kind, b_up, b_down)
     d = rows.shape[2]
     x2, flat = _tokens(x, d)
     ids, count = _list(ids, count)
+    if weights is not None:
+        weights = jnp.broadcast_to(_f32(weights, "weights"), (x2.shape[0], ids.shape[0]))
     if _use_native(native):
-        empty = jnp.zeros((0,), jnp.float32) if b_up is None else b_up
-        call = lambda xt: jax.ffi.ffi_call("jpinfer_sparse_ffn_int8", jax.ShapeDtypeStruct(xt.shape, jnp.float32),
-                                           vmap_method="sequential")(rows, scales, down_scales, empty, xt, ids, count,
-                                                                     kind=np.int32(KINDS[kind]))
-        y = _per_group(call, x2)
+        empty = jnp.zeros((0,), jnp.float32)
+        call = lambda xt, *wt: jax.ffi.ffi_call(
+            "jpinfer_sparse_ffn_int8", jax.ShapeDtypeStruct(xt.shape, jnp.float32), vmap_method="sequential")(
+            rows, scales, down_scales, empty if b_up is None else b_up, xt, ids, count, wt[0] if wt else empty,
+            kind=np.int32(KINDS[kind]))
+        y = _per_group(call, x2, *([] if weights is None else [weights]))
     else:
-        y = xla_sparse_ffn_int8(rows, scales, down_scales, b_up, x2, ids, count, kind)
+        y = xla_sparse_ffn_int8(rows, scales, down_scales, b_up, x2, ids, count, kind, weights)
     if b_down is not None:
         y = y + b_down.astype(jnp.float32)
     return y[0] if flat else y

@@ -26,7 +26,7 @@ import jax
 
 # 4: jpinfer_cached_attention, 5: FFN kind geglu, 6: gelu, 7: the attention's softcap, 8: its per-sequence
 # positions, 9: jpinfer_float_matvec
-ABI_VERSION = 9
+ABI_VERSION = 10
 # (csrc/info.cc jpinfer_native_abi_version)
 LIBRARY_STEM = "_jpinfer_native"  # setup.py's extension jpinfer.native._jpinfer_native
 

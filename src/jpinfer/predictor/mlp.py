@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jpinfer.models.transformer import linear
+from jpinfer.models.transformer import expert_weights, linear
 
 
 @jax.tree_util.register_dataclass
@@ -103,6 +103,16 @@ def select_neurons(logits: jax.Array, cutoff: jax.Array, capacity: int) -> Selec
     chosen = jax.vmap(lambda row: _select_one(row, cutoff, capacity))(flat)
     lead = logits.shape[:-1]
     return Selection(chosen.ids.reshape(*lead, capacity), chosen.count.reshape(lead), chosen.wanted.reshape(lead))
+
+
+def routed_logits(logits: jax.Array, router: jax.Array | None, x: jax.Array, experts_per_token: int) -> jax.Array:
+    """With experts (``router`` (n_experts, d_model) not None), the logits (..., d_ff) of the neurons whose experts
+    the router does not pick for x (..., d_model) set to -inf: those neurons compute zero, so a selection spends no
+    capacity on them. Without experts the logits as they are."""
+    if router is None:
+        return logits
+    weights = expert_weights(router, x, experts_per_token)
+    return jnp.where(jnp.repeat(weights, logits.shape[-1] // router.shape[0], axis=-1) > 0, logits, -jnp.inf)
 
 
 def selection_mask(selection: Selection, n: int) -> jax.Array:

@@ -20,6 +20,10 @@ per gate/up row, one per down output): 4-bit blocks run along a matrix's input d
 down column cannot be cut out of ``w_down``'s blocks, and re-blocking it in 4 bits along the other
 axis cost ~9% perplexity when tried, int8 copies 0.9% in the threshold mode (measured there, with
 most of it the per-token activation scale; docs/architecture.md), at 1 byte a weight against Q4_1's 0.625.
+
+With experts (Mixtral, ``ModelConfig.n_experts``) a layout also holds the router and each neuron's expert: a
+neuron's activation is then times its expert's routing weight (``routing``), zero for the experts the router
+does not pick, as in the decoder (``transformer.ffn_activations``).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import numpy as np
 from jpinfer.config import FFN_KINDS, UNGATED_KINDS, FfnKind
 from jpinfer.models import quantized
 from jpinfer.models.params import Layer
+from jpinfer.models.transformer import expert_weights
 
 
 @jax.tree_util.register_dataclass
@@ -48,6 +53,8 @@ class NeuronFFN:
     kind:   FFN activation kind (static).
     scales: int8 rows only: (n, R - 1) float32, the scale of each gate/up row (else None).
     down_scales: int8 rows only: (d_model,) float32, the down projection's scale per output.
+    router / neuron_experts / experts_per_token: with experts, the router (n_experts, d_model), the expert of each
+            row's neuron (n,) int32 and the router's top-k (static; 0 without experts).
     """
 
     rows: jax.Array
@@ -57,6 +64,9 @@ class NeuronFFN:
     kind: str = dataclasses.field(metadata=dict(static=True))
     scales: jax.Array | None = None
     down_scales: jax.Array | None = None
+    router: jax.Array | None = None
+    neuron_experts: jax.Array | None = None
+    experts_per_token: int = dataclasses.field(default=0, metadata=dict(static=True))
 
     @property
     def quantized(self) -> bool:
@@ -74,6 +84,10 @@ class NeuronFFN:
     @property
     def gated(self) -> bool:
         return self.kind not in UNGATED_KINDS
+
+    def routing(self, x: jax.Array) -> jax.Array:
+        """(T, n) float32: each held neuron's routing weight for the tokens x (T, d_model) (layout with experts)."""
+        return jnp.take(expert_weights(self.router, x, self.experts_per_token), self.neuron_experts, axis=-1)
 
     def subset(self, positions, *, with_b_down: bool = True) -> tuple["NeuronFFN", np.ndarray]:
         """Compact copy holding the rows at ``positions`` (row indices of this layout).
@@ -100,6 +114,9 @@ class NeuronFFN:
             kind=self.kind,
             scales=take(self.scales),
             down_scales=self.down_scales,
+            router=self.router,
+            neuron_experts=take(self.neuron_experts),
+            experts_per_token=self.experts_per_token,
         )
         return compact, table
 
@@ -137,14 +154,22 @@ def from_arrays(
     )
 
 
-def from_layer(layer: Layer, kind: FfnKind) -> NeuronFFN:
+def from_layer(layer: Layer, kind: FfnKind, experts: tuple[int, int] | None = None) -> NeuronFFN:
     """Neuron-major FFN of a decoder layer (``kind`` is ``ModelConfig.ffn_kind``): float bundles of a
-    float layer, int8 bundles of an int8 or int4 one (module docstring)."""
+    float layer, int8 bundles of an int8 or int4 one (module docstring). ``experts``: (neurons per expert,
+    experts per token) of a layer with a router (``ModelConfig.experts``), and only of such a layer."""
+    if (layer.router is None) != (experts is None):
+        raise ValueError("a layer with a router needs experts=(neurons per expert, experts per token), and only it")
     if quantized.is_quantized(layer.w_gate_up) or quantized.is_quantized(layer.w_down):
-        return _int8_from_layer(layer, kind)
-    n = layer.w_down.shape[1]
-    gate, up = (None, layer.w_gate_up) if kind in UNGATED_KINDS else (layer.w_gate_up[:n], layer.w_gate_up[n:])
-    return from_arrays(kind, gate, up, layer.w_down, layer.b_up, layer.b_down)
+        ffn = _int8_from_layer(layer, kind)
+    else:
+        n = layer.w_down.shape[1]
+        gate, up = (None, layer.w_gate_up) if kind in UNGATED_KINDS else (layer.w_gate_up[:n], layer.w_gate_up[n:])
+        ffn = from_arrays(kind, gate, up, layer.w_down, layer.b_up, layer.b_down)
+    if experts is None:
+        return ffn
+    return dataclasses.replace(ffn, router=layer.router, experts_per_token=experts[1],
+                               neuron_experts=jnp.arange(ffn.n_neurons, dtype=jnp.int32) // experts[0])
 
 
 def _int8_from_layer(layer: Layer, kind: FfnKind) -> NeuronFFN:

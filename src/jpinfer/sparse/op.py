@@ -20,6 +20,11 @@ native ``native.kernels.sparse_ffn_int8`` on the CPU (library loaded) and its XL
 (``native.kernels.xla_sparse_ffn_int8``) elsewhere and for ``backend="xla"`` / ``"gather"``: the
 Pallas kernels read float rows only, so ``backend="pallas"`` refuses int8 bundles.
 
+With experts (``NeuronFFN.router``) each listed activation is times its expert's routing weight: int8 bundles
+pass the weights to their kernel; float lists run as the kernels' two halves (``sparse_activations``, then
+``listed_rows_sum`` over the weighted activations), since the fused float kernels and the Pallas ones take no
+weights (``backend="pallas"`` refuses experts).
+
 ``sparse_rows_product(matrix, x, ids, count)`` is the product x @ matrix over listed rows
 only: the input-sparse linear map of the threshold mode (``threshold_layout.py``).
 """
@@ -34,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jpinfer.activations import activate
+from jpinfer.models.transformer import expert_weights
 from jpinfer.native import kernels as native_kernels
 from jpinfer.native import native_available
 from jpinfer.ordering import after
@@ -88,6 +94,8 @@ def sparse_ffn(
 
     if ids.shape[0] == 0:
         y = jnp.zeros(x2.shape, jnp.float32)
+    elif ffn.router is not None:
+        y = _routed_ffn(ffn, x2, ids, count, backend)
     elif ffn.quantized:
         y = _int8_ffn(ffn, x2, ids, count, backend)
     else:
@@ -111,16 +119,44 @@ def sparse_ffn(
     return y.astype(x.dtype).reshape(x.shape)
 
 
-def _int8_ffn(ffn: NeuronFFN, x: jax.Array, ids: jax.Array, count: jax.Array, backend: str) -> jax.Array:
-    """``sparse_ffn`` over int8 bundles, float32 (T, d) without ``b_down`` (module docstring)."""
+def _routed_ffn(ffn: NeuronFFN, x: jax.Array, ids: jax.Array, count: jax.Array, backend: str) -> jax.Array:
+    """``sparse_ffn`` of a layout with experts, float32 (T, d) without ``b_down``: each listed neuron's activation
+    times its expert's routing weight. Int8 bundles pass the weights to their kernel; the fused float kernels take
+    none, so a float list runs as the two halves: the listed activations, then the down rows weighted by them
+    times the routing weights (the native ``sparse_activations`` and ``listed_rows_sum`` on the CPU, their XLA
+    forms elsewhere and for backends "xla" and "gather")."""
+    if backend == "pallas":
+        raise ValueError("a layout with experts runs with backend 'auto', 'xla' or 'gather' (the Pallas kernels "
+                         "take no routing weights)")
+    listed = jnp.take(ffn.neuron_experts, jnp.clip(ids, 0, ffn.n_neurons - 1))
+    weights = jnp.take(expert_weights(ffn.router, x, ffn.experts_per_token), listed, axis=-1)  # (T, K)
+    if ffn.quantized:
+        return _int8_ffn(ffn, x, ids, count, backend, weights)
+
+    def halves(native: bool):
+        def run(rows, b_up, x, ids, count, weights):
+            act = native_kernels.sparse_activations(rows, x, ids, count, kind=ffn.kind, b_up=b_up, native=native)
+            return native_kernels.listed_rows_sum(rows, act * weights, ids, count, native=native)
+        return run
+
+    args = (ffn.rows, ffn.b_up, x, ids, count, weights)
+    if backend == "auto" and native_serves(ffn.rows):
+        return jax.lax.platform_dependent(*args, cpu=halves(True), default=halves(False))
+    return halves(False)(*args)
+
+
+def _int8_ffn(ffn: NeuronFFN, x: jax.Array, ids: jax.Array, count: jax.Array, backend: str,
+              weights: jax.Array | None = None) -> jax.Array:
+    """``sparse_ffn`` over int8 bundles, float32 (T, d) without ``b_down`` (module docstring); ``weights`` (T, K)
+    multiply the listed activations (the routing weights with experts)."""
     if backend == "pallas":
         raise ValueError("the Pallas kernels take float rows: int8 bundles run with backend 'auto', 'xla' or 'gather'")
-    args = (ffn.rows, ffn.scales, ffn.down_scales, ffn.b_up, x, ids, count)
-    gather = lambda *a: native_kernels.xla_sparse_ffn_int8(*a, kind=ffn.kind)
+    args = (ffn.rows, ffn.scales, ffn.down_scales, ffn.b_up, x, ids, count, weights)
+    gather = lambda *a: native_kernels.xla_sparse_ffn_int8(*a[:-1], kind=ffn.kind, weights=a[-1])
     if backend != "auto" or not native_available():
         return gather(*args)
-    native = lambda rows, scales, down_scales, b_up, x, ids, count: native_kernels.sparse_ffn_int8(
-        rows, scales, down_scales, x, ids, count, kind=ffn.kind, b_up=b_up, native=True)
+    native = lambda rows, scales, down_scales, b_up, x, ids, count, weights: native_kernels.sparse_ffn_int8(
+        rows, scales, down_scales, x, ids, count, kind=ffn.kind, b_up=b_up, weights=weights, native=True)
     return jax.lax.platform_dependent(*args, cpu=native, default=gather)
 
 
@@ -166,7 +202,8 @@ def all_rows_ffn(ffn: NeuronFFN, x: jax.Array, keep: jax.Array | None = None) ->
     their column blocks.
 
     ``keep`` (T, n) boolean zeroes each token's other neurons' activations: the FFN over a list per token
-    (a batch of sequences, each with its own predicted neurons), reading every row once.
+    (a batch of sequences, each with its own predicted neurons), reading every row once. With experts each
+    activation is times its expert's routing weight (``NeuronFFN.routing``).
 
     x: (d,) or (T, d); returns x's shape and dtype, ``b_down`` added when the layout has it.
     """
@@ -191,6 +228,8 @@ def all_rows_ffn(ffn: NeuronFFN, x: jax.Array, keep: jax.Array | None = None) ->
     if ffn.b_up is not None:
         up = up + ffn.b_up.astype(jnp.float32)
     act = activate(ffn.kind, project(0) if n_proj == 2 else None, up)
+    if ffn.router is not None:
+        act = act * ffn.routing(x.reshape(-1, d))
     y = down(act if keep is None else jnp.where(keep.reshape(act.shape), act, 0))
     if ffn.b_down is not None:
         y = y + ffn.b_down.astype(jnp.float32)

@@ -13,7 +13,8 @@
 //   jpinfer_sparse_ffn_int8     jpinfer_sparse_ffn over int8 bundles (jpinfer.sparse.neurons, the dense int8
 //                               model's own integers): rows int8 (n, R, d), a float32 scale per gate/up
 //                               row (n, R-1) and per output (d,) for the down slots; W8A8 like
-//                               jpinfer.quant.int8 (below)
+//                               jpinfer.quant.int8 (below); optional weights (T, K) multiply each list
+//                               position's activation (the routing weights of a neuron's expert)
 //
 // The fused kernel walks the list four neurons a pass: the 4 x gate/up rows share every load of
 // x (Dots), the four activations are computed, and the four down rows are added to the piece's output
@@ -227,7 +228,8 @@ ffi::Error ListedRowsSumImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> m, ffi:
 //
 // The dense int8 FFN's arithmetic restricted to the listed neurons, so the full list gives its integers:
 //   1. x quantized per token (QuantizeTokens); gate/up of each listed neuron an exact int32 dot (Int8Dots),
-//      h = float(acc) * (token scale * row scale) (+ b_up), the activation in float32;
+//      h = float(acc) * (token scale * row scale) (+ b_up), the activation in float32 (times its list
+//      position's weight when weights are given: the dense model's routed activation);
 //   2. the listed activations quantized per token (a (T, K) vector whose peak is that of the dense
 //      activation vector with the unlisted neurons at 0: the dense down product's input quantization);
 //   3. the down slots summed exactly in int32 weighted by those integers (AddRowsInt8), then
@@ -239,6 +241,7 @@ ffi::Error ListedRowsSumImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> m, ffi:
 // partial sum: integer sums are exact, so the result does not depend on the split (deterministic).
 thread_local std::vector<int8_t> tl_xq;
 thread_local std::vector<int64_t> tl_listed;
+thread_local std::vector<int64_t> tl_positions;
 thread_local std::vector<float> tl_act;
 thread_local std::vector<int16_t> tl_actq;
 thread_local std::vector<int32_t> tl_down;
@@ -262,11 +265,13 @@ inline void RowDotsT(int64_t T, int rb, const int8_t* const* rows, const int8_t*
 
 ffi::Error SparseFfnInt8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> rows, ffi::Buffer<ffi::F32> row_scales,
                              ffi::Buffer<ffi::F32> down_scales, ffi::Buffer<ffi::F32> b_up, ffi::Buffer<ffi::F32> x,
-                             ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::S32> count, ffi::ResultBuffer<ffi::F32> y,
-                             int32_t kind) {
+                             ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::S32> count, ffi::Buffer<ffi::F32> weights,
+                             ffi::ResultBuffer<ffi::F32> y, int32_t kind) {
   const auto rd = rows.dimensions(), xd = x.dimensions();
   if (rd.size() != 3 || xd.size() != 2 || ids.dimensions().size() != 1)
     return ffi::Error::InvalidArgument("jpinfer sparse ffn int8: rows (n, R, d), x (T, d), ids (K,) expected");
+  if (weights.element_count() != 0 && int64_t(weights.element_count()) != xd[0] * ids.dimensions()[0])
+    return ffi::Error::InvalidArgument("jpinfer sparse ffn int8: weights must be (T, K) or empty");
   if (kind < 0 || kind >= kKinds) return ffi::Error::InvalidArgument("jpinfer sparse ffn int8: unknown kind");
   const int64_t n = rd[0], R = rd[1], d = rd[2], T = xd[0], P = R - 1;
   if (R != (Gated(kind) ? 3 : 2))
@@ -281,15 +286,18 @@ ffi::Error SparseFfnInt8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> rows, ff
   const float* RS = row_scales.typed_data();
   const float* DS = down_scales.typed_data();
   const float* BU = b_up.element_count() ? b_up.typed_data() : nullptr;
+  const float* WT = weights.element_count() ? weights.typed_data() : nullptr;
   const int32_t* I = ids.typed_data();
+  const int64_t K = ids.dimensions()[0];
   float* Y = y->typed_data();
   std::fill(Y, Y + T * d, 0.0f);
-  // the valid listed ids in list order (repeats kept: each counts)
-  const int64_t c = ListCount(count, ids.dimensions()[0]);
+  // the valid listed ids in list order (repeats kept: each counts), and their list positions
+  const int64_t c = ListCount(count, K);
   int64_t* listed = Scratch(tl_listed, size_t(c));
+  int64_t* position = Scratch(tl_positions, size_t(c));
   int64_t m = 0;
   for (int64_t p = 0; p < c; ++p)
-    if (I[p] >= 0 && I[p] < n) listed[m++] = I[p];
+    if (I[p] >= 0 && I[p] < n) listed[m] = I[p], position[m++] = p;
   if (m == 0) return ffi::Error::Success();
   auto row = [&](int64_t id, int64_t slot) { return W + (id * R + slot) * d; };
 
@@ -319,7 +327,8 @@ ffi::Error SparseFfnInt8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> rows, ff
           const float g = P == 2 ? float(s[(b * P) * T + t]) * (qs[t] * RS[id * P]) : 0.0f;
           float u = float(s[(b * P + P - 1) * T + t]) * (qs[t] * RS[id * P + P - 1]);
           if (BU) u += BU[id];
-          act[(k + b) * T + t] = Activate(kind, g, u);
+          const float a = Activate(kind, g, u);
+          act[(k + b) * T + t] = WT ? a * WT[t * K + position[k + b]] : a;
         }
       }
     }
@@ -388,5 +397,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jpinfer_sparse_ffn_int8, jpn::SparseFfnInt8Impl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x (T, d)
                                   .Arg<ffi::Buffer<ffi::S32>>()  // ids (K,)
                                   .Arg<ffi::Buffer<ffi::S32>>()  // count ()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // weights (T, K) or (0,)
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y (T, d)
                                   .Attr<int32_t>("kind"));
