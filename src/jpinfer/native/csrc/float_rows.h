@@ -80,12 +80,12 @@ inline void AddRows(const float* const* rows, const float* w, int64_t T, int64_t
     if (n_next && ((j - j0) & 15) == 0)
       for (int b = 0; b < n_next; ++b) _mm_prefetch(reinterpret_cast<const char*>(next[b] + j), _MM_HINT_T0);
     __m256 r[B];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int b = 0; b < B; ++b) r[b] = _mm256_loadu_ps(rows[b] + j);
     for (int64_t t = 0; t < T; ++t) {
       float* yt = y + t * ldy + j;
       __m256 v = _mm256_loadu_ps(yt);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int b = 0; b < B; ++b) v = _mm256_fmadd_ps(wv[t][b], r[b], v);
       _mm256_storeu_ps(yt, v);
     }
@@ -101,7 +101,7 @@ inline void AddRows(const float* const* rows, const float* w, int64_t T, int64_t
 
 inline void AddRowsN(int b, const float* const* rows, const float* w, int64_t T, int64_t j0, int64_t j1, float* y,
                      int64_t ldy, const float* const* next = nullptr, int n_next = 0) {
-  WithCount<4>(b, [&](auto B) { AddRows<decltype(B)::value>(rows, w, T, j0, j1, y, ldy, next, n_next); });
+  WithCount<8>(b, [&](auto B) { AddRows<decltype(B)::value>(rows, w, T, j0, j1, y, ldy, next, n_next); });
 }
 
 // y (T x d) = sum of parts[p] (T x d each), p = 0 .. parts-1 added in order into y (which holds
