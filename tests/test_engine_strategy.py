@@ -1,5 +1,6 @@
 """The engine's FFN strategy: a sparse strategy plugs into generate/stream unchanged."""
 
+import pytest
 
 from jpinfer import Engine, FfnStrategy, GenerationConfig, LoadedModel
 from jpinfer.ffn import oracle_strategy
@@ -7,8 +8,10 @@ from jpinfer.ffn import oracle_strategy
 from profiler_fixtures import CharTokenizer, tiny_engine
 
 
-def test_oracle_strategy_with_every_neuron_generates_what_dense_generates():
-    dense = tiny_engine("swiglu")
+@pytest.mark.parametrize("arch", [{}, dict(n_experts=4, experts_per_token=2)], ids=["swiglu", "mixtral-like"])
+def test_oracle_strategy_with_every_neuron_generates_what_dense_generates(arch):
+    """mixtral-like: the oracle's neuron-major layout weights each listed activation by its expert's routing."""
+    dense = tiny_engine("swiglu", **arch)
     oracle = dense.with_ffn(oracle_strategy(dense.model, thresholds=float("-inf")))
     assert oracle.model is dense.model and oracle.ffn.name == "oracle" and "ffn=oracle" in repr(oracle)
     config = GenerationConfig(max_new_tokens=12)

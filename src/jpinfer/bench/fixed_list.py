@@ -58,7 +58,8 @@ def fixed_list_engine(model: LoadedModel, sparsity: float, seed: int) -> Engine:
         raise ValueError(f"sparsity must lie in [0, 1), got {sparsity}")
     cfg, rng = model.cfg, np.random.default_rng(seed)
     k = listed_count(cfg.d_ff, sparsity)
-    states = [FixedList(from_layer(layer, cfg.ffn_kind), jnp.asarray(rng.permutation(cfg.d_ff)[:k].astype(np.int32)))
+    states = [FixedList(from_layer(layer, cfg.ffn_kind, cfg.experts),
+                        jnp.asarray(rng.permutation(cfg.d_ff)[:k].astype(np.int32)))
               for layer in model.weights.layers]
     weights = dataclasses.replace(model.weights, layers=[without_ffn(layer) for layer in model.weights.layers])
     sparse = LoadedModel(cfg, weights, None, model.source)

@@ -109,7 +109,7 @@ def neuron_major(model: LoadedModel, consume: bool = False) -> list[NeuronFFN]:
     out = []
     layers = model.weights.layers
     for i, layer in enumerate(layers):
-        out.append(from_layer(layer, model.cfg.ffn_kind))
+        out.append(from_layer(layer, model.cfg.ffn_kind, model.cfg.experts))
         if consume:
             layers[i] = without_ffn(layer)
     return out

@@ -77,7 +77,7 @@ def oracle_state(
         raise JpinferError(f"got {len(per_layer_thresholds)} thresholds for a model with {n} layers")
     if any(math.isnan(t) for t in per_layer_thresholds):
         raise JpinferError("thresholds must not be NaN")
-    return [OracleState(neurons.from_layer(layer, cfg.ffn_kind), jnp.float32(t))
+    return [OracleState(neurons.from_layer(layer, cfg.ffn_kind, cfg.experts), jnp.float32(t))
             for layer, t in zip(weights.layers, per_layer_thresholds)]
 
 
