@@ -5,7 +5,8 @@ it needs as fast as the dense FFN reads all of them; below 1.0 each byte costs i
 
 CPU protocol (measured by this script, float32): for the layer shapes in ``--shapes``, one FFN layer each,
 timed by ``jpinfer.bench.kernels.bench_shape`` (the table of ``jpinfer bench-kernels``): the decoder's dense
-FFN against ``sparse_ffn`` (backend auto: the chunked XLA loop on the CPU) over random lists of
+FFN against ``sparse_ffn`` (backend auto: the native fused kernel on the CPU, the chunked XLA loop where the
+native library is unavailable; the table says which ran) over random lists of
 (1 - s) * d_ff neurons, calls cycling through copies of the layer and through several lists so that every
 call reads from memory, the ops alternating in ``--rounds`` rounds of 3 calls, the fastest call counting
 (``bench_shape`` also times the first sparse FFN, ``before``: its numbers are in the JSON only). The
@@ -17,7 +18,8 @@ after.
 GPU: nothing is timed here. The accelerator table recorded on a GPU machine by
 ``python -m jpinfer.bench --kernels --tokens 1 4 --out bench/results/gpu_kernels.md`` (its data in
 ``gpu_kernels.json`` beside it: per layer shape, 32 layers chained in one jit, bfloat16) is read when present and its
-efficiency per kernel variant plotted and listed; otherwise the figure and the table say it is not measured.
+efficiency per kernel variant plotted and listed; otherwise the figure and the table say so, and point to the GPU
+suite's kernel table (``bench/results/gpu_suite.md``) where that record exists.
 
 Writes the markdown table to ``--out``, its data beside it (.json) and the figure (.png); the default run
 takes about 2.5-4 minutes on a 2-core machine (most of it the 7B layer):
@@ -43,11 +45,22 @@ from jpinfer.bench import protocol
 from jpinfer.bench.kernels import SHAPES, bench_shape
 from jpinfer.bench.machine import matvec_read_bandwidth
 from jpinfer.bench.results import publish
+from jpinfer.native import native_available
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SPARSITIES = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
 GPU_COMMAND = "python -m jpinfer.bench --kernels --tokens 1 4 --out bench/results/gpu_kernels.md"
 GPU_JSON = ROOT / "bench" / "results" / "gpu_kernels.json"
+GPU_SUITE = ROOT / "bench" / "results" / "gpu_suite.md"  # the GPU suite's record (python -m jpinfer.bench gpu)
+
+
+def gpu_missing(suite: pathlib.Path = GPU_SUITE) -> str:
+    """What the GPU panel and section say without the accelerator table: where the GPU's kernel figures are (the GPU
+    suite's record ``suite``, when there is one), or the command that measures them."""
+    if suite.exists():
+        return (f"no table of this script's form is recorded; the GPU suite's kernel part has the figures measured on "
+                f"a GPU (bench/results/{suite.name}); `{GPU_COMMAND}` records this one")
+    return f"not measured yet; on a GPU machine run `{GPU_COMMAND}`, then this script again"
 MEANING = ("efficiency = speedup over dense x (1 - s): 1.0 = the sparse op moves its bytes as fast as the dense FFN "
            "moves all of the layer's; 0.5 = each byte it reads costs it twice as long")
 
@@ -115,7 +128,7 @@ def figure(cpu: list[dict[str, Any]], gpu: dict[str, Any] | None, path: pathlib.
         ax_cpu.errorbar(s, eff, yerr=spread, marker="o", capsize=3, label=f"{shape} layer")
     ax_cpu.set_title(cpu_title, fontsize=9)
     if gpu is None:
-        ax_gpu.text(0.5, 0.5, f"GPU: not measured yet\n\non a GPU machine run\n{GPU_COMMAND}",
+        ax_gpu.text(0.5, 0.5, "GPU: " + gpu_missing().replace("; ", "\n\n"),
                     ha="center", va="center", fontsize=8, transform=ax_gpu.transAxes, wrap=True)
         ax_gpu.set_title("GPU", fontsize=9)
     else:
@@ -145,11 +158,11 @@ def figure(cpu: list[dict[str, Any]], gpu: dict[str, Any] | None, path: pathlib.
     plt.close(fig)
 
 
-def gpu_markdown(gpu: dict[str, Any] | None) -> list[str]:
-    """The GPU section: one line per series, efficiency per sparsity; or what to run to measure it."""
+def gpu_markdown(gpu: dict[str, Any] | None, suite: pathlib.Path = GPU_SUITE) -> list[str]:
+    """The GPU section: one line per series, efficiency per sparsity; or where the GPU's figures are
+    (``gpu_missing``)."""
     if gpu is None:
-        return ["## GPU", "", f"GPU: not measured yet. On a GPU machine run `{GPU_COMMAND}`, then this script again.",
-                ""]
+        return ["## GPU", "", f"GPU: {gpu_missing(suite)}.", ""]
     sparsities = sorted({p[0] for sr in gpu["series"] for p in sr["points"]})
     lines = ["## GPU (recorded, not measured by this script)", "",
              f"From `{gpu['source']}` (its run's date and command: the .md beside it): {gpu['device']}, jax "
@@ -217,6 +230,8 @@ def main() -> None:
     command = shlex.join(["python", "bench/kernel_efficiency.py", *sys.argv[1:]])
     cpu_name = f"{protocol.cpu_name()}, {os.cpu_count()} cores"
     pages = "huge pages" if args.huge_pages else "4 KiB pages"
+    backend = ("the native fused kernel" if native_available()
+               else "the chunked XLA loop, the native library unavailable")
     lines = [
         "# Kernel efficiency against sparsity: the sparse FFN op against the dense FFN",
         "",
@@ -231,7 +246,7 @@ def main() -> None:
         "## CPU (measured in this run, float32, one layer)",
         "",
         f"`jpinfer.bench.kernels.bench_shape` (the table of `jpinfer bench-kernels`): the decoder's dense FFN "
-        f"against `sparse_ffn` (backend auto: the chunked XLA loop) over random lists of (1 - s) * d_ff neurons, on "
+        f"against `sparse_ffn` (backend auto: {backend}) over random lists of (1 - s) * d_ff neurons, on "
         f"cold caches; the ops alternate in {args.rounds} rounds of 3 calls, the fastest call counts. {args.repeats} "
         f"repeat(s), shapes interleaved (the order rotating), seed {args.seed} + repeat. Columns: medians over the "
         "repeats; `range` = the "

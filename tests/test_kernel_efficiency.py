@@ -59,9 +59,12 @@ def test_load_gpu_reads_a_recorded_table_and_says_when_there_is_none(tmp_path):
         kernel_efficiency.load_gpu(path)
 
 
-def test_gpu_section_lists_every_variant_and_names_the_command_when_not_measured():
-    text = "\n".join(kernel_efficiency.gpu_markdown(None))
+def test_gpu_section_lists_every_variant_and_names_the_command_when_not_measured(tmp_path):
+    text = "\n".join(kernel_efficiency.gpu_markdown(None, tmp_path / "gpu_suite.md"))
     assert "not measured yet" in text and kernel_efficiency.GPU_COMMAND in text
+    (tmp_path / "gpu_suite.md").write_text("# GPU suite")  # the suite measured the kernels on a GPU: said so
+    text = "\n".join(kernel_efficiency.gpu_markdown(None, tmp_path / "gpu_suite.md"))
+    assert "not measured" not in text and "bench/results/gpu_suite.md" in text and kernel_efficiency.GPU_COMMAND in text
     gpu = dict(source="bench/results/gpu_kernels.json", device="NVIDIA H200", dtype="bfloat16", layers=32,
                jax="0.11.2", series=kernel_efficiency.gpu_series(GPU_TABLE))
     lines = kernel_efficiency.gpu_markdown(gpu)
