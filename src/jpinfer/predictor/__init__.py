@@ -9,12 +9,12 @@ strategies that run predictors in the decoder live in ``jpinfer.ffn``.
 
 from jpinfer.predictor.fit import SearchConfig, retune, train_predictors
 from jpinfer.predictor.mlp import (
-                                   PredictorWeights,
-                                   Selection,
-                                   predict_logits,
-                                   routed_logits,
-                                   select_neurons,
-                                   selection_mask,
+    PredictorWeights,
+    Selection,
+    predict_logits,
+    routed_logits,
+    select_neurons,
+    selection_mask,
 )
 from jpinfer.predictor.store import PredictorError, PredictorMismatchError, Predictors, profile_fingerprint
 from jpinfer.predictor.train import LayerData, LayerPredictor, Scores, TrainConfig, cutoff_for_recall, train_layer

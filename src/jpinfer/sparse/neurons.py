@@ -40,6 +40,12 @@ from jpinfer.models.params import Layer
 from jpinfer.models.transformer import expert_weights
 
 
+def routing_of(router: jax.Array, experts_per_token: int, experts: jax.Array, x: jax.Array) -> jax.Array:
+    """(T, len(experts)) float32: for the tokens x (T, d_model), the routing weight (``transformer.expert_weights``)
+    of each expert in ``experts`` (int32 ids: a layout's neuron of each row, or of each list position)."""
+    return jnp.take(expert_weights(router, x, experts_per_token), experts, axis=-1)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class NeuronFFN:
@@ -87,7 +93,7 @@ class NeuronFFN:
 
     def routing(self, x: jax.Array) -> jax.Array:
         """(T, n) float32: each held neuron's routing weight for the tokens x (T, d_model) (layout with experts)."""
-        return jnp.take(expert_weights(self.router, x, self.experts_per_token), self.neuron_experts, axis=-1)
+        return routing_of(self.router, self.experts_per_token, self.neuron_experts, x)
 
     def subset(self, positions, *, with_b_down: bool = True) -> tuple["NeuronFFN", np.ndarray]:
         """Compact copy holding the rows at ``positions`` (row indices of this layout).

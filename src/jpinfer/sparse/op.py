@@ -39,7 +39,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jpinfer.activations import activate
-from jpinfer.models.transformer import expert_weights
 from jpinfer.native import kernels as native_kernels
 from jpinfer.native import native_available
 from jpinfer.ordering import after
@@ -47,7 +46,7 @@ from jpinfer.quant import int8
 from jpinfer.quant.int8 import Int8Matrix
 from jpinfer.sparse.cpu_backend import sparse_ffn_chunked
 from jpinfer.sparse.cpu_backend import sparse_rows_product as sparse_rows_chunked
-from jpinfer.sparse.neurons import NeuronFFN
+from jpinfer.sparse.neurons import NeuronFFN, routing_of
 from jpinfer.sparse.pallas_kernels import DEFAULT_KERNEL, KERNELS, triton_available
 
 Backend = Literal["auto", "xla", "gather", "pallas"]
@@ -129,7 +128,7 @@ def _routed_ffn(ffn: NeuronFFN, x: jax.Array, ids: jax.Array, count: jax.Array, 
         raise ValueError("a layout with experts runs with backend 'auto', 'xla' or 'gather' (the Pallas kernels "
                          "take no routing weights)")
     listed = jnp.take(ffn.neuron_experts, jnp.clip(ids, 0, ffn.n_neurons - 1))
-    weights = jnp.take(expert_weights(ffn.router, x, ffn.experts_per_token), listed, axis=-1)  # (T, K)
+    weights = routing_of(ffn.router, ffn.experts_per_token, listed, x)  # (T, K)
     if ffn.quantized:
         return _int8_ffn(ffn, x, ids, count, backend, weights)
 

@@ -42,12 +42,12 @@ from jpinfer.activations import activate
 from jpinfer.config import UNGATED_KINDS, FfnKind
 from jpinfer.models import quantized
 from jpinfer.models.params import Layer
-from jpinfer.models.transformer import expert_weights
 from jpinfer.native import kernels as native_kernels
 from jpinfer.native import native_available
 from jpinfer.quant import int8
 from jpinfer.quant.int8 import Int8Matrix
 from jpinfer.quant.q4 import Q4Matrix
+from jpinfer.sparse.neurons import routing_of
 from jpinfer.sparse.op import RowsBackend, sparse_rows_product
 
 Matrix = jax.Array | Int8Matrix | Q4Matrix
@@ -255,7 +255,7 @@ def threshold_ffn(ffn: ThresholdLayout, x: jax.Array, *, backend: RowsBackend = 
         up = up + ffn.b_up.astype(jnp.float32)
     a = activate(ffn.kind, None if ffn.kind in UNGATED_KINDS else h[:, :n], up)
     if ffn.router is not None:
-        a = a * jnp.take(expert_weights(ffn.router, tokens, ffn.experts_per_token), ffn.neuron_experts, axis=-1)
+        a = a * routing_of(ffn.router, ffn.experts_per_token, ffn.neuron_experts, tokens)
     y, n_neurons = _project(ffn.down, a, ffn.activation_sparse, ffn.activation_threshold, backend)
     if ffn.b_down is not None:
         y = y + ffn.b_down.astype(jnp.float32)
