@@ -21,13 +21,11 @@ machine hits all of them; the table shows medians over rounds):
      does, so the caches come from memory): the native kernel (jpinfer.models.transformer.cached_attention
      on the CPU) against the model's XLA form (xla_cached_attention, over the engine's attention length),
      at 128, 1024 and 4096 positions; per layer, the chain without attention subtracted.
-The interleaved-rounds helper is local to this script; it should move onto jpinfer.bench.protocol.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import pathlib
@@ -260,10 +258,10 @@ def attention_section(positions_list, layers: int, rounds: int, seed: int) -> di
 
 
 def markdown(meta: dict, sections: dict) -> str:
-    lines = ["# Native CPU kernels vs XLA:CPU", "", "```", meta["command"], "```", "",
-             f"{meta['date']} · {meta['cpu']} · {meta['cores']} cores · jax {meta['jax']} · "
-             f"library features {', '.join(meta['native_features'])} · load average before {meta['load_before']}, "
-             f"after {meta['load_after']} · {meta['rounds']} interleaved rounds, medians", ""]
+    lines = ["# Native CPU kernels vs XLA:CPU", "",
+             f"{protocol.machine_line(meta['machine'])} Library features {', '.join(meta['native_features'])}; "
+             f"{meta['rounds']} interleaved rounds, medians; {meta['seconds']:.0f} s.", "",
+             "```", meta["command"], "```", ""]
     for key, title in (("ffn_7b", "Fused sparse FFN, Llama-2-7B FFN shape"),
                        ("ffn_default", "Fused sparse FFN, default model shape")):
         sec = sections.get(key)
@@ -333,10 +331,9 @@ def main(argv=None) -> None:
     if not library.native_available():
         sys.exit(f"native kernels unavailable: {library.unavailable_reason()}")
     only = set(args.only or ["ffn_7b", "ffn_default", "quantized", "threshold", "attention"])
-    meta = {"command": " ".join([os.path.relpath(sys.executable)] + sys.argv), "date": datetime.datetime.now(
-        datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "cpu": protocol.cpu_name(), "cores": os.cpu_count(),
-        "jax": jax.__version__, "native_features": library.features()["compiled"],
-        "load_before": protocol.load_average(), "rounds": args.rounds}
+    load_before = protocol.load_average()
+    meta = {"command": " ".join([os.path.relpath(sys.executable)] + sys.argv),
+            "native_features": library.features()["compiled"], "rounds": args.rounds}
     sections = {}
     start = time.perf_counter()
     if "ffn_7b" in only:
@@ -352,7 +349,7 @@ def main(argv=None) -> None:
         sections["threshold"] = threshold_section(4096, 11008, args.rounds, 3)
     if "attention" in only:
         sections["attention"] = attention_section((127, 1023, 4095), 30, args.rounds * 3, 4)
-    meta["load_after"] = protocol.load_average()
+    meta["machine"] = protocol.machine(load_before)
     meta["seconds"] = round(time.perf_counter() - start, 1)
     text = markdown(meta, sections)
     print(text)
