@@ -185,6 +185,10 @@ def test_cpu_name_from_cpuinfo_else_platform(monkeypatch, tmp_path):
     monkeypatch.setattr("builtins.open", lambda path, *a, **k: real_open(info if path == "/proc/cpuinfo" else path,
                                                                           *a, **k))
     assert protocol.cpu_name() == "Fake CPU @ 3.0GHz"
+    # a VM's masked name: the family and model numbers tell two processors of one name apart
+    info.write_text("processor\t: 0\ncpu family\t: 26\nmodel\t\t: 2\nmodel name\t: AMD EPYC\n\n"
+                    "processor\t: 1\ncpu family\t: 25\nmodel\t\t: 17\nmodel name\t: Other\n")
+    assert protocol.cpu_name() == "AMD EPYC (family 26, model 2)"
 
     def missing(path, *a, **k):
         raise OSError("no /proc")
