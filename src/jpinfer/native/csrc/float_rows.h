@@ -129,4 +129,33 @@ inline int64_t PieceLength(int64_t c) {
   return std::max<int64_t>(4, RoundUp(CeilDiv(c, pieces), 4));
 }
 
+inline thread_local std::vector<float> tl_parts;
+
+// Pieces of a list, piece i the positions range(i) = {begin, end}, each add into their own (T, d) output
+// (piece 0 into y, the others zeroed first), then the parts are added to y in piece order.
+template <class RangeFn, class PieceFn>
+inline void AccumulateRanges(ffi::ThreadPool& pool, int64_t pieces, int64_t T, int64_t d, int64_t work_bytes, float* y,
+                             RangeFn&& range, PieceFn&& piece_fn) {
+  std::fill(y, y + T * d, 0.0f);
+  if (pieces <= 0) return;
+  float* parts = Scratch(tl_parts, size_t((pieces - 1) * T * d));
+  ParallelFor(pool, pieces, work_bytes, [&](int64_t i) {
+    float* out = i == 0 ? y : parts + (i - 1) * T * d;
+    if (i > 0) std::fill(out, out + T * d, 0.0f);
+    const auto [begin, end] = range(i);
+    piece_fn(begin, end, out);
+  });
+  ReduceParts(pool, y, parts, pieces - 1, T, d);
+}
+
+// The same over a list of c positions cut by PieceLength (the count alone sets the pieces): the sparse
+// FFN's accumulating targets.
+template <class PieceFn>
+inline void AccumulatePieces(ffi::ThreadPool& pool, int64_t c, int64_t T, int64_t d, int64_t bytes_per_position,
+                             float* y, PieceFn&& piece_fn) {
+  const int64_t len = PieceLength(c);
+  const auto range = [&](int64_t i) { return std::pair<int64_t, int64_t>(i * len, std::min(c, (i + 1) * len)); };
+  AccumulateRanges(pool, c == 0 ? 0 : CeilDiv(c, len), T, d, c * bytes_per_position, y, range, piece_fn);
+}
+
 }  // namespace jpn

@@ -109,26 +109,6 @@ inline void ForBlocks(const int32_t* ids, int64_t n, int64_t p0, int64_t p1, int
   }
 }
 
-thread_local std::vector<float> tl_parts;
-
-// Shared driver of the two accumulating targets: pieces of the list each add into their own (T, d)
-// output (piece 0 into y), then the parts are added to y in piece order.
-template <class PieceFn>
-void AccumulatePieces(ffi::ThreadPool& pool, int64_t c, int64_t T, int64_t d, int64_t bytes_per_position, float* y,
-                      PieceFn&& piece_fn) {
-  std::fill(y, y + T * d, 0.0f);
-  if (c == 0) return;
-  const int64_t len = PieceLength(c);
-  const int64_t pieces = CeilDiv(c, len);
-  float* parts = Scratch(tl_parts, size_t(std::max<int64_t>(pieces - 1, 0) * T * d));
-  ParallelFor(pool, pieces, c * bytes_per_position, [&](int64_t i) {
-    float* out = i == 0 ? y : parts + (i - 1) * T * d;
-    if (i > 0) std::fill(out, out + T * d, 0.0f);
-    piece_fn(i * len, std::min(c, (i + 1) * len), out);
-  });
-  ReduceParts(pool, y, parts, pieces - 1, T, d);
-}
-
 ffi::Error CheckFfn(const ffi::Buffer<ffi::F32>& rows, const ffi::Buffer<ffi::F32>& b_up,
                     const ffi::Buffer<ffi::F32>& x, const ffi::Buffer<ffi::S32>& ids, int32_t kind) {
   const auto rd = rows.dimensions(), xd = x.dimensions();

@@ -13,9 +13,18 @@
 // For T = 1 it is threshold.py's list product over the kept rows, for T > 1 its masked dense product
 // (each token its own set; rows no token keeps are never read).
 //
-// Parallel split of the float kernel: over output columns, every piece walks the whole kept list four
-// rows a pass. A column's value is then a sum in list order that no split changes, and there are no
-// partial sums. (The int8 kernel splits the rows instead: see there.)
+// Parallel split of the float kernel, by the matrix's width (never by T or the kept set, so a token's
+// result is the same alone and in a batch, bit for bit: rows another token keeps add its zero weight):
+// - up to kRowSplitCols columns, pieces of the matrix's rows (N alone sets them), each a partial sum of
+//   its kept rows read whole, the parts added in piece order (AccumulateRanges). Measured against a
+//   column split (every thread walking the whole list over its own columns), 2-core Zen 5 VM, same runs,
+//   30 chained matrices, one token, about half the rows kept: the default model's down (1536 x 576)
+//   26-29 -> 34-36 GB/s, q|k|v (576 x 960) 31-34 -> 36-37, the 7B down (11008 x 4096) 38 -> 40-41,
+//   gate/up (576 x 3072) alike; at four tokens the down 17 -> 20-22. A column split gives each thread
+//   short runs of many rows.
+// - wider (the head's (d, vocab)), the column split: a partial sum of 49152 columns per piece, times up to
+//   eight tokens, would not stay in cache.
+// The int8 kernel splits the rows too: see there.
 #include "float_rows.h"
 #include "int8_rows.h"
 
@@ -23,7 +32,11 @@ namespace jpn {
 namespace {
 
 thread_local std::vector<int64_t> tl_kept;
+thread_local std::vector<int64_t> tl_starts;
 thread_local std::vector<float> tl_weights;
+
+// Widest matrix split by rows (see the top): a piece's partial sum at eight tokens is then 128 KiB.
+constexpr int64_t kRowSplitCols = 4096;
 
 ffi::Error ThresholdRowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> m, ffi::Buffer<ffi::F32> x,
                              ffi::Buffer<ffi::F32> threshold, ffi::ResultBuffer<ffi::F32> y,
@@ -55,24 +68,14 @@ ffi::Error ThresholdRowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> m, ffi:
     }
     if (any) kept[nk++] = j;
   }
-  std::fill(Y, Y + T * cols, 0.0f);
-  if (nk == 0 || cols == 0) return ffi::Error::Success();
-
-  // One piece of columns per thread: a column's sum is the same whatever the split (see above), so
-  // here, unlike the list splits, the thread count may set the partition. Few wide pieces read long
-  // runs of each row (8 KiB of a 4096-wide row with 2 threads); eight 2 KiB pieces measured slower.
-  const int64_t width = std::max<int64_t>(256, RoundUp(CeilDiv(cols, Workers(pool)), 16));
-  ParallelFor(pool, CeilDiv(cols, width), nk * cols * 4, [&](int64_t i) {
-    const int64_t j0 = i * width, j1 = std::min(cols, j0 + width);
-    // Rows a pass: eight on a narrow piece (the default model's q|k|v, output and down products, 288-480 columns
-    // a thread), four on a wide one. A pass loads the piece's outputs once for all its rows; eight short rows
-    // also keep more reads in flight. Measured in the same runs (2-core EPYC, 30 chained matrices, 2026-12-04):
-    // narrow pieces 26-44 -> 34-47 GB/s with eight, while on wide ones (the gate/up product's 1536 columns a
-    // thread, the head's 24576) eight read 31-36 against four's 34-46. Each output's sum is the same chain of
-    // multiply-adds in list order either way (AddRows), so the choice never changes a result.
-    const int64_t pass = j1 - j0 <= 1024 ? 8 : 4;
-    for (int64_t k = 0; k < nk; k += pass) {
-      const int B = int(std::min<int64_t>(pass, nk - k));
+  // Rows a pass: eight on a narrow matrix (the default model's down, q|k|v and o products), four on a wide
+  // one; a pass loads its outputs once for all its rows. (Measured with the column split, 2026-12-04:
+  // narrow pieces 26-44 -> 34-47 GB/s with eight, while wide ones read 31-36 with eight against four's
+  // 34-46.) Each output's sum within a piece is the same chain of multiply-adds in list order either way.
+  const int pass = cols <= 1024 ? 8 : 4;
+  const auto add_rows = [&](int64_t k0, int64_t k1, int64_t j0, int64_t j1, float* out) {
+    for (int64_t k = k0; k < k1; k += pass) {
+      const int B = int(std::min<int64_t>(pass, k1 - k));
       const float* r[8];
       float wb[kMaxTokens * 8];
       for (int b = 0; b < B; ++b) {
@@ -80,10 +83,34 @@ ffi::Error ThresholdRowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> m, ffi:
         for (int64_t t = 0; t < T; ++t) wb[t * B + b] = wts[(k + b) * T + t];
       }
       const float* rn[8];
-      const int nb = int(std::clamp<int64_t>(nk - k - pass, 0, pass));
+      const int nb = int(std::clamp<int64_t>(k1 - k - pass, 0, pass));
       for (int b = 0; b < nb; ++b) rn[b] = W + kept[k + pass + b] * cols;
-      AddRowsN(B, r, wb, T, j0, j1, Y, cols, rn, nb);
+      AddRowsN(B, r, wb, T, j0, j1, out, cols, rn, nb);
     }
+  };
+  if (cols <= kRowSplitCols) {
+    // Pieces of the matrix's rows (fixed by N alone), each a partial sum over its kept rows, whole rows
+    // read; the parts added in piece order.
+    const int64_t pieces = std::clamp<int64_t>(N / 64, 1, 8), rows_per_piece = CeilDiv(N, pieces);
+    int64_t* starts = Scratch(tl_starts, size_t(pieces + 1));
+    for (int64_t p = 0, k = 0; p <= pieces; ++p) {
+      while (k < nk && kept[k] < p * rows_per_piece) ++k;
+      starts[p] = p == pieces ? nk : k;
+    }
+    const auto range = [&](int64_t p) { return std::pair<int64_t, int64_t>(starts[p], starts[p + 1]); };
+    AccumulateRanges(pool, pieces, T, cols, nk * cols * 4, Y, range,
+                     [&](int64_t k0, int64_t k1, float* out) { add_rows(k0, k1, 0, cols, out); });
+    return ffi::Error::Success();
+  }
+  // A wide matrix (the head's (d, vocab), read at a threshold of -inf): one piece of columns per thread, every
+  // piece walking the whole list, a column's sum in list order whatever the split (so here the thread count
+  // may set the partition); few wide pieces read long runs of each row.
+  std::fill(Y, Y + T * cols, 0.0f);
+  if (nk == 0) return ffi::Error::Success();
+  const int64_t width = std::max<int64_t>(256, RoundUp(CeilDiv(cols, Workers(pool)), 16));
+  ParallelFor(pool, CeilDiv(cols, width), nk * cols * 4, [&](int64_t i) {
+    const int64_t j0 = i * width;
+    add_rows(0, nk, j0, std::min(cols, j0 + width), Y);
   });
   return ffi::Error::Success();
 }
