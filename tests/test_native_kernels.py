@@ -265,6 +265,25 @@ def test_threshold_rows(shape, T, native):
         assert y1.shape == (shape[1],) and c1.shape == () and int(c1) == counts_ref[0]
 
 
+@needs_native
+@pytest.mark.parametrize("shape", [(1536, 576), (64, 4608)], ids=["row pieces", "column pieces"])
+def test_threshold_rows_token_alone_equals_it_in_a_batch(shape):
+    """Each token of a batch keeps its own entries (so the call reads the union of the rows), yet its result is
+    bit for bit what it gets alone: the float kernel's split depends on the matrix's width only (rows up to
+    4096 columns, columns beyond), and a row another token keeps adds an exact zero. Batched decoding relies on
+    it (a request's output must not depend on its batch); the thread count changes nothing either."""
+    rng = np.random.default_rng(11)
+    m = rng.standard_normal(shape).astype(np.float32)
+    x = rng.standard_normal((8, shape[0])).astype(np.float32)
+    batch = np.asarray(K.threshold_rows_product(m, x, 0.5)[0])
+    assert np.array_equal(batch, on_one_thread(lambda: np.asarray(K.threshold_rows_product(m, x, 0.5)[0])))
+    for t in range(8):
+        alone = np.asarray(K.threshold_rows_product(m, x[t:t + 1], 0.5)[0])
+        assert np.array_equal(alone[0], batch[t]), t
+    y_ref, _, bound = threshold_reference(m, x, 0.5)
+    assert_within(batch, y_ref, bound)
+
+
 def threshold_int8_reference(values, scales, x, thr):
     """numpy float32 emulation (exact integers) of the int8 threshold product: bit for bit."""
     x = np.asarray(x, np.float32)
