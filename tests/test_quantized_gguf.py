@@ -5,7 +5,9 @@ independent reference: reading one tensor at a time, in chunks of rows, must giv
 bit for bit (rows are quantized independently), and a 4-bit file's blocks must arrive untouched.
 """
 
+import ctypes.util
 import dataclasses
+import platform
 
 import jax.numpy as jnp
 import numpy as np
@@ -13,7 +15,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from jpinfer.errors import CheckpointError, JpinferError
-from jpinfer.models import gguf_loader, quantized, transformer
+from jpinfer.models import gguf_loader, loading, quantized, transformer
 from jpinfer.models.gguf_loader import load_gguf, read_q4_blocks
 from jpinfer.models.loading import LoadedModel, load_quantized_gguf
 from jpinfer.models.params import build_weights
@@ -128,3 +130,19 @@ def test_refusals(tmp_path):
     with pytest.raises(CheckpointError, match="file not found"):
         load_quantized_gguf(tmp_path / "nope.gguf", "int8")
     assert isinstance(load_quantized_gguf(path, "int4").weights.layers[0].w_down, Q4Matrix)
+
+
+def test_reading_hands_the_freed_heap_back(tmp_path, monkeypatch):
+    """The straight read trims the C heap once it has converted the file (glibc: ``malloc_trim``), and the
+    trim is a no-op reporting False where the C library has none."""
+    cfg = fx.tiny_config(tied=True)
+    path = fx.write_gguf(tmp_path / "m.gguf", cfg, fx.random_tensors(cfg, seed=3), Q.Q8_0)
+    calls = []
+    monkeypatch.setattr(loading, "release_freed_heap", lambda: calls.append(1) or True)
+    load_quantized_gguf(path, "int8", tokenizer=False)
+    assert calls == [1]
+    monkeypatch.undo()
+    if platform.libc_ver()[0] == "glibc":
+        assert loading.release_freed_heap() is True
+    monkeypatch.setattr(ctypes.util, "find_library", lambda name: None)
+    assert loading.release_freed_heap() is False
