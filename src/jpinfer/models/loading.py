@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import dataclasses
 import hashlib
 import json
@@ -140,11 +139,10 @@ def release_freed_heap() -> bool:
     (scratch, 2-core Zen 5 VM, 2026-12-04): resident 7.17 GiB after loading for 6.28 GiB of arrays, 6.77
     after trimming; after 8 decoded tokens 7.65 GiB untrimmed against 7.45 (1.15x -> 1.12x the file's
     tensor bytes, what bench/cpu_7b.py's memory rows compare)."""
-    name = ctypes.util.find_library("c")
     try:
-        trim = ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):
-        trim = None
+        trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # the process's C library, as solver.milp opens it
+    except OSError:
+        return False
     if trim is None:
         return False
     trim(0)

@@ -155,7 +155,7 @@ inline void AccumulatePieces(ffi::ThreadPool& pool, int64_t c, int64_t T, int64_
                              float* y, PieceFn&& piece_fn) {
   const int64_t len = PieceLength(c);
   const auto range = [&](int64_t i) { return std::pair<int64_t, int64_t>(i * len, std::min(c, (i + 1) * len)); };
-  AccumulateRanges(pool, c == 0 ? 0 : CeilDiv(c, len), T, d, c * bytes_per_position, y, range, piece_fn);
+  AccumulateRanges(pool, CeilDiv(c, len), T, d, c * bytes_per_position, y, range, piece_fn);
 }
 
 }  // namespace jpn

@@ -93,9 +93,9 @@ ffi::Error ThresholdRowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> m, ffi:
     // read; the parts added in piece order.
     const int64_t pieces = std::clamp<int64_t>(N / 64, 1, 8), rows_per_piece = CeilDiv(N, pieces);
     int64_t* starts = Scratch(tl_starts, size_t(pieces + 1));
-    for (int64_t p = 0, k = 0; p <= pieces; ++p) {
+    for (int64_t p = 0, k = 0; p <= pieces; ++p) {  // the last bound, pieces * rows_per_piece >= N, gives nk
       while (k < nk && kept[k] < p * rows_per_piece) ++k;
-      starts[p] = p == pieces ? nk : k;
+      starts[p] = k;
     }
     const auto range = [&](int64_t p) { return std::pair<int64_t, int64_t>(starts[p], starts[p + 1]); };
     AccumulateRanges(pool, pieces, T, cols, nk * cols * 4, Y, range,
