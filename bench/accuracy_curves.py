@@ -1,7 +1,7 @@
 """Accuracy against sparsity on the default model: dense, oracle, predictor and threshold modes.
 
 Protocol (everything from one pack: the default model's, or ``--pack``):
-- WikiText-2 test perplexity over the first ``--windows`` windows of 512 tokens, of what each
+- WikiText-2 test perplexity over the first ``--test-windows`` windows of 512 tokens, of what each
   mode's decode step computes (``modes.evaluation.decode_equivalent``);
 - x: the FFN weight bytes a decode step reads, as a fraction of the dense FFN's. A perfect
   predictor (the oracle) skips gate, up and down rows of the inactive neurons: 1 - s. The threshold
@@ -31,7 +31,7 @@ import numpy as np
 
 import jpinfer
 from jpinfer.bench.accuracy import wikitext_windows
-from jpinfer.bench.protocol import load_average, machine, machine_line
+from jpinfer.bench.protocol import TEST_WINDOWS, load_average, machine, machine_line
 from jpinfer.bench.results import publish
 from jpinfer.ffn import PredictorMaskFFN, evaluate, mask_states, perplexity
 from jpinfer.modes import build_engine
@@ -103,7 +103,7 @@ def _series(row: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pack", default=None, help="pack directory (default: the default model's, built if missing)")
-    ap.add_argument("--windows", type=int, default=16, help="WikiText-2 test windows of 512 tokens")
+    ap.add_argument("--test-windows", type=int, default=TEST_WINDOWS, help="WikiText-2 test windows of 512 tokens")
     ap.add_argument("--sparsities", type=float, nargs="+", default=[0.3, 0.5, 0.7, 0.9])
     ap.add_argument("--input-sparsities", type=float, nargs="+", default=[0.2, 0.3, 0.5])
     ap.add_argument("--points", default="0.8/0.99,0.9/0.995,0.95/0.999,0.99/0.999",
@@ -114,7 +114,7 @@ def main() -> None:
 
     model = jpinfer.load_model(None)
     pack = pack_for(model, args.pack)
-    windows = wikitext_windows(model.tokenizer, args.windows)
+    windows = wikitext_windows(model.tokenizer, args.test_windows)
     dense = evaluate(model, windows, progress=True)[0]
     rows = []
     for s in args.sparsities:
@@ -136,8 +136,8 @@ def main() -> None:
         f"Command: `{command}`. {machine_line(m)}", "",
         f"Pack: `{pack.path.name}` ({pack.settings.n_tokens} profiled tokens; activity thresholds for "
         f"{pack.settings.sparsity:.0%}; predictors trained at recall {pack.settings.recall}). WikiText-2 test "
-        f"perplexity over {args.windows} windows of 512 tokens; dense {dense:.3f}. `bytes`: FFN weight bytes read per "
-        "decoded token as a fraction of dense (see the script's docstring).", "",
+        f"perplexity over {args.test_windows} windows of 512 tokens; dense {dense:.3f}. `bytes`: FFN weight bytes read "
+        "per decoded token as a fraction of dense (see the script's docstring).", "",
         "![perplexity against bytes read](accuracy_curves.png)", "",
         "| method | activation s | input s | recall / strong | bytes | perplexity | x dense |",
         "|---|---|---|---|---|---|---|",
@@ -157,12 +157,12 @@ def main() -> None:
         best = min(within, key=lambda r: r["bytes"])
         lines.append(f"Fewest bytes within 1.05x dense perplexity: {_series(best)} at {best['bytes']:.3f} of the dense "
                      f"FFN's bytes ({best['ppl_vs_dense']:.3f}x).")
-    data = {"command": command, "date": m["date"], "jax": jax.__version__, "machine": m, "windows": args.windows,
+    data = {"command": command, "date": m["date"], "jax": jax.__version__, "machine": m, "windows": args.test_windows,
             "dense_ppl": dense, "pack": str(pack.path), "rows": rows}
     publish("\n".join(lines) + "\n", args.out, data)
     if args.out:
         figure(rows, dense, pathlib.Path(args.out).with_suffix(".png"),
-               f"SmolLM2-135M-Instruct, WikiText-2 test ({args.windows} x 512 tokens)")
+               f"SmolLM2-135M-Instruct, WikiText-2 test ({args.test_windows} x 512 tokens)")
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ import numpy as np
 import jpinfer
 from jpinfer.bench.accuracy import calibration_windows, wikitext_windows
 from jpinfer.bench.engines import JaxEngine, decode_tok_s, speed_rounds, weights_read_per_token
-from jpinfer.bench.protocol import load_average, machine, machine_line
+from jpinfer.bench.protocol import TEST_WINDOWS, load_average, machine, machine_line
 from jpinfer.bench.results import publish
 from jpinfer.data import chatgpt_prompts
 from jpinfer.ffn import ThresholdRowsFFN, evaluate
@@ -103,7 +103,7 @@ def main() -> None:
                                             "all:0.6+0.3+0.3,ffn-greedy:0.35,ffn-greedy:0.45,all-greedy:0.3,"
                                             "all-greedy:0.4,all-greedy:0.5")
     parser.add_argument("--calibration-windows", type=int, default=16)
-    parser.add_argument("--test-windows", type=int, default=16)
+    parser.add_argument("--test-windows", type=int, default=TEST_WINDOWS)
     parser.add_argument("--ppl-bound", type=float, default=1.05)
     parser.add_argument("--speed", default=None, help="points to time (default: the fewest bytes within the bound)")
     parser.add_argument("--prompts", type=int, default=3)

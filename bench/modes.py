@@ -36,11 +36,12 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jpinfer  # noqa: E402
-from jpinfer.bench.accuracy import cached_profile, trained  # noqa: E402
+from jpinfer.bench.accuracy import cached_profile, trained, wikitext_windows  # noqa: E402
 from jpinfer.bench.engines import JaxEngine, decode_tok_s, prefill_tok_s, speed_rounds  # noqa: E402
 from jpinfer.bench.protocol import (  # noqa: E402
     AGREEMENT_LABELS,
     AGREEMENT_MEANINGS,
+    TEST_WINDOWS,
     interleaved_rounds,
     load_average,
     machine,
@@ -57,7 +58,6 @@ from jpinfer.modes import build_engine  # noqa: E402
 from jpinfer.modes.placement import choose_placement  # noqa: E402
 from jpinfer.predictor import predict_logits, select_neurons  # noqa: E402
 from jpinfer.predictor.fit import retune  # noqa: E402
-from jpinfer.profiler import token_windows  # noqa: E402
 from jpinfer.solver import measure_hardware  # noqa: E402
 
 
@@ -146,7 +146,7 @@ def main() -> None:
     parser.add_argument("--points", default="0.99/0.999,0.9/0.995", help="recall/strong recall operating points")
     parser.add_argument("--capacities", default="predicted,0.99",
                         help="capacities: predicted, quantiles of the profile's active counts, or full (K = d_ff)")
-    parser.add_argument("--test-windows", type=int, default=32, help="WikiText-2 test windows of 512 tokens")
+    parser.add_argument("--test-windows", type=int, default=TEST_WINDOWS, help="WikiText-2 test windows of 512 tokens")
     parser.add_argument("--prompts", type=int, default=6)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5)
@@ -159,8 +159,7 @@ def main() -> None:
     cfg = dense.cfg
     prof = cached_profile(dense, args.samples)
     predictors, _ = trained(dense, prof, "adaptive", reuse=True)
-    w = 512
-    test = token_windows("wikitext2-test", dense.tokenizer, window=w, n_tokens=args.test_windows * w).tokens
+    test = wikitext_windows(dense.tokenizer, args.test_windows)
     prompts = [dense.encode_prompt(t, chat=True)[:128] for t in chatgpt_prompts()[: args.prompts]]
     dense_ppl, _ = evaluate(dense, test, progress=True)
 

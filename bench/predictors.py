@@ -28,8 +28,9 @@ import pathlib
 import numpy as np
 
 import jpinfer
-from jpinfer.bench.accuracy import cached_profile, trained
+from jpinfer.bench.accuracy import WINDOW, cached_profile, trained, wikitext_windows
 from jpinfer.bench.protocol import (
+    TEST_WINDOWS,
     interleaved_rounds,
     load_average,
     machine,
@@ -90,7 +91,7 @@ def step_cost(engine, strategy, prompt, rounds: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--samples", type=int, default=65536)
-    ap.add_argument("--test-windows", type=int, default=64)
+    ap.add_argument("--test-windows", type=int, default=TEST_WINDOWS)
     ap.add_argument("--points", default="0.99/0.999,0.95/0.999,0.9/0.995,0.8/0.99",
                     help="operating points: recall/strong recall, comma-separated")
     ap.add_argument("--prompts", type=int, default=16)
@@ -114,8 +115,8 @@ def main() -> None:
     print(f"adaptive {adaptive.ranks} ({adaptive.n_params:,}) in {adaptive_s:.0f} s; fixed {fixed_rank} "
           f"({fixed.n_params:,}) in {fixed_s:.0f} s", flush=True)
 
-    w = 512
-    test = token_windows("wikitext2-test", engine.tokenizer, window=w, n_tokens=args.test_windows * w).tokens
+    w = WINDOW
+    test = wikitext_windows(engine.tokenizer, args.test_windows)
     calib = token_windows("wikitext2-valid", engine.tokenizer, window=w).tokens[:32]
     rows, tuned_by_row = [], []
     dense_ppl = perplexity(engine, test, progress=True)

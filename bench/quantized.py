@@ -27,13 +27,14 @@ import dataclasses
 import statistics
 
 import jpinfer
-from jpinfer.bench.accuracy import parse_point
+from jpinfer.bench.accuracy import WINDOW, parse_point, wikitext_windows
 from jpinfer.bench.child import EngineFailed
 from jpinfer.bench.engines import JaxEngine, decode_tok_s, e2e_tok_s, speed_rounds, weights_read_per_token
 from jpinfer.bench.llama_cpp import LlamaCppEngine, float32_gguf, peer_engine, quantized_gguf
 from jpinfer.bench.protocol import (
     AGREEMENT_LABELS,
     AGREEMENT_MEANINGS,
+    TEST_WINDOWS,
     load_average,
     machine,
     machine_line,
@@ -51,7 +52,6 @@ from jpinfer.modes.engines import threshold_states
 from jpinfer.profiler import sparsity, token_windows
 from jpinfer.profiler.smoothing import ALPHA, cached_channel_peaks, calibration_windows
 
-WINDOW = 512
 KINDS = ("w_qkv", "wo", "w_gate_up", "w_down", "head")
 SAME_FORMAT = {  # jpinfer row -> the llama.cpp row on the same weights at the same precision
     "jpinfer float32": "llama.cpp F32", "jpinfer int8": "llama.cpp Q8_0", "jpinfer int4 (Q4_1)": "llama.cpp Q4_1",
@@ -76,7 +76,7 @@ def main() -> None:
     parser.add_argument("--points", default="a0.4,a0.5",
                         help="threshold-mode points on the int8 model (comma-separated; '' for none)")
     parser.add_argument("--calibration-windows", type=int, default=32)
-    parser.add_argument("--test-windows", type=int, default=16)
+    parser.add_argument("--test-windows", type=int, default=TEST_WINDOWS)
     parser.add_argument("--attribution-windows", type=int, default=8)
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=128)
@@ -91,7 +91,7 @@ def main() -> None:
     model, cfg = dense.model, dense.cfg
     plain = jpinfer.Engine(LoadedModel(cfg, quantized.quantize_weights(model.weights, "int8"), model.tokenizer,
                                        model.source))
-    test = token_windows("wikitext2-test", dense.tokenizer, window=WINDOW, n_tokens=args.test_windows * WINDOW).tokens
+    test = wikitext_windows(dense.tokenizer, args.test_windows)
     valid = token_windows("wikitext2-valid", dense.tokenizer, window=WINDOW,
                           n_tokens=args.calibration_windows * WINDOW).tokens
     prompts = [dense.encode_prompt(t, chat=True)[:128] for t in chatgpt_prompts()[: args.prompts]]

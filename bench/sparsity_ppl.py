@@ -1,6 +1,6 @@
 """Oracle-sparse perplexity on WikiText-2 test against FFN sparsity (default model).
 
-Protocol: the first ``--windows`` windows of ``--window`` tokens of the raw WikiText-2
+Protocol: the first ``--test-windows`` windows of ``--window`` tokens of the raw WikiText-2
 test file (tokenised as one text, no BOS); thresholds calibrated on the first
 ``--calib-windows`` windows of WikiText-2 valid; the greedy allocation's sensitivity is
 measured on the last ``--heldout-windows`` windows of valid (disjoint from calibration).
@@ -20,13 +20,15 @@ import time
 import numpy as np
 
 import jpinfer
-from jpinfer.bench.protocol import machine, machine_line
+from jpinfer.bench.accuracy import wikitext_windows
+from jpinfer.bench.protocol import TEST_WINDOWS, machine, machine_line
 from jpinfer.bench.results import publish
 from jpinfer.cache import cache_dir
 from jpinfer.ffn import perplexity
 from jpinfer.profiler import ScoreHistogram, Sensitivity, greedy, score_histogram, sensitivity, token_windows, uniform
 
 SPARSITIES = (0.0, 0.3, 0.5, 0.6, 0.7, 0.8, 0.9)
+CHECK_WINDOWS = 64  # CHECK was measured on the first 64 windows of 512 tokens; it applies to that run only
 CHECK = {  # the same protocol measured earlier by an independent script, before the profiler existed
     ("dense", 0.0): 26.15, ("uniform", 0.3): 26.26, ("uniform", 0.5): 26.75, ("uniform", 0.6): 27.66,
     ("uniform", 0.7): 29.84, ("uniform", 0.8): 35.9, ("uniform", 0.9): 77.8, ("cats", 0.5): 33.0,
@@ -35,7 +37,7 @@ CHECK = {  # the same protocol measured earlier by an independent script, before
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--windows", type=int, default=64)
+    ap.add_argument("--test-windows", type=int, default=TEST_WINDOWS)
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--calib-windows", type=int, default=32)
     ap.add_argument("--heldout-windows", type=int, default=40)
@@ -46,18 +48,20 @@ def main() -> None:
     t_start = time.perf_counter()
     engine = jpinfer.load()
     w = args.window
-    test = token_windows("wikitext2-test", engine.tokenizer, window=w, n_tokens=args.windows * w)
+    test = wikitext_windows(engine.tokenizer, args.test_windows, w)
     valid = token_windows("wikitext2-valid", engine.tokenizer, window=w).tokens
     calib, heldout = valid[: args.calib_windows], valid[-args.heldout_windows :]
     if args.calib_windows + args.heldout_windows > len(valid):
         sys.exit("calibration and held-out windows overlap: ask for fewer")
 
-    key = f"{w}-{args.windows}-{args.calib_windows}-{args.heldout_windows}"
+    key = f"{w}-{args.test_windows}-{args.calib_windows}-{args.heldout_windows}"
     store = cache_dir("bench") / f"sparsity_ppl-{key}"
     store.mkdir(parents=True, exist_ok=True)
     hist, hist_gate = histograms(engine, calib, store, args.batch_size)
     rows_path = store / "rows.json"
     rows: list[dict] = json.loads(rows_path.read_text()) if rows_path.is_file() else []  # resume after a crash
+
+    check = independent_check(args)
 
     def measure(method: str, s: float, cal=None) -> None:
         if any(r["method"] == method and r["sparsity"] == s for r in rows):
@@ -66,7 +70,7 @@ def main() -> None:
         ppl = perplexity(engine, test, cal, batch_size=args.batch_size, progress=True)
         row = {"method": method, "sparsity": s, "ppl": ppl, "seconds": time.perf_counter() - t,
                "layer_sparsity": None if cal is None else [round(float(v), 4) for v in cal.layer_sparsity],
-               "check": CHECK.get((method, s))}
+               "check": check.get((method, s))}
         rows.append(row)
         rows_path.write_text(json.dumps(rows, indent=1))
         print(json.dumps(row), flush=True)
@@ -111,7 +115,13 @@ def held_out_sensitivity(engine, heldout, hist, store: pathlib.Path) -> tuple[Se
     return sens, seconds
 
 
+def independent_check(args) -> dict:
+    """CHECK where this run scores the windows it was measured on, else nothing to compare with."""
+    return CHECK if (args.test_windows, args.window) == (CHECK_WINDOWS, 512) else {}
+
+
 def write_markdown(args, rows, sens, sens_s, total_s) -> None:
+    check = independent_check(args)
     by = {(r["method"], r["sparsity"]): r for r in rows}
     cmd = "python bench/sparsity_ppl.py " + " ".join(sys.argv[1:])
     lines = [
@@ -121,33 +131,34 @@ def write_markdown(args, rows, sens, sens_s, total_s) -> None:
         "",
         machine_line(machine()),
         "",
-        f"WikiText-2 test, first {args.windows} windows of {args.window} tokens (raw file text tokenised as one "
+        f"WikiText-2 test, first {args.test_windows} windows of {args.window} tokens (raw file text tokenised as one "
         f"document, no BOS, {args.window - 1} predictions per window). Thresholds on |silu(g)*u| calibrated on the "
         f"first {args.calib_windows} windows of WikiText-2 valid; the greedy allocation's Fisher sensitivity "
         f"measured on the last {args.heldout_windows} windows of valid ({sens.n_tokens} tokens, {sens_s:.0f} s). "
         "Sparsity = fraction of FFN neurons zeroed per token on the calibration data (mean over layers).",
         "",
-        "| s | uniform | greedy | check (uniform, earlier measurement) |",
-        "|---|---|---|---|",
+        *(["| s | uniform | greedy | check (uniform, earlier measurement) |", "|---|---|---|---|"] if check else
+          ["| s | uniform | greedy |", "|---|---|---|"]),
     ]
     for s in SPARSITIES:
         if s == 0:
             u = g = by[("uniform+greedy", 0.0)]["ppl"]
         else:
             u, g = by[("uniform", s)]["ppl"], by[("greedy", s)]["ppl"]
-        check = CHECK.get(("dense", 0.0) if s == 0 else ("uniform", s))
-        lines.append(f"| {s:.1f} | {u:.2f} | {g:.2f} | {check if check is not None else '-'} |")
+        earlier = check.get(("dense", 0.0) if s == 0 else ("uniform", s), "-")
+        lines.append(f"| {s:.1f} | {u:.2f} | {g:.2f} |" + (f" {earlier} |" if check else ""))
     lines += [
         "",
-        f"Dense: {by[('dense', 0.0)]['ppl']:.2f} (check 26.15). CATS (|silu(g)| alone) at 50%: "
-        f"{by[('cats', 0.5)]['ppl']:.2f} (check 33.0).",
+        f"Dense: {by[('dense', 0.0)]['ppl']:.2f}" + (f" (check {check[('dense', 0.0)]})" if check else "")
+        + f". CATS (|silu(g)| alone) at 50%: {by[('cats', 0.5)]['ppl']:.2f}"
+        + (f" (check {check[('cats', 0.5)]})." if check else "."),
         "",
         "Greedy per-layer sparsity (layer 0 first):",
         "",
     ]
     for s in SPARSITIES[1:]:
         lines.append(f"- s={s}: " + " ".join(f"{v:.2f}" for v in by[("greedy", s)]["layer_sparsity"]))
-    lines += ["", f"Total wall time {total_s / 60:.0f} min on a shared 2-core CPU (other jobs running).", ""]
+    lines += ["", f"Total wall time {total_s / 60:.0f} min.", ""]
     publish("\n".join(lines), args.out, rows)
 
 

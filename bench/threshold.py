@@ -40,6 +40,7 @@ from jpinfer.bench.engines import JaxEngine, decode_tok_s, speed_rounds, weights
 from jpinfer.bench.protocol import (  # noqa: E402
     AGREEMENT_LABELS,
     AGREEMENT_MEANINGS,
+    TEST_WINDOWS,
     load_average,
     machine,
     machine_line,
@@ -64,7 +65,7 @@ def main() -> None:
                         help="recall/strong recall operating points of the predictor mode ('' for none)")
     parser.add_argument("--samples", type=int, default=65536, help="predictor samples per layer (profile)")
     parser.add_argument("--calibration-windows", type=int, default=32)
-    parser.add_argument("--test-windows", type=int, default=32)
+    parser.add_argument("--test-windows", type=int, default=TEST_WINDOWS)
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5)

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from jpinfer.bench.engines import JaxEngine
+from jpinfer.bench.protocol import TEST_WINDOWS
 from jpinfer.cache import cache_dir
 from jpinfer.data import WIKITEXT2_TEST
 from jpinfer.errors import ArtifactError
@@ -38,7 +39,7 @@ class Accuracy:
     clipped_active: float | None = None
 
 
-def wikitext_windows(tokenizer: Any, n_windows: int, window: int = WINDOW) -> np.ndarray:
+def wikitext_windows(tokenizer: Any, n_windows: int = TEST_WINDOWS, window: int = WINDOW) -> np.ndarray:
     """The first ``n_windows`` windows of ``window`` tokens of WikiText-2 test (the perplexity protocol)."""
     return token_windows(str(WIKITEXT2_TEST), tokenizer, window=window, n_tokens=n_windows * window).tokens
 

@@ -31,6 +31,7 @@ from jpinfer.bench.child import ChildEngine, EngineFailed
 from jpinfer.bench.protocol import (
     AGREEMENT_LABELS,
     AGREEMENT_MEANINGS,
+    TEST_WINDOWS,
     interleaved_rounds,
     load_average,
     machine,
@@ -360,8 +361,9 @@ def add_arguments(parser: argparse.ArgumentParser, command: str = "bench") -> No
     parser.add_argument("--max-new-tokens", type=int, default=128, help="output tokens per prompt (default 128)")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds, each with new prompts (default 2)")
     parser.add_argument("--seed", type=int, default=0, help="prompt sampling seed")
-    parser.add_argument("--ppl-windows", type=int, default=16,
-                        help="WikiText-2 test windows of 512 tokens for perplexity (default 16; 0: no accuracy)")
+    parser.add_argument("--ppl-windows", type=int, default=TEST_WINDOWS,
+                        help=f"WikiText-2 test windows of 512 tokens for perplexity (default {TEST_WINDOWS}; "
+                             "0: no accuracy)")
     parser.add_argument(
         "--peers", nargs="*", choices=PEERS, default=list(PEERS),
         help="peer engines to run when installed (default: all; llama.cpp needs the 'peers' extra)",

@@ -17,6 +17,7 @@ was, and how two greedy outputs are compared.
 - ``prefix_agreement`` and ``positions_agreement``: the two ways the bench compares greedy tokens
   with a reference's; every table says which one it reports ("greedy agreement (prefix)" or
   "greedy agreement (positions)", ``AGREEMENT_LABELS``).
+- ``TEST_WINDOWS``: the perplexity protocol's size, the default of every script and of the bench.
 """
 
 from __future__ import annotations
@@ -30,6 +31,12 @@ import time
 from typing import Any, Callable, Generic, Iterable, Mapping, Sequence, TypeVar
 
 T = TypeVar("T")
+
+# The perplexity protocol: the first TEST_WINDOWS windows of 512 tokens (8192 tokens) of WikiText-2 test,
+# the raw file tokenised as one text, no BOS (``accuracy.wikitext_windows``). Every figure divides by dense
+# scored on the same windows in the same run, so ratios are paired; 16 is what the costliest script
+# (accuracy_curves, ~20 settings) affords on 2 cores.
+TEST_WINDOWS = 16
 
 # ----- agreement of greedy outputs
 
