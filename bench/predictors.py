@@ -143,11 +143,14 @@ def main() -> None:
     lines = [
         "# Activation predictors on the default model", "",
         f"Command: `python bench/predictors.py --samples {args.samples} --test-windows {args.test_windows} "
-        f"--points {args.points} --prompts {args.prompts} --new-tokens {args.new_tokens} --rounds {args.rounds}`", "",
+        f"--points {args.points} --prompts {args.prompts} --new-tokens {args.new_tokens} --rounds {args.rounds}"
+        f"{' --reuse' if args.reuse else ''}`", "",
         f"{machine_line(machine(load_before))} Labels: |silu(g)*u| over the "
         f"profile's uniform 50% thresholds; {meta['n_samples']} samples per layer (held-out tail "
         f"{meta['train_config']['held_out']:.0%}).", "",
         "## Training", "",
+        *(["Predictors reused (`--reuse`): the training times are those of the run that trained them.", ""]
+          if args.reuse else []),
         f"- `train_predictors(model, profile)` (adaptive widths, recall {meta['recall']}, budget "
         f"{meta['budget']:.0%}): {adaptive_s / 60:.1f} min on this machine; widths {adaptive.ranks}; "
         f"{adaptive.n_params:,} parameters = {adaptive.n_params / n_model:.2%} of the model's {n_model:,}.",
