@@ -21,7 +21,7 @@ import numpy as np
 
 import jpinfer
 from jpinfer.bench.accuracy import wikitext_windows
-from jpinfer.bench.protocol import TEST_WINDOWS, machine, machine_line
+from jpinfer.bench.protocol import TEST_WINDOWS, load_average, machine, machine_line
 from jpinfer.bench.results import publish
 from jpinfer.cache import cache_dir
 from jpinfer.ffn import perplexity
@@ -45,7 +45,7 @@ def main() -> None:
     ap.add_argument("--out", type=pathlib.Path, default=None, help="markdown file for the table")
     args = ap.parse_args()
 
-    t_start = time.perf_counter()
+    t_start, load_before = time.perf_counter(), load_average()
     engine = jpinfer.load()
     w = args.window
     test = wikitext_windows(engine.tokenizer, args.test_windows, w)
@@ -85,7 +85,7 @@ def main() -> None:
         measure("greedy", s, greedy(hist, sens, s))
 
     if args.out:
-        write_markdown(args, rows, sens, sens_s, time.perf_counter() - t_start)
+        write_markdown(args, rows, sens, sens_s, time.perf_counter() - t_start, load_before)
 
 
 def histograms(engine, calib, store: pathlib.Path, batch_size: int) -> tuple[ScoreHistogram, ScoreHistogram]:
@@ -120,7 +120,7 @@ def independent_check(args) -> dict:
     return CHECK if (args.test_windows, args.window) == (CHECK_WINDOWS, 512) else {}
 
 
-def write_markdown(args, rows, sens, sens_s, total_s) -> None:
+def write_markdown(args, rows, sens, sens_s, total_s, load_before) -> None:
     check = independent_check(args)
     by = {(r["method"], r["sparsity"]): r for r in rows}
     cmd = "python bench/sparsity_ppl.py " + " ".join(sys.argv[1:])
@@ -129,7 +129,7 @@ def write_markdown(args, rows, sens, sens_s, total_s) -> None:
         "",
         f"Command: `{cmd}`",
         "",
-        machine_line(machine()),
+        machine_line(machine(load_before)),
         "",
         f"WikiText-2 test, first {args.test_windows} windows of {args.window} tokens (raw file text tokenised as one "
         f"document, no BOS, {args.window - 1} predictions per window). Thresholds on |silu(g)*u| calibrated on the "
