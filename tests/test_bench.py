@@ -8,6 +8,7 @@ import pytest
 
 import jpinfer
 from jpinfer.bench.accuracy import wikitext_windows
+from jpinfer.bench.compare import recorded_command
 from jpinfer.bench.prompts import sample_prompts
 from jpinfer.cli import main
 from jpinfer.ffn import evaluate
@@ -149,3 +150,15 @@ def test_no_progress_silences_the_libraries_bars_in_spawned_children(monkeypatch
     compare.quiet_library_progress()
     after = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split()
     assert before == ["False", "False"] and after == ["True", "True"]
+
+
+@pytest.mark.parametrize("argv, environ, command", [
+    (["jpinfer", "bench", "--modes", "dense"], {"HOME": "/root"}, "jpinfer bench --modes dense"),
+    (["/src/jpinfer/bench/__main__.py", "--no-peers"], {}, "jpinfer bench --no-peers"),
+    (["jpinfer", "bench"], {"JPINFER_NATIVE": "0", "JPINFER_CACHE": "/tmp/c"}, "JPINFER_NATIVE=0 jpinfer bench"),
+    (["jpinfer", "bench"], {"JPINFER_NATIVE_LIBRARY": "/tmp/a b.so"},
+     "JPINFER_NATIVE_LIBRARY='/tmp/a b.so' jpinfer bench"),
+])
+def test_recorded_command_carries_the_settings_that_change_the_run(argv, environ, command):
+    assert recorded_command(argv, environ) == command
+

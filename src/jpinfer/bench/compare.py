@@ -20,8 +20,9 @@ import argparse
 import json
 import os
 import pathlib
+import shlex
 import sys
-from typing import Any
+from typing import Any, Mapping
 
 import jax
 import numpy as np
@@ -44,6 +45,9 @@ from jpinfer.config import WEIGHT_FORMATS
 from jpinfer.modes import FORMAT_MODES, MODE_NAMES, REFERENCE_MODE, ModeInputs, get_mode, listing
 
 PEERS = ("llama.cpp", "transformers")
+# Environment settings that change what the bench runs (the XLA path instead of the native kernels, another
+# native library): the recorded command carries them, so that it reproduces the run.
+RUN_SETTINGS = ("JPINFER_NATIVE", "JPINFER_NATIVE_LIBRARY")
 LENGTHS = (8, 64, 128)
 LONG_PROMPT = 1024
 
@@ -145,6 +149,14 @@ def _engines(args: argparse.Namespace, modes: list[str], packs: dict[str, Any]) 
             print("skipping transformers eager: PyTorch is not installed (pip install 'jpinfer[bench]')",
                   file=sys.stderr)
     return out
+
+
+def recorded_command(argv: list[str], environ: Mapping[str, str]) -> str:
+    """The command that reproduces this run: ``RUN_SETTINGS`` that are set, then ``jpinfer bench`` and its
+    arguments (``argv`` of ``jpinfer bench ...`` or of ``python -m jpinfer.bench ...``)."""
+    settings = [f"{name}={shlex.quote(environ[name])}" for name in RUN_SETTINGS if name in environ]
+    arguments = argv[2:] if argv[1:2] == ["bench"] else argv[1:]
+    return " ".join([*settings, "jpinfer bench", *arguments])
 
 
 def bench(args: argparse.Namespace) -> dict:
@@ -269,7 +281,7 @@ def _results(args, engines, resident_mb, runs, lengths, scores, packs, load_befo
                   for n in lengths for e in runs for engine in [engines[e]]]
     return {
         "date": m["date"],
-        "command": "jpinfer bench " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]),
+        "command": recorded_command(sys.argv, os.environ),
         "model": args.model or "default (SmolLM2-135M-Instruct)",
         "pack": None if pack is None else {
             "path": str(pack.path), "settings": pack.manifest["settings"],
