@@ -77,7 +77,7 @@ def main() -> None:
                         help="threshold-mode points on the int8 model (comma-separated; '' for none)")
     parser.add_argument("--calibration-windows", type=int, default=32)
     parser.add_argument("--test-windows", type=int, default=TEST_WINDOWS)
-    parser.add_argument("--attribution-windows", type=int, default=8)
+    parser.add_argument("--attribution-windows", type=int, default=TEST_WINDOWS)
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)

@@ -250,25 +250,29 @@ def test_no_script_imports_another():
         assert "spec_from_file_location" not in path.read_text(), f"{path.name} loads a file as a module"
 
 
+SCORED_WINDOW_OPTIONS = ("--test-windows", "--ppl-windows", "--attribution-windows")
+
+
 def test_every_perplexity_figure_uses_the_protocol_windows():
     """Every option that sets how many WikiText-2 test windows a figure is scored on (the bench's
-    --ppl-windows, the scripts' --test-windows) defaults to protocol.TEST_WINDOWS, and only
-    accuracy.wikitext_windows reads the test text: no two results files quote one setting on other text."""
+    --ppl-windows, the scripts' --test-windows, quantized.py's --attribution-windows) defaults to
+    protocol.TEST_WINDOWS, and only accuracy.wikitext_windows reads the test text: no two results files
+    quote one setting on other text."""
     import ast
     import pathlib
 
     root = pathlib.Path(__file__).resolve().parents[1]
-    options = {}
+    defaults = {}
     for path in [*(root / "bench").glob("*.py"), *(root / "src" / "jpinfer" / "bench").glob("*.py")]:
         text = path.read_text()
         for node in ast.walk(ast.parse(text)):
             if (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument" and node.args
-                    and isinstance(node.args[0], ast.Constant) and node.args[0].value in ("--test-windows",
-                                                                                            "--ppl-windows")):
+                    and isinstance(node.args[0], ast.Constant) and node.args[0].value in SCORED_WINDOW_OPTIONS):
                 default = next((k.value for k in node.keywords if k.arg == "default"), None)
-                options[path.name] = ast.unparse(default) if default is not None else None
+                defaults[path.name, node.args[0].value] = None if default is None else ast.unparse(default)
         if path.name != "accuracy.py":
             assert "wikitext2-test" not in text and "WIKITEXT2_TEST" not in text, f"{path.name} reads the test text"
-    assert {"compare.py", "threshold.py", "modes.py", "predictors.py", "sparsity_ppl.py", "accuracy_curves.py",
-            "model_wide.py", "quantized.py"} <= options.keys()
-    assert {name: d for name, d in options.items() if d != "TEST_WINDOWS"} == {}
+    assert {name for name, _ in defaults} >= {"compare.py", "threshold.py", "modes.py", "predictors.py",
+                                              "sparsity_ppl.py", "accuracy_curves.py", "model_wide.py", "quantized.py"}
+    assert ("quantized.py", "--attribution-windows") in defaults
+    assert {key: d for key, d in defaults.items() if d != "TEST_WINDOWS"} == {}
