@@ -8,7 +8,7 @@ import pytest
 
 import jpinfer
 from jpinfer.bench.accuracy import wikitext_windows
-from jpinfer.bench.compare import recorded_command
+from jpinfer.bench.compare import recorded_command, report
 from jpinfer.bench.prompts import sample_prompts
 from jpinfer.cli import main
 from jpinfer.ffn import evaluate
@@ -118,6 +118,8 @@ def test_bench_runs_every_mode_from_the_pack(env, tmp_path, capsys):
     assert "| greedy agreement (prefix) |" in text and results["protocol"]["greedy_agreement"] == "prefix"
     assert "Machine: " in text and {"cpu", "cores", "load_before", "load_after"} <= set(results["machine"])
     assert text.strip() in capsys.readouterr().out
+    results["protocol"]["ppl_windows"] = 0  # a run without accuracy says so, not "perplexity over 0 windows"
+    assert "Accuracy: no perplexity (--ppl-windows 0); neurons" in report(results)
 
 
 def test_prompts_have_exact_lengths_and_follow_the_seed():

@@ -330,8 +330,9 @@ def report(results: dict) -> str:
         f"Protocol: prompts of {lengths} tokens (ChatGPT prompts and Alpaca instructions, seed {p['seed']}), "
         f"{p['max_new_tokens']} greedy output tokens, batch 1, {p['rounds']} interleaved rounds; decode and end-to-end "
         "tok/s: median over rounds; x dense: median of same-round ratios; p50/p99: per decode step.",
-        f"Accuracy: WikiText-2 test perplexity over {p['ppl_windows']} windows of {p['ppl_window_tokens']} tokens of "
-        "what each engine decodes with; neurons / clipped: per token and layer (clipped active: of those, truly "
+        (f"Accuracy: WikiText-2 test perplexity over {p['ppl_windows']} windows of {p['ppl_window_tokens']} tokens "
+         "of what each engine decodes with; " if p["ppl_windows"] else "Accuracy: no perplexity (--ppl-windows 0); ")
+        + "neurons / clipped: per token and layer (clipped active: of those, truly "
         f"active); {AGREEMENT_MEANINGS[prefix_agreement]} (dense's), mean over the prompts.",
         f"Pack: {_pack_paths(results)}. Resident MB: memory the process gained "
         f"loading the engine; process peak {m['peak_rss_mb']:.0f} MB.", "",
