@@ -85,7 +85,7 @@ def main() -> None:
         measure("greedy", s, greedy(hist, sens, s))
 
     if args.out:
-        write_markdown(args, rows, sens, sens_s, time.perf_counter() - t_start, load_before)
+        write_markdown(args, rows, check, sens, sens_s, time.perf_counter() - t_start, load_before)
 
 
 def histograms(engine, calib, store: pathlib.Path, batch_size: int) -> tuple[ScoreHistogram, ScoreHistogram]:
@@ -120,8 +120,7 @@ def independent_check(args) -> dict:
     return CHECK if (args.test_windows, args.window) == (CHECK_WINDOWS, 512) else {}
 
 
-def write_markdown(args, rows, sens, sens_s, total_s, load_before) -> None:
-    check = independent_check(args)
+def write_markdown(args, rows, check: dict, sens, sens_s, total_s, load_before) -> None:
     by = {(r["method"], r["sparsity"]): r for r in rows}
     cmd = "python bench/sparsity_ppl.py " + " ".join(sys.argv[1:])
     lines = [
@@ -147,11 +146,12 @@ def write_markdown(args, rows, sens, sens_s, total_s, load_before) -> None:
             u, g = by[("uniform", s)]["ppl"], by[("greedy", s)]["ppl"]
         earlier = check.get(("dense", 0.0) if s == 0 else ("uniform", s), "-")
         lines.append(f"| {s:.1f} | {u:.2f} | {g:.2f} |" + (f" {earlier} |" if check else ""))
+    dense_check, cats_check = ((f" (check {check[('dense', 0.0)]})", f" (check {check[('cats', 0.5)]})") if check
+                               else ("", ""))
     lines += [
         "",
-        f"Dense: {by[('dense', 0.0)]['ppl']:.2f}" + (f" (check {check[('dense', 0.0)]})" if check else "")
-        + f". CATS (|silu(g)| alone) at 50%: {by[('cats', 0.5)]['ppl']:.2f}"
-        + (f" (check {check[('cats', 0.5)]})." if check else "."),
+        f"Dense: {by[('dense', 0.0)]['ppl']:.2f}{dense_check}. CATS (|silu(g)| alone) at 50%: "
+        f"{by[('cats', 0.5)]['ppl']:.2f}{cats_check}.",
         "",
         "Greedy per-layer sparsity (layer 0 first):",
         "",
