@@ -33,13 +33,9 @@ constexpr int64_t kRows = 48;  // rows per piece (48 x 2.3 KiB at in = 576, the 
 // a 4 x 2 tile issued 12 loads per 8 multiply-adds, load-port bound at 40 GFLOP/s a core with the rows in
 // L2, against 66 for a 3 x 4 tile with x held (2-core EPYC Zen 3, 2026-12-04; its FMA peak measures 100). In
 // the default model's 8-sequence decode step the FFI products fell from 56 to 37 ms (of a 48 ms step).
-#ifdef __AVX512F__
-constexpr int kTileRows = 4;
-constexpr int kTileTokens = 4;
-#else
+#ifndef __AVX512F__
 constexpr int kTileRows = 3;
 constexpr int kTileTokens = 4;
-#endif
 
 // out[t * R + r] = sum_j rows[r][j] * x[t * in + j] for R rows and TT tokens: per (token, row) 8 float lanes
 // summed in column order, then HSum, then the in % 8 tail in order: the same arithmetic for any tile,
@@ -71,7 +67,13 @@ inline void Tile(const float* const* rows, const float* x, int64_t in, float* ou
     }
 }
 
-#ifdef __AVX512F__
+template <int R>
+inline void TileTokens(int tt, const float* const* rows, const float* x, int64_t in, float* out) {
+  WithCount<kTileTokens>(tt, [&](auto n) { Tile<R, decltype(n)::value>(rows, x, in, out); });
+}
+#else
+constexpr int kTileRows = 4;  // PairTile: 4 rows x 4 token pairs
+
 // Tile<R, 2 TP>'s sums for TP token pairs, two tokens a 512-bit vector: xp holds the pairs interleaved per 8
 // columns ((pair, column / 8, 16 floats), the pair's first token in the low half; PairInterleave), each row's
 // 8 floats are broadcast to both halves, so every token's 8 lanes see Tile's multiply-adds in Tile's order
@@ -117,11 +119,6 @@ inline void PairInterleave(const float* x, int64_t T, int64_t in, int64_t in8, f
 
 thread_local std::vector<float> tl_pairs;
 #endif
-
-template <int R>
-inline void TileTokens(int tt, const float* const* rows, const float* x, int64_t in, float* out) {
-  WithCount<kTileTokens>(tt, [&](auto n) { Tile<R, decltype(n)::value>(rows, x, in, out); });
-}
 
 ffi::Error FloatMatvecImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::F32> x,
                            ffi::ResultBuffer<ffi::F32> y) {
