@@ -78,7 +78,8 @@ constexpr int kTileRows = 4;  // PairTile: 4 rows x 4 token pairs
 // columns ((pair, column / 8, 16 floats), the pair's first token in the low half; PairInterleave), each row's
 // 8 floats are broadcast to both halves, so every token's 8 lanes see Tile's multiply-adds in Tile's order
 // (the same bits; the in % 8 tail is the caller's). R x TP accumulators, R row vectors and one x vector:
-// 21 of the 32 zmm registers at 4 x 4.
+// 21 of the 32 zmm registers at 4 x 4. (The maskz forms: gcc 12 warns about the unmasked ones' undefined
+// pass-through operand.)
 template <int R, int TP>
 inline void PairTile(const float* const* rows, const float* xp, int64_t in8, float* out) {
   __m512 acc[TP][R];
@@ -88,7 +89,7 @@ inline void PairTile(const float* const* rows, const float* xp, int64_t in8, flo
   for (int64_t j = 0; j < in8; j += 8) {
     __m512 w[R];
 #pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) w[r] = _mm512_broadcast_f32x8(_mm256_loadu_ps(rows[r] + j));
+    for (int r = 0; r < R; ++r) w[r] = _mm512_maskz_broadcast_f32x8(0xFFFF, _mm256_loadu_ps(rows[r] + j));
 #pragma GCC unroll 4
     for (int p = 0; p < TP; ++p) {
       __m512 xv = _mm512_loadu_ps(xp + 2 * (p * in8 + j));
@@ -99,8 +100,8 @@ inline void PairTile(const float* const* rows, const float* xp, int64_t in8, flo
   }
   for (int p = 0; p < TP; ++p)
     for (int r = 0; r < R; ++r) {
-      out[2 * p * R + r] = HSum(_mm512_castps512_ps256(acc[p][r]));
-      out[(2 * p + 1) * R + r] = HSum(_mm512_extractf32x8_ps(acc[p][r], 1));
+      out[2 * p * R + r] = HSum(_mm512_maskz_extractf32x8_ps(0xFF, acc[p][r], 0));
+      out[(2 * p + 1) * R + r] = HSum(_mm512_maskz_extractf32x8_ps(0xFF, acc[p][r], 1));
     }
 }
 
