@@ -23,6 +23,13 @@
 // T and the split are, so a token's output does not depend on its batch or the thread count.
 #include "float_rows.h"
 
+// PairTile needs AVX-512 F and DQ (the 256-bit halves' broadcast and extract).
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+#define JPN_PAIR_TILE 1
+#else
+#define JPN_PAIR_TILE 0
+#endif
+
 namespace jpn {
 namespace {
 
@@ -33,7 +40,7 @@ constexpr int64_t kRows = 48;  // rows per piece (48 x 2.3 KiB at in = 576, the 
 // a 4 x 2 tile issued 12 loads per 8 multiply-adds, load-port bound at 40 GFLOP/s a core with the rows in
 // L2, against 66 for a 3 x 4 tile with x held (2-core EPYC Zen 3, 2026-12-04; its FMA peak measures 100). In
 // the default model's 8-sequence decode step the FFI products fell from 56 to 37 ms (of a 48 ms step).
-#ifndef __AVX512F__
+#if !JPN_PAIR_TILE
 constexpr int kTileRows = 3;
 constexpr int kTileTokens = 4;
 
@@ -129,7 +136,7 @@ ffi::Error FloatMatvecImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, ffi::B
   const int64_t out = wd[0], in = wd[1], T = xd[0];
   const float *W = w.typed_data(), *X = x.typed_data();
   float* Y = y->typed_data();
-#ifdef __AVX512F__
+#if JPN_PAIR_TILE
   const int64_t in8 = in & ~int64_t(7);
   float* xp = nullptr;
   if (T > 1) {
@@ -156,7 +163,7 @@ ffi::Error FloatMatvecImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, ffi::B
       const int p = int(std::min<int64_t>(kTileRows, r1 - r));
       const float* rows[kTileRows];
       for (int i = 0; i < kTileRows; ++i) rows[i] = W + std::min(r + i, r1 - 1) * in;  // tail rows: repeats
-#ifdef __AVX512F__
+#if JPN_PAIR_TILE
       WithCount<kMaxTokens / 2>((T + 1) / 2,
                                 [&](auto n) { PairTile<kTileRows, decltype(n)::value>(rows, xp, in8, block); });
       for (int t = 0; t < T; ++t)
