@@ -88,14 +88,17 @@ def test_matmul_equals_the_integer_reference(kind, T, native):
 @pytest.mark.skipif(not library.native_available(), reason="native kernels unavailable")
 @pytest.mark.parametrize("kind", ["int8", "q4_1"])
 def test_the_native_kernel_serves_decode_steps_and_xla_longer_prompts(kind):
+    """int8: the native kernel for 1-8 tokens (decode steps), XLA's integer product beyond; 4-bit: the native
+    kernel (in groups of 8) up to ``Q4_NATIVE_PROMPT_TOKENS`` (short prompts too), XLA's dequantized GEMM beyond."""
     _, m = matrix_of(kind)
     name = "jpinfer_int8_matvec" if kind == "int8" else "jpinfer_q4_1_matvec"
+    limit = native_kernels.MAX_TOKENS if kind == "int8" else quantized.Q4_NATIVE_PROMPT_TOKENS
 
     def lowered(T):
         return jax.jit(quantized.matmul).lower(jnp.zeros((T, 256)), m).as_text()
 
-    assert name in lowered(1) and name in lowered(native_kernels.MAX_TOKENS)
-    assert name not in lowered(native_kernels.MAX_TOKENS + 1)
+    assert name in lowered(1) and name in lowered(native_kernels.MAX_TOKENS) and name in lowered(limit)
+    assert name not in lowered(limit + 1)
     transposed = int8.quantize(np.ones((256, 37), np.float32), scale_axis=1)  # input-major: no native form
     assert "jpinfer_int8_matvec" not in jax.jit(quantized.matmul).lower(jnp.zeros((1, 256)), transposed).as_text()
 
