@@ -81,14 +81,15 @@ inline void TileTokens(int tt, const float* const* rows, const float* x, int64_t
 #else
 constexpr int kTileRows = 4;  // PairTile: 4 rows x 4 token pairs
 
-// Tile<R, 2 TP>'s sums for TP token pairs, two tokens a 512-bit vector: xp holds the pairs interleaved per 8
-// columns ((pair, column / 8, 16 floats), the pair's first token in the low half; PairInterleave), each row's
-// 8 floats are broadcast to both halves, so every token's 8 lanes see Tile's multiply-adds in Tile's order
-// (the same bits; the in % 8 tail is the caller's). R x TP accumulators, R row vectors and one x vector:
-// 21 of the 32 zmm registers at 4 x 4. (The maskz forms: gcc 12 warns about the unmasked ones' undefined
-// pass-through operand.)
+// Tile<R, 2 TP>'s sums for the T <= 2 TP tokens of x (T, in), two tokens a 512-bit vector: xp holds the pairs
+// interleaved per 8 columns ((pair, column / 8, 16 floats), the pair's first token in the low half;
+// PairInterleave), each row's 8 floats are broadcast to both halves, so every token's 8 lanes see Tile's
+// multiply-adds in Tile's order, then Tile's HSum and in % 8 tail (the same bits). R x TP accumulators, R row
+// vectors and one x vector: 21 of the 32 zmm registers at 4 x 4. (The maskz forms: gcc 12 warns about the
+// unmasked ones' undefined pass-through operand.)
 template <int R, int TP>
-inline void PairTile(const float* const* rows, const float* xp, int64_t in8, float* out) {
+inline void PairTile(const float* const* rows, const float* xp, const float* x, int64_t T, int64_t in, float* out) {
+  const int64_t in8 = in & ~int64_t(7);
   __m512 acc[TP][R];
 #pragma GCC unroll 16
   for (int p = 0; p < TP; ++p)
@@ -106,10 +107,13 @@ inline void PairTile(const float* const* rows, const float* xp, int64_t in8, flo
     }
   }
   for (int p = 0; p < TP; ++p)
-    for (int r = 0; r < R; ++r) {
-      out[2 * p * R + r] = HSum(_mm512_maskz_extractf32x8_ps(0xFF, acc[p][r], 0));
-      out[(2 * p + 1) * R + r] = HSum(_mm512_maskz_extractf32x8_ps(0xFF, acc[p][r], 1));
-    }
+    for (int h = 0; h < 2 && 2 * p + h < T; ++h)
+      for (int r = 0; r < R; ++r) {
+        const int64_t t = 2 * p + h;
+        float v = HSum(h ? _mm512_maskz_extractf32x8_ps(0xFF, acc[p][r], 1) : _mm512_maskz_extractf32x8_ps(0xFF, acc[p][r], 0));
+        for (int64_t j = in8; j < in; ++j) v = std::fma(rows[r][j], x[t * in + j], v);
+        out[t * R + r] = v;
+      }
 }
 
 // x (T, in) as PairTile's token pairs over the first in8 columns; an odd T's last pair has a zero second token.
@@ -165,21 +169,14 @@ ffi::Error FloatMatvecImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, ffi::B
       for (int i = 0; i < kTileRows; ++i) rows[i] = W + std::min(r + i, r1 - 1) * in;  // tail rows: repeats
 #if JPN_PAIR_TILE
       WithCount<kMaxTokens / 2>((T + 1) / 2,
-                                [&](auto n) { PairTile<kTileRows, decltype(n)::value>(rows, xp, in8, block); });
-      for (int t = 0; t < T; ++t)
-        for (int i = 0; i < p; ++i) {
-          float v = block[t * kTileRows + i];  // then Tile's tail, in order
-          for (int64_t j = in8; j < in; ++j) v = std::fma(rows[i][j], X[t * in + j], v);
-          Y[t * out + r + i] = v;
-        }
+                                [&](auto n) { PairTile<kTileRows, decltype(n)::value>(rows, xp, X, T, in, block); });
 #else
-      for (int64_t t0 = 0; t0 < T; t0 += kTileTokens) {
-        const int n = int(std::min<int64_t>(kTileTokens, T - t0));
-        TileTokens<kTileRows>(n, rows, X + t0 * in, in, block);
-        for (int t = 0; t < n; ++t)
-          for (int i = 0; i < p; ++i) Y[(t0 + t) * out + r + i] = block[t * kTileRows + i];
-      }
+      for (int64_t t0 = 0; t0 < T; t0 += kTileTokens)
+        TileTokens<kTileRows>(int(std::min<int64_t>(kTileTokens, T - t0)), rows, X + t0 * in, in,
+                              block + t0 * kTileRows);
 #endif
+      for (int t = 0; t < T; ++t)
+        for (int i = 0; i < p; ++i) Y[t * out + r + i] = block[t * kTileRows + i];
     }
   });
   return ffi::Error::Success();
