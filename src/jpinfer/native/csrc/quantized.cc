@@ -146,7 +146,7 @@ inline void OctetNibbles(const uint8_t* src, __m256i* nib) {
 // transpose, nibble split and eight vpdpbusd of Q4Rows' 256-bit loop run once for both octets, and the
 // scale products and conversions once; the two octets are then added to the row's 8 lane sums one after the
 // other, in Q4Rows' order (the same bits as the 256-bit loop and as the row in a batch of tokens). One row at
-// a time is one sequential stream per thread, prefetched kQ4PrefetchBytes ahead. Measured (2-core Zen 5 VM,
+// a time is one sequential stream per thread, prefetched kStreamPrefetchBytes ahead. Measured (2-core Zen 5 VM,
 // 2026-12-05, one token, four Q4_0 matrices chained so none stays in cache, medians of 8 alternated runs), GB/s
 // at 11008 x 4096 / 4096 x 11008 / 4096 x 4096: Q4Rows' four rows a pass (the next pass's rows prefetched)
 // 40.5 / 41.5 / 49.4; this with the next row prefetched 43.5 / 53.1 / 52.9; prefetched 4 / 8 / 16 KiB ahead
@@ -154,7 +154,6 @@ inline void OctetNibbles(const uint8_t* src, __m256i* nib) {
 // faster than Q4Rows: x's vectors are loaded per row, not shared by four.) Llama-2-7B-shaped Q4_0 decode
 // (bench/cpu_7b.py, back-to-back runs): 8.4 -> 11.9 tok/s, 0.92x -> 1.13x llama.cpp's in the same run.
 // Returns the octets done (an odd last one is left to the caller).
-constexpr int64_t kQ4PrefetchBytes = 8192;
 template <bool kQ41>
 inline int64_t Q4OctetPairs(const uint8_t* row, const uint16_t* d, const uint16_t* m, const Q8Octets& x, __m256& acc) {
   const __m512i lanes = _mm512_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
@@ -162,10 +161,10 @@ inline int64_t Q4OctetPairs(const uint8_t* row, const uint16_t* d, const uint16_
   const int64_t pairs = x.octets / 2;
   for (int64_t i = 0; i < pairs; ++i) {
     const uint8_t* src = row + i * 256;
-    // the stream kQ4PrefetchBytes ahead (past this row's end: the next rows', read next; past the matrix's
+    // the stream kStreamPrefetchBytes ahead (past this row's end: the next rows', read next; past the matrix's
     // end a prefetch is harmless)
     for (int c = 0; c < 4; ++c)
-      _mm_prefetch(reinterpret_cast<const char*>(src + kQ4PrefetchBytes + 64 * c), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(src + kStreamPrefetchBytes + 64 * c), _MM_HINT_T0);
     // (the maskz forms throughout: gcc 12's unmasked ones warn about their undefined pass-through operand)
     __m512i r[4];
     for (int j = 0; j < 4; ++j)
@@ -319,20 +318,24 @@ template <int RB, int T>
 void Int8Rows(const int8_t* w, const float* ws, const int8_t* q, const float* qs, int64_t in, int64_t o, int64_t out,
               float* y) {
   const int8_t* rows[RB];
-  const int8_t* next[RB];  // the next pass's rows (RB further; past the end only prefetched, never read)
-  for (int r = 0; r < RB; ++r) rows[r] = w + (o + r) * in, next[r] = w + (o + r + RB) * in;
+  const int8_t* next[RB];
+  // the next pass's rows (RB further; past the end only prefetched, never read); one token: the stream
+  // kStreamPrefetchBytes ahead
+  for (int r = 0; r < RB; ++r)
+    rows[r] = w + (o + r) * in, next[r] = T == 1 ? rows[r] + kStreamPrefetchBytes : w + (o + r + RB) * in;
   int32_t s[RB * T];
   Int8Dots<RB, T>(rows, next, q, in, s);
   for (int r = 0; r < RB; ++r)
     for (int t = 0; t < T; ++t) y[t * out + o + r] = float(s[r * T + t]) * (qs[t] * ws[o + r]);
 }
 
-// 4-bit rows a pass: one at one token with AVX-512 (Q4OctetPairs), else as the int8 kernel.
+// Rows a pass: one at one token (one stream, kStreamPrefetchBytes), 4-bit only with AVX-512 (Q4OctetPairs);
+// else as Int8Dots takes them.
 constexpr int Q4RowsPerPass(int64_t T) { return JPN_ZMM && T == 1 ? 1 : Int8RowsPerPass(T); }
 
 template <int RB, int T>
 struct Int8K {
-  static constexpr int RowsPerPass() { return Int8RowsPerPass(T); }
+  static constexpr int RowsPerPass() { return T == 1 ? 1 : Int8RowsPerPass(T); }
   static void Run(int64_t o, const int8_t* w, const float* ws, const int8_t* q, const float* qs, int64_t in,
                   int64_t out, float* y) {
     Int8Rows<RB, T>(w, ws, q, qs, in, o, out, y);
