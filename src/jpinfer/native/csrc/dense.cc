@@ -110,7 +110,9 @@ inline void PairTile(const float* const* rows, const float* xp, const float* x, 
     for (int h = 0; h < 2 && 2 * p + h < T; ++h)
       for (int r = 0; r < R; ++r) {
         const int64_t t = 2 * p + h;
-        float v = HSum(h ? _mm512_maskz_extractf32x8_ps(0xFF, acc[p][r], 1) : _mm512_maskz_extractf32x8_ps(0xFF, acc[p][r], 0));
+        const __m256 lanes = h ? _mm512_maskz_extractf32x8_ps(0xFF, acc[p][r], 1)
+                               : _mm512_maskz_extractf32x8_ps(0xFF, acc[p][r], 0);
+        float v = HSum(lanes);
         for (int64_t j = in8; j < in; ++j) v = std::fma(rows[r][j], x[t * in + j], v);
         out[t * R + r] = v;
       }
