@@ -58,26 +58,36 @@ def tokens32(x):
     return np.clip(np.rint(x * inverse[:, None]), -127, 127).astype(np.int64), (peak * INV127).astype(np.float32)
 
 
+def listed_positions(ids, count, n) -> tuple[list[int], list[int]]:
+    """The valid listed ids among the first ``count`` (clamped) and their list positions."""
+    positions = [p for p in range(int(np.clip(count, 0, len(ids)))) if 0 <= ids[p] < n]
+    return [int(ids[p]) for p in positions], positions
+
+
 def reference(rows, scales, down_scales, b_up, x, ids, count, kind, near=8 * U * 127, weights=None):
+    """``down_reference`` over int8 bundles: gate/up exact int64 dots times the float32 scales (the float32
+    products of the kernel)."""
+    n, R, d = rows.shape
+    q, ts = tokens32(x)
+    listed, positions = listed_positions(ids, count, n)
+    w = rows.astype(np.int64)
+    h = [np.float32(q @ w[listed, s].T) * (ts[:, None] * scales[listed, s][None]) for s in range(R - 1)]  # (T, m)
+    return down_reference(h, b_up, w[:, R - 1], down_scales, listed, positions, kind, near, weights)
+
+
+def down_reference(h, b_up, down, down_scales, listed, positions, kind, near=8 * U * 127, weights=None):
     """(y float64 (T, d), the smallest distance of a listed activation's scaled value to a rounding boundary,
     (T, d) what rounding the activations within ``near`` of a boundary the other way could move y by, and how
     many there are).
 
-    Gate/up exact int64 dots times the float32 scales (the float32 products of the kernel), the activation in
-    float64 (times its list position's weight when ``weights`` (T, K) are given), the listed activations
-    quantized per token in float64, exact int64 down sums."""
-    n, R, d = rows.shape
-    q, ts = tokens32(x)
-    c = int(np.clip(count, 0, len(ids)))
-    positions = [p for p in range(c) if 0 <= ids[p] < n]
-    listed = [int(ids[p]) for p in positions]
-    T = x.shape[0]
+    h: the listed neurons' gate (if gated) and up values, each (T, m); down: (n, d) int64 down slots. The
+    activation in float64 (times its list position's weight when ``weights`` (T, K) are given), the listed
+    activations quantized per token in float64, exact int64 down sums."""
+    T, d = h[-1].shape[0], down.shape[1]
     if not listed:
         return np.zeros((T, d)), np.inf, np.zeros((T, d)), 0
-    w = rows.astype(np.int64)
-    h = [np.float32(q @ w[listed, s].T) * (ts[:, None] * scales[listed, s][None]) for s in range(R - 1)]  # (T, m)
     up = h[-1].astype(np.float64) + (0 if b_up is None else b_up[listed].astype(np.float64))
-    a = activation64(kind, h[0].astype(np.float64) if R == 3 else None, up)
+    a = activation64(kind, h[0].astype(np.float64) if len(h) == 2 else None, up)
     if weights is not None:
         a = a * np.asarray(weights, np.float64)[:, positions]
     peak = np.abs(a).max(-1, keepdims=True)
@@ -85,8 +95,8 @@ def reference(rows, scales, down_scales, b_up, x, ids, count, kind, near=8 * U *
     qa = np.rint(scaled).astype(np.int64)
     distance = np.abs(np.abs(scaled) - np.floor(np.abs(scaled)) - 0.5)
     step = (peak / 127) * down_scales.astype(np.float64)[None]
-    y = (qa @ w[listed, R - 1]).astype(np.float64) * step
-    flips = (distance <= near).astype(np.int64) @ np.abs(w[listed, R - 1]) * step
+    y = (qa @ down[listed]).astype(np.float64) * step
+    flips = (distance <= near).astype(np.int64) @ np.abs(down[listed]) * step
     return y, float(distance.min()), flips, int((distance <= near).sum())
 
 
@@ -313,28 +323,6 @@ def test_int8_needs_its_own_profile_and_predictors():
     assert len(engine.generate(PROMPT, GenerationConfig(max_new_tokens=6)).token_ids) == 6
     with pytest.raises(PredictorMismatchError, match=r"trained for model 'tiny-relu' \(int8 weights"):
         build_engine(float_engine.model, "sparse", predictors=predictors)
-
-
-def test_int4_sparse_runs_int8_copies_of_the_4bit_ffn():
-    """An int4 model's bundles are int8 requantizations of its dequantized 4-bit FFN weights (attention and head
-    stay as they are): all neurons listed, it decodes like the dense model whose FFN matrices are those int8
-    copies (the same integers, test_all_active_sparse_int8_decodes_like_dense_int8's tolerances)."""
-    from jpinfer.quant import int8
-    from jpinfer.quant.q4 import Q4Matrix
-
-    model = tiny_engine("swiglu").model
-    model4 = dataclasses.replace(model, weights=quantized.quantize_weights(model.weights, "int4"))
-    assert isinstance(model4.weights.layers[0].w_gate_up, Q4Matrix)
-    requantized = lambda w: int8.quantize(quantized.as_float(w)) if isinstance(w, Q4Matrix) else w
-    layers = [dataclasses.replace(layer, w_gate_up=requantized(layer.w_gate_up), w_down=requantized(layer.w_down))
-              for layer in model4.weights.layers]
-    reference = jpinfer.Engine(dataclasses.replace(model4, weights=dataclasses.replace(model4.weights, layers=layers)))
-    dense4 = jpinfer.Engine(model4)
-    sparse = build_engine(model4, "sparse", predictors=all_active(dense4), capacity=model.cfg.d_ff)
-    ffn = sparse.ffn.state[0].ffn
-    assert ffn.quantized and isinstance(sparse.weights.layers[0].w_qkv, Q4Matrix)
-    np.testing.assert_array_equal(np.asarray(ffn.rows[:, 2]), np.asarray(layers[0].w_down.values).T)
-    assert_decodes_like(sparse, reference, 24, rtol=KERNEL_RTOL, atol=max(KERNEL_ATOL, DECODER_ATOL))
 
 
 def test_modes_and_formats():

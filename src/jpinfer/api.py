@@ -64,9 +64,10 @@ def load(
     few thousand tokens of bundled text, ``profiler.smoothing``; modes ``dense``, ``threshold`` and
     ``sparse``, whose profile and predictors must be made on the int8 model itself) or
     ``"int4"`` (W4A8: the projections in llama.cpp's 4-bit blocks of 32, a GGUF's own Q4_0 / Q4_1 blocks
-    where it has them, else Q4_1 quantized at load; the head int8; modes ``dense``, ``sparse`` and
-    ``threshold``, the latter two over int8 copies of the 4-bit FFN matrices they read by rows: 4-bit blocks
-    run along the input and cannot be read by input rows or cut into neuron columns). On the CPU the
+    where it has them, else Q4_1 quantized at load; the head int8; modes ``dense``, ``sparse`` (its 4-bit
+    gate/up rows read in place, its down columns int8 copies) and ``threshold`` (int8 copies of the 4-bit FFN
+    matrices it reads by input rows): 4-bit blocks run along the input and cannot be read by input rows or
+    cut into neuron columns). On the CPU the
     quantized products of a decode step run as native kernels (``jpinfer.native``).
     """
     chosen = get_mode(mode, thresholds=thresholds, weights=weights)  # before anything loads: fail fast

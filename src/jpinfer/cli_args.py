@@ -24,7 +24,8 @@ def add_model_arguments(p: argparse.ArgumentParser, weights: bool = True) -> Non
             "--weights", default="float", choices=WEIGHT_FORMATS,
             help="float (default: every tensor in --dtype), int8 (W8A8, quantized at load; modes dense and "
                  "threshold) or int4 (W4A8 in 4-bit blocks of 32: a GGUF's own Q4_0/Q4_1, else quantized at load; "
-                 "modes dense and threshold, whose layout holds int8 copies of the matrices it reads by rows)",
+                 "modes dense, sparse and threshold, whose layouts hold int8 copies of the matrices they read by "
+                 "input rows or neuron columns)",
         )
 
 

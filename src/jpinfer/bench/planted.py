@@ -12,7 +12,8 @@ shapes): what is measured is what reading the listed neurons costs, so the outpu
   with weights the frequencies (Efraimidis-Spirakis keys), sorted by id. A decode step takes set number
   hash(FFN input) mod ``N_SETS``: successive tokens read different sets, for a few integer operations.
 - Without a predictor the set goes to the sparse op as it is (the ``sparse`` mode's kernel over the layer's
-  neuron-major FFN: int8 bundles for an int8 or int4 model, ``sparse.neurons``).
+  neuron-major FFN, ``sparse.neurons``: int8 bundles for an int8 model; for an int4 one its 4-bit gate/up rows
+  in place and int8 down slots).
 - With a predictor (``rank``), each step also does what the ``sparse`` mode does to choose: a per-layer MLP
   d_model -> rank -> d_ff (random weights, int8 per output row like the model's projections: the W8A8
   products), then ``select_neurons`` over its logits plus a planted term (+``PLANT`` on the set, -``PLANT``
@@ -138,11 +139,14 @@ def planted_engine(model: LoadedModel, fraction: float, ffns: list[NeuronFFN], *
 
 def planted_bytes_per_token(engine: Engine) -> int:
     """Weight bytes one decode step of a planted engine reads: the weights outside the FFN, and per layer the
-    listed neurons' bundles (their rows and row scales), the down projection's scales and the predictor."""
+    listed neurons' bundles (their rows and row scales, or 4-bit rows and block scales), the down projection's
+    scales and the predictor."""
     total = weights_read_per_token(engine)
     for state in engine.ffn.state:
         ffn, k = state.ffn, state.sets.shape[1]
         per_neuron = int(ffn.rows[0].nbytes) + (0 if ffn.scales is None else int(ffn.scales[0].nbytes))
+        if ffn.gate_up is not None:  # its P 4-bit rows: packed bytes and block scales (and mins)
+            per_neuron += ffn.gate_up.nbytes // ffn.n_neurons
         total += k * per_neuron + (0 if ffn.down_scales is None else int(ffn.down_scales.nbytes))
         if state.predictor is not None:
             total += sum(int(a.nbytes) for a in jax.tree_util.tree_leaves(state.predictor))

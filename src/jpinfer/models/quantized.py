@@ -78,8 +78,8 @@ def as_float(w: jax.Array | QuantizedMatrix, dtype=jnp.float32) -> jax.Array:
 def int8_copy(w: jax.Array | QuantizedMatrix) -> Int8Matrix:
     """An (out, in) weight as int8 with one scale per output row: an int8 one as it is, another (a 4-bit
     one: its blocks run along the input, so its rows across the input cannot be read or cut out) quantized
-    from the float matrix it stands for. The int8 copies the sparse and threshold layouts of an int4 model
-    read by rows."""
+    from the float matrix it stands for. The int8 copies the threshold layout of an int4 model reads by rows, and
+    its sparse layout's down columns."""
     if isinstance(w, Int8Matrix) and w.scale_axis == 0:
         return w
     return int8.quantize(as_float(w))

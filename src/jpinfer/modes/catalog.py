@@ -194,8 +194,8 @@ class _Split(Mode):
 
 class Sparse(_Predicted):
     name = label = "sparse"
-    # int8 bundles (``sparse.neurons``: an int4 model's are int8 copies of its 4-bit FFN weights); a
-    # quantized model's predictors are trained on its own FFN inputs
+    # int8 bundles (``sparse.neurons``: an int4 model's 4-bit gate/up rows in place, its down columns int8
+    # copies); a quantized model's predictors are trained on its own FFN inputs
     weight_formats = ("float", "int8", "int4")
 
     def build(self, model, inputs, *, devices=None, hardware=None):

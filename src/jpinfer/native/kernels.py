@@ -98,18 +98,28 @@ def _valid(ids: jax.Array, count: jax.Array, n: int) -> jax.Array:
     return (jnp.arange(k) < jnp.clip(count, 0, k)) & (ids >= 0) & (ids < n)
 
 
-def _check_ffn(rows, kind: str, b_up, b_down):
+def _check_kind(kind: str) -> None:
     if kind not in KINDS:
         raise ValueError(f"unknown FFN kind {kind!r}; supported: {', '.join(KINDS)}")
+
+
+def _biases(b_up, b_down, n: int, d: int) -> tuple[jax.Array | None, jax.Array | None]:
+    """An FFN's optional up bias (n,) as float32 and down bias (d,), shapes checked."""
+    b_up = None if b_up is None else _f32(b_up, "b_up", (n,))
+    b_down = None if b_down is None else jnp.asarray(b_down)
+    if b_down is not None and tuple(b_down.shape) != (d,):
+        raise ValueError(f"b_down must have shape {(d,)}, got {tuple(b_down.shape)}")
+    return b_up, b_down
+
+
+def _check_ffn(rows, kind: str, b_up, b_down):
+    _check_kind(kind)
     rows = _f32(rows, "rows")
     if rows.ndim != 3 or rows.shape[1] != (2 if kind in UNGATED_KINDS else 3):
         raise ValueError(f"rows must be (n, {2 if kind in UNGATED_KINDS else 3}, d) neuron-major bundles for kind "
                          f"{kind!r}, got shape {tuple(rows.shape)}")
     n, _, d = rows.shape
-    b_up = None if b_up is None else _f32(b_up, "b_up", (n,))
-    b_down = None if b_down is None else jnp.asarray(b_down)
-    if b_down is not None and tuple(b_down.shape) != (d,):
-        raise ValueError(f"b_down must have shape {(d,)}, got {tuple(b_down.shape)}")
+    b_up, b_down = _biases(b_up, b_down, n, d)
     return rows, b_up, b_down
 
 
@@ -161,8 +171,7 @@ def sparse_ffn(rows, x, ids, count, *, kind: str, b_up=None, b_down=None, native
 
 
 def _check_int8_ffn(rows, scales, down_scales, kind: str, b_up, b_down):
-    if kind not in KINDS:
-        raise ValueError(f"unknown FFN kind {kind!r}; supported: {', '.join(KINDS)}")
+    _check_kind(kind)
     rows = jnp.asarray(rows)
     R = 2 if kind in UNGATED_KINDS else 3
     if rows.dtype != jnp.int8 or rows.ndim != 3 or rows.shape[1] != R:
@@ -171,10 +180,7 @@ def _check_int8_ffn(rows, scales, down_scales, kind: str, b_up, b_down):
     n, _, d = rows.shape
     scales = _f32(scales, "scales", (n, R - 1))
     down_scales = _f32(down_scales, "down_scales", (d,))
-    b_up = None if b_up is None else _f32(b_up, "b_up", (n,))
-    b_down = None if b_down is None else jnp.asarray(b_down)
-    if b_down is not None and tuple(b_down.shape) != (d,):
-        raise ValueError(f"b_down must have shape {(d,)}, got {tuple(b_down.shape)}")
+    b_up, b_down = _biases(b_up, b_down, n, d)
     return rows, scales, down_scales, b_up, b_down
 
 
@@ -195,11 +201,15 @@ def xla_sparse_ffn_int8(rows, scales, down_scales, b_up, x, ids, count, kind, we
     h = acc.astype(jnp.float32) * (token_scales[:, None, None] * scales[safe][None])
     up = h[..., -1] if b_up is None else h[..., -1] + b_up[safe]
     a = jnp.where(valid[None, :], activate(kind, h[..., 0] if R == 3 else None, up), 0.0)
-    if weights is not None:
-        a = a * weights
+    return _xla_quantized_down(a if weights is None else a * weights, picked[:, R - 1], down_scales)
+
+
+def _xla_quantized_down(a: jax.Array, down: jax.Array, down_scales: jax.Array) -> jax.Array:
+    """The int8 sparse FFNs' down half: the listed activations a (T, K) quantized per token, times the listed
+    int8 down slots (K, d) exactly in int32, scaled by the activation's and each output's scale."""
     qa, act_scales = int8.quantize_tokens(a)
-    down = jnp.einsum("tk,kd->td", qa, picked[:, R - 1], preferred_element_type=jnp.int32)
-    return down.astype(jnp.float32) * (act_scales[:, None] * down_scales[None, :])
+    acc = jnp.einsum("tk,kd->td", qa, down, preferred_element_type=jnp.int32)
+    return acc.astype(jnp.float32) * (act_scales[:, None] * down_scales[None, :])
 
 
 def sparse_ffn_int8(rows, scales, down_scales, x, ids, count, *, kind: str, b_up=None, b_down=None, weights=None,
@@ -217,20 +227,79 @@ def sparse_ffn_int8(rows, scales, down_scales, x, ids, count, *, kind: str, b_up
     position, multiply the float activations before their quantization: a neuron's routing weight with experts,
     so the full list gives the dense int8 FFN's integers over the routed activations."""
     rows, scales, down_scales, b_up, b_down = _check_int8_ffn(rows, scales, down_scales, kind, b_up, b_down)
-    d = rows.shape[2]
+    xla = lambda *a: xla_sparse_ffn_int8(rows, scales, down_scales, *a[:-1], kind, a[-1])
+    return _quantized_sparse_ffn("jpinfer_sparse_ffn_int8", (rows, scales, down_scales), xla, rows.shape[2], x, ids,
+                                 count, kind, b_up, b_down, weights, native)
+
+
+def _check_q4_ffn(gate_up, down, down_scales, kind: str, b_up, b_down):
+    _check_kind(kind)
+    q4.check(gate_up)
+    down = jnp.asarray(down)
+    if down.dtype != jnp.int8 or down.ndim != 2:
+        raise ValueError(f"down must be int8 (n, d) (a down column per neuron), got {down.dtype} {tuple(down.shape)}")
+    n, d = down.shape
+    P = 1 if kind in UNGATED_KINDS else 2
+    if gate_up.shape != (P * n, d):
+        raise ValueError(f"gate_up must be a 4-bit ({P * n}, {d}) matrix (the {'up' if P == 1 else 'gate, then up'} "
+                         f"rows of {n} neurons) for kind {kind!r}, got {gate_up.shape}")
+    down_scales = _f32(down_scales, "down_scales", (d,))
+    b_up, b_down = _biases(b_up, b_down, n, d)
+    return down, down_scales, b_up, b_down
+
+
+@functools.partial(jax.jit, static_argnames=("kind",))
+def xla_sparse_ffn_q4(gate_up: Q4Matrix, down, down_scales, b_up, x, ids, count, kind, weights=None):
+    """``sparse_ffn_q4`` in XLA ops (no b_down): the listed neurons' 4-bit rows taken at once and multiplied as
+    ``quant.q4.product`` does (the dense 4-bit product's function), then the int8 down half of
+    ``xla_sparse_ffn_int8``. The fallback here and the form ``sparse.op`` runs on accelerators."""
+    n, d = down.shape
+    if ids.shape[0] == 0:  # an empty list (quantize_tokens needs at least one activation)
+        return jnp.zeros((x.shape[0], d), jnp.float32)
+    valid = _valid(ids, count, n)
+    safe = jnp.where(valid, ids, 0)
+    gated = kind not in UNGATED_KINDS
+    h = q4.product(gate_up.take(jnp.concatenate([safe, safe + n]) if gated else safe), x)  # (T, P K)
+    k = ids.shape[0]
+    up = h[:, -k:] if b_up is None else h[:, -k:] + b_up[safe]
+    a = jnp.where(valid[None, :], activate(kind, h[:, :k] if gated else None, up), 0.0)
+    return _xla_quantized_down(a if weights is None else a * weights, down[safe], down_scales)
+
+
+def sparse_ffn_q4(gate_up: Q4Matrix, down, down_scales, x, ids, count, *, kind: str, b_up=None, b_down=None,
+                  weights=None, native: bool | None = None) -> jax.Array:
+    """``sparse_ffn`` of a 4-bit model's neurons, float32 (T, d) (or (d,)): their gate/up rows read where they are
+    in the model's 4-bit ``gate_up`` (its (2 n, d) ``w_gate_up``: gate rows, then up rows; the up rows (n, d) only
+    for an ungated kind), their down columns as int8 ``down`` (n, d) with ``w_down``'s scale per output
+    ``down_scales`` (d,) (``sparse.neurons``). Gate/up are the dense 4-bit product's arithmetic on the listed rows
+    (x quantized in blocks of 32, ``q4_matvec``), the rest ``sparse_ffn_int8``'s (activations quantized per
+    token, exact int32 down sums, scaled); ``weights`` likewise."""
+    down, down_scales, b_up, b_down = _check_q4_ffn(gate_up, down, down_scales, kind, b_up, b_down)
+    mins = gate_up.mins if gate_up.kind == "q4_1" else jnp.zeros((0,), jnp.float16)
+    xla = lambda *a: xla_sparse_ffn_q4(gate_up, down, down_scales, *a[:-1], kind, a[-1])
+    return _quantized_sparse_ffn(f"jpinfer_sparse_ffn_{gate_up.kind}",
+                                 (gate_up.packed, gate_up.scales, mins, down, down_scales), xla, down.shape[1], x, ids,
+                                 count, kind, b_up, b_down, weights, native)
+
+
+def _quantized_sparse_ffn(target: str, operands: tuple, xla, d: int, x, ids, count, kind: str, b_up, b_down, weights,
+                          native: bool | None) -> jax.Array:
+    """The int8 and 4-bit sparse FFNs' shared part: x, the list and the weights checked; the native ``target``
+    (``operands``, then b_up, x, ids, count, weights; groups of up to 8 tokens), else ``xla(b_up, x, ids, count,
+    weights)``; b_down added."""
     x2, flat = _tokens(x, d)
     ids, count = _list(ids, count)
     if weights is not None:
         weights = jnp.broadcast_to(_f32(weights, "weights"), (x2.shape[0], ids.shape[0]))
     if _use_native(native):
         empty = jnp.zeros((0,), jnp.float32)
-        call = lambda xt, *wt: jax.ffi.ffi_call(
-            "jpinfer_sparse_ffn_int8", jax.ShapeDtypeStruct(xt.shape, jnp.float32), vmap_method="sequential")(
-            rows, scales, down_scales, empty if b_up is None else b_up, xt, ids, count, wt[0] if wt else empty,
+        call = lambda xt, *wt: jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(xt.shape, jnp.float32),
+                                                vmap_method="sequential")(
+            *operands, empty if b_up is None else b_up, xt, ids, count, wt[0] if wt else empty,
             kind=np.int32(KINDS[kind]))
         y = _per_group(call, x2, *([] if weights is None else [weights]))
     else:
-        y = xla_sparse_ffn_int8(rows, scales, down_scales, b_up, x2, ids, count, kind, weights)
+        y = xla(b_up, x2, ids, count, weights)
     if b_down is not None:
         y = y + b_down.astype(jnp.float32)
     return y[0] if flat else y

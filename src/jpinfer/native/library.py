@@ -26,7 +26,7 @@ import jax
 
 # 4: jpinfer_cached_attention, 5: FFN kind geglu, 6: gelu, 7: the attention's softcap, 8: its per-sequence
 # positions, 9: jpinfer_float_matvec
-ABI_VERSION = 10
+ABI_VERSION = 11
 # (csrc/info.cc jpinfer_native_abi_version)
 LIBRARY_STEM = "_jpinfer_native"  # setup.py's extension jpinfer.native._jpinfer_native
 
@@ -34,6 +34,8 @@ LIBRARY_STEM = "_jpinfer_native"  # setup.py's extension jpinfer.native._jpinfer
 TARGETS = (
     "jpinfer_sparse_ffn",
     "jpinfer_sparse_ffn_int8",
+    "jpinfer_sparse_ffn_q4_0",
+    "jpinfer_sparse_ffn_q4_1",
     "jpinfer_sparse_activations",
     "jpinfer_listed_rows_sum",
     "jpinfer_threshold_rows",

@@ -14,12 +14,16 @@ Quantized models get int8 bundles (``NeuronFFN.quantized``). From an int8 model 
 model's own integers (W8A8, ``quant.int8``): the gate/up slots are neuron i's rows of
 ``w_gate_up.values`` with their row scales (``scales``, one per (neuron, slot)), the down slot is
 column i of ``w_down.values``, whose scales run along its outputs (``down_scales``, (d,), shared
-by every neuron): the full list then computes the dense int8 FFN's integers. From an int4 model the
-bundles are int8 copies of the dequantized 4-bit FFN weights, requantized the same way (one scale
-per gate/up row, one per down output): 4-bit blocks run along a matrix's input dimension, so a
-down column cannot be cut out of ``w_down``'s blocks, and re-blocking it in 4 bits along the other
-axis cost ~9% perplexity when tried, int8 copies 0.9% in the threshold mode (measured there, with
-most of it the per-token activation scale; docs/architecture.md), at 1 byte a weight against Q4_1's 0.625.
+by every neuron): the full list then computes the dense int8 FFN's integers.
+
+An int4 model's gate/up rows stay where they are, in its 4-bit ``w_gate_up`` (``gate_up``: rows are whole
+4-bit rows, so neuron i's are rows i and n + i, read in place by the kernel, no copy), and only the down slot
+is an int8 bundle (R = 1): a copy of column i of the dequantized ``w_down``, requantized with one scale per
+output (``down_scales``). 4-bit blocks run along a matrix's input dimension, so a down column cannot be cut
+out of ``w_down``'s blocks, and re-blocking it in 4 bits along the other axis cost ~9% perplexity when tried
+(int8 copies 0.9% in the threshold mode, measured there, with most of it the per-token activation scale;
+docs/architecture.md). At Llama-2-7B's shapes this holds a layer's FFN in 2 x 0.5625 + 1 bytes a weight
+triple, against 3 when every slot was an int8 copy (bench/results/cpu_7b.md).
 
 With experts (Mixtral, ``ModelConfig.n_experts``) a layout also holds the router and each neuron's expert: a
 neuron's activation is then times its expert's routing weight (``routing``), zero for the experts the router
@@ -38,6 +42,7 @@ from jpinfer.config import FFN_KINDS, UNGATED_KINDS, FfnKind
 from jpinfer.models import quantized
 from jpinfer.models.params import Layer
 from jpinfer.models.transformer import expert_weights
+from jpinfer.quant.q4 import Q4Matrix
 
 
 def routing_of(router: jax.Array, experts_per_token: int, experts: jax.Array, x: jax.Array) -> jax.Array:
@@ -57,8 +62,10 @@ class NeuronFFN:
     b_up:   (n,) or None, the up bias of each row's neuron (OPT).
     b_down: (d_model,) or None; a sparse FFN over this layout adds it once.
     kind:   FFN activation kind (static).
-    scales: int8 rows only: (n, R - 1) float32, the scale of each gate/up row (else None).
+    scales: int8 gate/up rows only: (n, R - 1) float32, the scale of each gate/up row (else None).
     down_scales: int8 rows only: (d_model,) float32, the down projection's scale per output.
+    gate_up: a 4-bit model's (module docstring): its 4-bit (P n, d_model) gate/up rows, gate rows then up rows (up
+            rows only, P = 1, for an ungated kind); ``rows`` then holds the int8 down slots alone, (n, 1, d_model).
     router / neuron_experts / experts_per_token: with experts, the router (n_experts, d_model), the expert of each
             row's neuron (n,) int32 and the router's top-k (static; 0 without experts).
     """
@@ -73,10 +80,11 @@ class NeuronFFN:
     router: jax.Array | None = None
     neuron_experts: jax.Array | None = None
     experts_per_token: int = dataclasses.field(default=0, metadata=dict(static=True))
+    gate_up: Q4Matrix | None = None
 
     @property
     def quantized(self) -> bool:
-        """Whether the bundles are int8 (W8A8: ``scales`` and ``down_scales`` set)."""
+        """Whether the bundles are int8 (W8A8: ``down_scales`` set, and ``scales`` or ``gate_up``)."""
         return self.rows.dtype == jnp.int8
 
     @property
@@ -112,6 +120,11 @@ class NeuronFFN:
             raise ValueError("subset positions must not repeat a neuron (it would be counted twice)")
         table = np.asarray(self.ids)[pos].astype(np.int32)
         take = lambda a: None if a is None else a[jnp.asarray(pos, jnp.int32)]
+        gate_up = None
+        if self.gate_up is not None:  # the held neurons' rows of each of its P blocks of n
+            slots = self.gate_up.outputs // self.n_neurons
+            gate_up = self.gate_up.take(jnp.asarray(np.concatenate([pos + j * self.n_neurons for j in range(slots)]),
+                                                    jnp.int32))
         compact = NeuronFFN(
             rows=take(self.rows),
             ids=jnp.asarray(table),
@@ -123,6 +136,7 @@ class NeuronFFN:
             router=self.router,
             neuron_experts=take(self.neuron_experts),
             experts_per_token=self.experts_per_token,
+            gate_up=gate_up,
         )
         return compact, table
 
@@ -162,11 +176,14 @@ def from_arrays(
 
 def from_layer(layer: Layer, kind: FfnKind, experts: tuple[int, int] | None = None) -> NeuronFFN:
     """Neuron-major FFN of a decoder layer (``kind`` is ``ModelConfig.ffn_kind``): float bundles of a
-    float layer, int8 bundles of an int8 or int4 one (module docstring). ``experts``: (neurons per expert,
+    float layer, int8 bundles of an int8 one, 4-bit gate/up rows and int8 down slots of an int4 one (module
+    docstring). ``experts``: (neurons per expert,
     experts per token) of a layer with a router (``ModelConfig.experts``), and only of such a layer."""
     if (layer.router is None) != (experts is None):
         raise ValueError("a layer with a router needs experts=(neurons per expert, experts per token), and only it")
-    if quantized.is_quantized(layer.w_gate_up) or quantized.is_quantized(layer.w_down):
+    if isinstance(layer.w_gate_up, Q4Matrix):
+        ffn = _q4_from_layer(layer, kind)
+    elif quantized.is_quantized(layer.w_gate_up) or quantized.is_quantized(layer.w_down):
         ffn = _int8_from_layer(layer, kind)
     else:
         n = layer.w_down.shape[1]
@@ -178,12 +195,33 @@ def from_layer(layer: Layer, kind: FfnKind, experts: tuple[int, int] | None = No
                                neuron_experts=jnp.arange(ffn.n_neurons, dtype=jnp.int32) // experts[0])
 
 
+def _checked_gate_up_shape(gate_up_shape: tuple[int, int], down_shape: tuple[int, int], kind: FfnKind) -> int:
+    """The gate/up slots a neuron has (2, or 1 for an ungated kind), after checking w_gate_up's shape."""
+    d, n = down_shape
+    slots = 1 if kind in UNGATED_KINDS else 2
+    if tuple(gate_up_shape) != (slots * n, d):
+        raise ValueError(f"w_gate_up has shape {tuple(gate_up_shape)}, expected {(slots * n, d)} for kind {kind!r}")
+    return slots
+
+
+def _q4_from_layer(layer: Layer, kind: FfnKind) -> NeuronFFN:
+    down = quantized.int8_copy(layer.w_down)
+    _checked_gate_up_shape(layer.w_gate_up.shape, down.shape, kind)
+    return NeuronFFN(
+        rows=down.values.T[:, None, :],
+        ids=jnp.arange(down.shape[1], dtype=jnp.int32),
+        b_up=None if layer.b_up is None else jnp.asarray(layer.b_up, jnp.float32),
+        b_down=None if layer.b_down is None else jnp.asarray(layer.b_down),
+        kind=kind,
+        down_scales=down.scales,
+        gate_up=layer.w_gate_up,
+    )
+
+
 def _int8_from_layer(layer: Layer, kind: FfnKind) -> NeuronFFN:
     gate_up, down = quantized.int8_copy(layer.w_gate_up), quantized.int8_copy(layer.w_down)
     d, n = down.shape
-    slots = 1 if kind in UNGATED_KINDS else 2
-    if gate_up.shape != (slots * n, d):
-        raise ValueError(f"w_gate_up has shape {gate_up.shape}, expected {(slots * n, d)} for kind {kind!r}")
+    slots = _checked_gate_up_shape(gate_up.shape, down.shape, kind)
     values = gate_up.values.reshape(slots, n, d)
     rows = jnp.concatenate([values.transpose(1, 0, 2), down.values.T[:, None, :]], axis=1)
     return NeuronFFN(

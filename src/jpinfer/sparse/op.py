@@ -17,8 +17,9 @@ and ``backend="gather"`` the XLA gather on any platform.
 
 Int8 bundles (``NeuronFFN.quantized``, W8A8: the dense int8 FFN's integers over the list) run the
 native ``native.kernels.sparse_ffn_int8`` on the CPU (library loaded) and its XLA gather form
-(``native.kernels.xla_sparse_ffn_int8``) elsewhere and for ``backend="xla"`` / ``"gather"``: the
-Pallas kernels read float rows only, so ``backend="pallas"`` refuses int8 bundles.
+(``native.kernels.xla_sparse_ffn_int8``) elsewhere and for ``backend="xla"`` / ``"gather"``; an int4
+model's (4-bit gate/up rows in place, ``NeuronFFN.gate_up``) ``sparse_ffn_q4`` and ``xla_sparse_ffn_q4``
+likewise. The Pallas kernels read float rows only, so ``backend="pallas"`` refuses quantized bundles.
 
 With experts (``NeuronFFN.router``) each listed activation is times its expert's routing weight: int8 bundles
 pass the weights to their kernel; float lists run as the kernels' two halves (``sparse_activations``, then
@@ -39,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jpinfer.activations import activate
+from jpinfer.models import quantized
 from jpinfer.native import kernels as native_kernels
 from jpinfer.native import native_available
 from jpinfer.ordering import after
@@ -96,7 +98,7 @@ def sparse_ffn(
     elif ffn.router is not None:
         y = _routed_ffn(ffn, x2, ids, count, backend)
     elif ffn.quantized:
-        y = _int8_ffn(ffn, x2, ids, count, backend)
+        y = _quantized_ffn(ffn, x2, ids, count, backend)
     else:
         args = (ffn.rows, ffn.b_up, x2, ids, count)
         loop = lambda *a: sparse_ffn_chunked(*a, kind=ffn.kind)
@@ -130,7 +132,7 @@ def _routed_ffn(ffn: NeuronFFN, x: jax.Array, ids: jax.Array, count: jax.Array, 
     listed = jnp.take(ffn.neuron_experts, jnp.clip(ids, 0, ffn.n_neurons - 1))
     weights = routing_of(ffn.router, ffn.experts_per_token, listed, x)  # (T, K)
     if ffn.quantized:
-        return _int8_ffn(ffn, x, ids, count, backend, weights)
+        return _quantized_ffn(ffn, x, ids, count, backend, weights)
 
     def halves(native: bool):
         def run(rows, b_up, x, ids, count, weights):
@@ -144,18 +146,25 @@ def _routed_ffn(ffn: NeuronFFN, x: jax.Array, ids: jax.Array, count: jax.Array, 
     return halves(False)(*args)
 
 
-def _int8_ffn(ffn: NeuronFFN, x: jax.Array, ids: jax.Array, count: jax.Array, backend: str,
-              weights: jax.Array | None = None) -> jax.Array:
-    """``sparse_ffn`` over int8 bundles, float32 (T, d) without ``b_down`` (module docstring); ``weights`` (T, K)
-    multiply the listed activations (the routing weights with experts)."""
+def _quantized_ffn(ffn: NeuronFFN, x: jax.Array, ids: jax.Array, count: jax.Array, backend: str,
+                   weights: jax.Array | None = None) -> jax.Array:
+    """``sparse_ffn`` over int8 bundles or an int4 model's (4-bit gate/up rows), float32 (T, d) without ``b_down``
+    (module docstring); ``weights`` (T, K) multiply the listed activations (the routing weights with experts)."""
     if backend == "pallas":
-        raise ValueError("the Pallas kernels take float rows: int8 bundles run with backend 'auto', 'xla' or 'gather'")
-    args = (ffn.rows, ffn.scales, ffn.down_scales, ffn.b_up, x, ids, count, weights)
-    gather = lambda *a: native_kernels.xla_sparse_ffn_int8(*a[:-1], kind=ffn.kind, weights=a[-1])
+        raise ValueError("the Pallas kernels take float rows: quantized bundles run with backend 'auto', 'xla' or "
+                         "'gather'")
+    if ffn.gate_up is not None:
+        args = (ffn.gate_up, ffn.rows[:, 0], ffn.down_scales, ffn.b_up, x, ids, count, weights)
+        gather = lambda *a: native_kernels.xla_sparse_ffn_q4(*a[:-1], kind=ffn.kind, weights=a[-1])
+        native = lambda gate_up, down, down_scales, b_up, x, ids, count, weights: native_kernels.sparse_ffn_q4(
+            gate_up, down, down_scales, x, ids, count, kind=ffn.kind, b_up=b_up, weights=weights, native=True)
+    else:
+        args = (ffn.rows, ffn.scales, ffn.down_scales, ffn.b_up, x, ids, count, weights)
+        gather = lambda *a: native_kernels.xla_sparse_ffn_int8(*a[:-1], kind=ffn.kind, weights=a[-1])
+        native = lambda rows, scales, down_scales, b_up, x, ids, count, weights: native_kernels.sparse_ffn_int8(
+            rows, scales, down_scales, x, ids, count, kind=ffn.kind, b_up=b_up, weights=weights, native=True)
     if backend != "auto" or not native_available():
         return gather(*args)
-    native = lambda rows, scales, down_scales, b_up, x, ids, count, weights: native_kernels.sparse_ffn_int8(
-        rows, scales, down_scales, x, ids, count, kind=ffn.kind, b_up=b_up, weights=weights, native=True)
     return jax.lax.platform_dependent(*args, cpu=native, default=gather)
 
 
@@ -198,7 +207,7 @@ def all_rows_ffn(ffn: NeuronFFN, x: jax.Array, keep: jax.Array | None = None) ->
     long (5.0 ms) (docs/architecture.md, "Engine modes").
 
     Int8 bundles run the dense int8 FFN's products (``quant.int8.product``: W8A8, the XLA form) on
-    their column blocks.
+    their column blocks; an int4 model's gate/up rows the dense 4-bit product (``models.quantized.matmul``).
 
     ``keep`` (T, n) boolean zeroes each token's other neurons' activations: the FFN over a list per token
     (a batch of sequences, each with its own predicted neurons), reading every row once. With experts each
@@ -210,12 +219,16 @@ def all_rows_ffn(ffn: NeuronFFN, x: jax.Array, keep: jax.Array | None = None) ->
         raise ValueError(f"x must be (d_model,) or (T, d_model) with d_model={ffn.d_model}, got {x.shape}")
     n, n_rows, d = ffn.rows.shape
     flat = ffn.rows.reshape(n, n_rows * d)
-    n_proj = n_rows - 1
+    n_proj = n_rows - 1 if ffn.gate_up is None else ffn.gate_up.outputs // n
     x2 = x.reshape(-1, d).astype(jnp.float32 if ffn.quantized else flat.dtype)
     # each block is copied out of the bundles once the layer's tokens exist (``ordering.after``: XLA otherwise
     # copied every layer's at the start of a prompt's step and held them all, 4.4 GB for a 7B int8 model)
     block = lambda j: after(flat[:, j * d : (j + 1) * d], x2)
-    if ffn.quantized:
+    if ffn.gate_up is not None:  # the dense 4-bit product over the gate/up rows, then the int8 down slots
+        gate_up = quantized.matmul(x2, ffn.gate_up)
+        project = lambda j: gate_up[:, j * n : (j + 1) * n]
+        down = lambda act: int8.product(act, Int8Matrix(block(0), ffn.down_scales, 1))
+    elif ffn.quantized:
         project = lambda j: int8.product(x2, Int8Matrix(block(j), ffn.scales[:, j], 0))
         # the down block is (n, d) input-major: a scale per column
         down = lambda act: int8.product(act, Int8Matrix(block(n_proj), ffn.down_scales, 1))

@@ -21,7 +21,7 @@
 // with its partial sums held in registers (AddRows): each weight is read once, right after the
 // previous ones of the same neuron (one contiguous bundle).
 #include "float_rows.h"
-#include "int8_rows.h"
+#include "q4_rows.h"
 
 namespace jpn {
 namespace {
@@ -226,6 +226,38 @@ thread_local std::vector<float> tl_act;
 thread_local std::vector<int16_t> tl_actq;
 thread_local std::vector<int32_t> tl_down;
 
+// Steps 2 and 3 of the int8 and 4-bit sparse FFNs: the m listed activations act[k * T + t] quantized per token
+// (int8, held in int16 for AddRowsInt8, as quantize_tokens would), the down rows down(k) summed exactly weighted
+// by them, then y = acc * (activation scale * down scale of the output).
+template <class RowFn>
+void QuantizedDownSum(ffi::ThreadPool& pool, int64_t m, int64_t T, int64_t d, const float* act, RowFn&& down,
+                      const float* down_scales, float* Y) {
+  int16_t* aq = Scratch(tl_actq, size_t(RoundUp(m, 4) * T));
+  float as[kMaxTokens];
+  for (int64_t t = 0; t < T; ++t) {
+    float peak = 0.0f;
+    for (int64_t k = 0; k < m; ++k) peak = std::max(peak, std::fabs(act[k * T + t]));
+    const float inverse = peak > 0.0f ? 127.0f / peak : 0.0f;
+    for (int64_t k = 0; k < m; ++k) aq[k * T + t] = QuantizeOne(act[k * T + t], inverse);
+    as[t] = peak * kInv127;
+  }
+  ScaledRowsSum(pool, m, T, d, down, aq, as, down_scales, tl_down, Y);
+}
+
+// The valid ids among the first `count` of a list (repeats kept: each counts) and their list positions, in
+// list order, into the thread's scratch; returns how many.
+int64_t ValidList(const ffi::Buffer<ffi::S32>& ids, const ffi::Buffer<ffi::S32>& count, int64_t n, int64_t*& listed,
+                  int64_t*& position) {
+  const int32_t* I = ids.typed_data();
+  const int64_t c = ListCount(count, ids.dimensions()[0]);
+  listed = Scratch(tl_listed, size_t(c));
+  position = Scratch(tl_positions, size_t(c));
+  int64_t m = 0;
+  for (int64_t p = 0; p < c; ++p)
+    if (I[p] >= 0 && I[p] < n) listed[m] = I[p], position[m++] = p;
+  return m;
+}
+
 // s[r * T + t] = exact int32 dot of rows[r] with token t, rb rows (rb <= Int8RowsPerPass(T)): one Int8Dots pass when
 // rb is 2 or 4, else one row at a time.
 template <int T>
@@ -267,17 +299,11 @@ ffi::Error SparseFfnInt8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> rows, ff
   const float* DS = down_scales.typed_data();
   const float* BU = b_up.element_count() ? b_up.typed_data() : nullptr;
   const float* WT = weights.element_count() ? weights.typed_data() : nullptr;
-  const int32_t* I = ids.typed_data();
   const int64_t K = ids.dimensions()[0];
   float* Y = y->typed_data();
   std::fill(Y, Y + T * d, 0.0f);
-  // the valid listed ids in list order (repeats kept: each counts), and their list positions
-  const int64_t c = ListCount(count, K);
-  int64_t* listed = Scratch(tl_listed, size_t(c));
-  int64_t* position = Scratch(tl_positions, size_t(c));
-  int64_t m = 0;
-  for (int64_t p = 0; p < c; ++p)
-    if (I[p] >= 0 && I[p] < n) listed[m] = I[p], position[m++] = p;
+  int64_t *listed, *position;
+  const int64_t m = ValidList(ids, count, n, listed, position);
   if (m == 0) return ffi::Error::Success();
   auto row = [&](int64_t id, int64_t slot) { return W + (id * R + slot) * d; };
 
@@ -314,20 +340,110 @@ ffi::Error SparseFfnInt8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> rows, ff
     }
   });
 
-  // 2. per token the activations as int8 (held in int16 for AddRowsInt8), as quantize_tokens would
-  int16_t* aq = Scratch(tl_actq, size_t(RoundUp(m, 4) * T));
-  float as[kMaxTokens];
-  for (int64_t t = 0; t < T; ++t) {
-    float peak = 0.0f;
-    for (int64_t k = 0; k < m; ++k) peak = std::max(peak, std::fabs(act[k * T + t]));
-    const float inverse = peak > 0.0f ? 127.0f / peak : 0.0f;
-    for (int64_t k = 0; k < m; ++k) aq[k * T + t] = QuantizeOne(act[k * T + t], inverse);
-    as[t] = peak * kInv127;
-  }
-
-  // 3. the listed down slots summed exactly, then scaled by the token's and each output's scale
-  ScaledRowsSum(pool, m, T, d, [&](int64_t k) { return row(listed[k], P); }, aq, as, DS, tl_down, Y);
+  QuantizedDownSum(pool, m, T, d, act, [&](int64_t k) { return row(listed[k], P); }, DS, Y);
   return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------- 4-bit gate/up rows (W4A8), int8 down slots
+//
+// A 4-bit model's neuron-major FFN (jpinfer.sparse.neurons) keeps its gate/up rows where they are, in the model's
+// 4-bit w_gate_up (packed (P n, d / 2), block scales (and mins) (P n, d / 32): gate rows 0..n-1, then up rows; up
+// rows only, P = 1, for an ungated kind); only the down slots are int8 columns (n, d) with a scale per output, as
+// the int8 bundles' (4-bit blocks run along the neurons there, so a neuron's column cuts across them). Step 1 is
+// the dense 4-bit product's arithmetic (x quantized in blocks of 32, Q4Rows) on the listed neurons' rows; steps
+// 2 and 3 are the int8 bundles' (QuantizedDownSum). One neuron's rows a pass, each a stream prefetched at the same
+// rows of the neuron two further down the list (8 KiB ahead at d 4096, kStreamPrefetchBytes), their block
+// scales (a separate array) too.
+thread_local Q8Scratch tl_q8;
+
+template <int T, bool kQ41>
+inline void Q4NeuronDots(int P, const uint8_t* const* rows, const uint16_t* const* ds, const uint16_t* const* ms,
+                         const uint8_t* const* ahead, const Q8Octets& x, float* s) {
+  if constexpr (Q4RowsPerPass(T) >= 2)
+    if (P == 2) return Q4Rows<2, T, kQ41>(rows, ds, ms, ahead, x, s, 2);
+  for (int r = 0; r < P; ++r) Q4Rows<1, T, kQ41>(rows + r, ds + r, ms + r, ahead + r, x, s + r, P);
+}
+
+template <bool kQ41>
+ffi::Error SparseFfnQ4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> packed, ffi::Buffer<ffi::F16> block_scales,
+                           ffi::Buffer<ffi::F16> block_mins, ffi::Buffer<ffi::S8> down,
+                           ffi::Buffer<ffi::F32> down_scales, ffi::Buffer<ffi::F32> b_up, ffi::Buffer<ffi::F32> x,
+                           ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::S32> count, ffi::Buffer<ffi::F32> weights,
+                           ffi::ResultBuffer<ffi::F32> y, int32_t kind) {
+  const auto pd = packed.dimensions(), dd = down.dimensions(), xd = x.dimensions();
+  if (pd.size() != 2 || dd.size() != 2 || xd.size() != 2 || ids.dimensions().size() != 1)
+    return ffi::Error::InvalidArgument("jpinfer sparse ffn q4: packed (P n, d/2), down (n, d), x (T, d), ids (K,)");
+  if (kind < 0 || kind >= kKinds) return ffi::Error::InvalidArgument("jpinfer sparse ffn q4: unknown kind");
+  const int64_t n = dd[0], d = dd[1], T = xd[0], P = Gated(kind) ? 2 : 1, nb = d / 32, K = ids.dimensions()[0];
+  if (d % 32 != 0 || pd[0] != P * n || pd[1] * 2 != d || int64_t(block_scales.element_count()) != P * n * nb ||
+      (kQ41 && int64_t(block_mins.element_count()) != P * n * nb))
+    return ffi::Error::InvalidArgument("jpinfer sparse ffn q4: gate/up (P n, d) in blocks of 32 for down (n, d)");
+  if (xd[1] != d || T < 1 || T > kMaxTokens)
+    return ffi::Error::InvalidArgument("jpinfer sparse ffn q4: x must be (T, d), 1 <= T <= 8");
+  if (int64_t(down_scales.element_count()) != d || (b_up.element_count() != 0 && int64_t(b_up.element_count()) != n))
+    return ffi::Error::InvalidArgument("jpinfer sparse ffn q4: down scales (d,) and b_up (n,) or empty expected");
+  if (weights.element_count() != 0 && int64_t(weights.element_count()) != T * K)
+    return ffi::Error::InvalidArgument("jpinfer sparse ffn q4: weights must be (T, K) or empty");
+  const uint8_t* W = packed.typed_data();
+  const uint16_t* D = reinterpret_cast<const uint16_t*>(block_scales.untyped_data());
+  const uint16_t* M = kQ41 ? reinterpret_cast<const uint16_t*>(block_mins.untyped_data()) : nullptr;
+  const int8_t* down_rows = reinterpret_cast<const int8_t*>(down.typed_data());
+  const float* BU = b_up.element_count() ? b_up.typed_data() : nullptr;
+  const float* WT = weights.element_count() ? weights.typed_data() : nullptr;
+  float* Y = y->typed_data();
+  std::fill(Y, Y + T * d, 0.0f);
+  int64_t *listed, *position;
+  const int64_t m = ValidList(ids, count, n, listed, position);
+  if (m == 0) return ffi::Error::Success();
+
+  // 1. activations act[k * T + t] of the listed neurons
+  const Q8Octets xq = QuantizeForQ4(x.typed_data(), T, d, tl_q8);
+  float* act = Scratch(tl_act, size_t(m * T));
+  constexpr int64_t kActPiece = 32;
+  ParallelFor(pool, CeilDiv(m, kActPiece), m * P * d / 2, [&](int64_t i) {
+    const int64_t k1 = std::min(m, (i + 1) * kActPiece);
+    for (int64_t k = i * kActPiece; k < k1; ++k) {
+      const int64_t id = listed[k], later = listed[std::min(k + 2, m - 1)];
+      const uint8_t* rows[2];
+      const uint8_t* ahead[2];
+      const uint16_t* ds[2];
+      const uint16_t* ms[2];
+      for (int64_t r = 0; r < P; ++r) {
+        const int64_t row = r * n + id, ahead_row = r * n + later;
+        rows[r] = W + row * (d / 2), ds[r] = D + row * nb, ms[r] = kQ41 ? M + row * nb : nullptr;
+        ahead[r] = W + ahead_row * (d / 2);
+        for (int64_t c = 0; c < nb * 2; c += 64) _mm_prefetch(reinterpret_cast<const char*>(D + ahead_row * nb) + c, _MM_HINT_T0);
+      }
+      float s[2 * kMaxTokens];
+      WithCount<kMaxTokens>(T, [&](auto t) { Q4NeuronDots<decltype(t)::value, kQ41>(int(P), rows, ds, ms, ahead, xq, s); });
+      for (int64_t t = 0; t < T; ++t) {
+        const float g = P == 2 ? s[t * P] : 0.0f;
+        const float u = s[t * P + P - 1] + (BU ? BU[id] : 0.0f);
+        const float a = Activate(kind, g, u);
+        act[k * T + t] = WT ? a * WT[t * K + position[k]] : a;
+      }
+    }
+  });
+  QuantizedDownSum(pool, m, T, d, act, [&](int64_t k) { return down_rows + listed[k] * d; }, down_scales.typed_data(),
+                   Y);
+  return ffi::Error::Success();
+}
+
+ffi::Error SparseFfnQ40Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> packed, ffi::Buffer<ffi::F16> block_scales,
+                            ffi::Buffer<ffi::F16> block_mins, ffi::Buffer<ffi::S8> down,
+                            ffi::Buffer<ffi::F32> down_scales, ffi::Buffer<ffi::F32> b_up, ffi::Buffer<ffi::F32> x,
+                            ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::S32> count, ffi::Buffer<ffi::F32> weights,
+                            ffi::ResultBuffer<ffi::F32> y, int32_t kind) {
+  return SparseFfnQ4Impl<false>(pool, packed, block_scales, block_mins, down, down_scales, b_up, x, ids, count,
+                                weights, y, kind);
+}
+ffi::Error SparseFfnQ41Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> packed, ffi::Buffer<ffi::F16> block_scales,
+                            ffi::Buffer<ffi::F16> block_mins, ffi::Buffer<ffi::S8> down,
+                            ffi::Buffer<ffi::F32> down_scales, ffi::Buffer<ffi::F32> b_up, ffi::Buffer<ffi::F32> x,
+                            ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::S32> count, ffi::Buffer<ffi::F32> weights,
+                            ffi::ResultBuffer<ffi::F32> y, int32_t kind) {
+  return SparseFfnQ4Impl<true>(pool, packed, block_scales, block_mins, down, down_scales, b_up, x, ids, count,
+                               weights, y, kind);
 }
 
 }  // namespace
@@ -380,3 +496,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jpinfer_sparse_ffn_int8, jpn::SparseFfnInt8Impl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // weights (T, K) or (0,)
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y (T, d)
                                   .Attr<int32_t>("kind"));
+
+#define JPN_SPARSE_Q4_BINDING                                                      \
+  ffi::Ffi::Bind()                                                                 \
+      .Ctx<ffi::ThreadPool>()                                                      \
+      .Arg<ffi::Buffer<ffi::U8>>()  /* gate/up packed (P n, d / 2) */              \
+      .Arg<ffi::Buffer<ffi::F16>>() /* their block scales (P n, d / 32) */         \
+      .Arg<ffi::Buffer<ffi::F16>>() /* their block mins (P n, d / 32), Q4_0: (0,) */ \
+      .Arg<ffi::Buffer<ffi::S8>>()  /* down slots (n, d) int8 */                   \
+      .Arg<ffi::Buffer<ffi::F32>>() /* down scales (d,) */                         \
+      .Arg<ffi::Buffer<ffi::F32>>() /* b_up (n,) or (0,) */                        \
+      .Arg<ffi::Buffer<ffi::F32>>() /* x (T, d) */                                 \
+      .Arg<ffi::Buffer<ffi::S32>>() /* ids (K,) */                                 \
+      .Arg<ffi::Buffer<ffi::S32>>() /* count () */                                 \
+      .Arg<ffi::Buffer<ffi::F32>>() /* weights (T, K) or (0,) */                   \
+      .Ret<ffi::Buffer<ffi::F32>>() /* y (T, d) */                                 \
+      .Attr<int32_t>("kind")
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jpinfer_sparse_ffn_q4_0, jpn::SparseFfnQ40Impl, JPN_SPARSE_Q4_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jpinfer_sparse_ffn_q4_1, jpn::SparseFfnQ41Impl, JPN_SPARSE_Q4_BINDING);
