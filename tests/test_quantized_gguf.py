@@ -14,7 +14,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from jpinfer.errors import CheckpointError, JpinferError
-from jpinfer.models import gguf_loader, loading, quantized, transformer
+from jpinfer.models import loading, quantized, transformer
 from jpinfer.models.gguf_loader import load_gguf, read_q4_blocks
 from jpinfer.models.loading import LoadedModel, load_quantized_gguf
 from jpinfer.models.params import build_weights
@@ -58,7 +58,7 @@ def reference(path, fmt: str):
 def test_straight_read_equals_the_float_path_quantized(tmp_path, monkeypatch, qtype, fmt, tied):
     cfg = fx.tiny_config(tied=tied)
     path = fx.write_gguf(tmp_path / "m.gguf", cfg, fx.random_tensors(cfg, seed=3), qtype)
-    monkeypatch.setattr(gguf_loader, "CONVERT_WEIGHTS", 3 * cfg.d_ff)  # several chunks per matrix, one ragged
+    monkeypatch.setattr(quantized, "CONVERT_WEIGHTS", 3 * cfg.d_ff)  # several chunks per matrix, one ragged
     got = load_quantized_gguf(path, fmt)
     ref_cfg, tensors, want = reference(path, fmt)
     assert got.cfg == ref_cfg

@@ -32,6 +32,7 @@ import numpy as np
 
 from jpinfer.bench.engines import JaxEngine, weights_read_per_token
 from jpinfer.bench.fixed_list import listed_count
+from jpinfer.host_heap import release_free_heap
 from jpinfer.models.loading import LoadedModel, load_quantized_gguf
 from jpinfer.models.params import Layer
 from jpinfer.modes.engines import without_ffn
@@ -113,6 +114,10 @@ def neuron_major(model: LoadedModel, consume: bool = False) -> list[NeuronFFN]:
         out.append(from_layer(layer, model.cfg.ffn_kind, model.cfg.experts))
         if consume:
             layers[i] = without_ffn(layer)
+            del layer
+            # the dense FFN's memory back to the OS now, not held free in the heap while the next layers' layouts
+            # are made in fresh memory (a 7B int4 model's build peaked 0.7 GB higher, 6.11 against 5.38 GB)
+            release_free_heap()
     return out
 
 

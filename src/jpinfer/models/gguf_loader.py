@@ -22,6 +22,7 @@ from gguf.quants import dequantize
 
 from jpinfer.config import ModelConfig, RopeScaling
 from jpinfer.errors import CheckpointError
+from jpinfer.models import quantized
 from jpinfer.models.params import FUSED_PROJECTIONS, Norm, Weights, build_layer, expected_shapes
 from jpinfer.models.quantized import INT4_KIND
 from jpinfer.models.tokenizer import Tokenizer, tokenizer_from_gguf_metadata
@@ -362,11 +363,6 @@ def read_q4_blocks(path: os.PathLike | str, cfg: ModelConfig) -> dict[str, q4.Q4
     return out
 
 
-# Rows converted at a time when a tensor is dequantized to be quantized again: ~4M weights (16 MB of float32,
-# 32 MB of the float64 ``int8.quantize`` works in), so a 7B file's largest tensors never exist in float whole
-CONVERT_WEIGHTS = 1 << 22
-
-
 def read_quantized_weights(reader: GGUFReader, cfg: ModelConfig, path: os.PathLike | str, fmt: str,
                            progress: Callable[[int], None] | None = None) -> Weights:
     """The file's weights straight in a quantized format, one tensor in memory at a time: a model too large for
@@ -376,7 +372,7 @@ def read_quantized_weights(reader: GGUFReader, cfg: ModelConfig, path: os.PathLi
     (``quant.int8``, no SmoothQuant migration: that needs the float model and calibration text); "int4": the
     projections in 4-bit blocks, the file's own Q4_0 / Q4_1 blocks as they are (``quant.q4.from_gguf``), others
     quantized to ``quantized.INT4_KIND``; head and embedding int8 as for "int8". A tensor stored in another type
-    is dequantized and quantized again ``CONVERT_WEIGHTS`` at a time (rows are quantized independently, so the
+    is dequantized and quantized again ``quantized.CONVERT_WEIGHTS`` at a time (rows are quantized independently, so the
     result is that of quantizing the whole float tensor). Norms and biases stay float32. ``progress`` is called
     with each layer done."""
     if fmt not in ("int8", "int4"):
@@ -437,14 +433,12 @@ def _quantized_matrix(path: os.PathLike | str, t, shape: tuple[int, int], form: 
     raw = _tensor_data(path, t)
     if form == "int4" and kind is not None and keep_blocks:
         return q4.from_gguf(raw, shape, kind)
-    as_int4 = form == "int4" and shape[1] % q4.QK == 0
     rows = raw.reshape(shape[0], -1)
-    step = max(1, CONVERT_WEIGHTS // shape[1])
-    parts = []
-    for start in range(0, shape[0], step):
-        w = dequantize(rows[start:start + step], t.tensor_type).reshape(-1, shape[1])
-        parts.append(q4.quantize(w, INT4_KIND) if as_int4 else int8.quantize(w))
-    return _stack(parts)
+    float_rows = lambda r0, r1: dequantize(rows[r0:r1], t.tensor_type).reshape(-1, shape[1])
+    if form != "int4" or shape[1] % q4.QK:
+        return quantized.int8_by_rows(shape, float_rows)
+    step = max(1, quantized.CONVERT_WEIGHTS // shape[1])
+    return _stack([q4.quantize(float_rows(r0, r0 + step), INT4_KIND) for r0 in range(0, shape[0], step)])
 
 
 def _stack(parts: list) -> Int8Matrix | q4.Q4Matrix:

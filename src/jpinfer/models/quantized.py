@@ -19,6 +19,7 @@ integers (exactly) and scale them in another order (float32 rounding).
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -75,14 +76,40 @@ def as_float(w: jax.Array | QuantizedMatrix, dtype=jnp.float32) -> jax.Array:
     return w.astype(dtype)
 
 
+# Rows quantized at a time when a matrix is made int8 from another form: ~4M weights (16 MB of float32, 32 MB
+# of the float64 ``int8.quantize`` works in). Whole, a 7B down matrix took ~1.4 GB of float64 temporaries: the
+# peak of building a 7B int4 model's sparse layout (bench/cpu_7b.py's memory runs, 2026-12-05).
+CONVERT_WEIGHTS = 1 << 22
+
+
+def int8_by_rows(shape: tuple[int, int], float_rows: Callable[[int, int], Any]) -> Int8Matrix:
+    """An (out, in) matrix quantized to int8 per output row, ``CONVERT_WEIGHTS`` weights at a time:
+    ``float_rows(r0, r1)`` gives rows [r0, r1) in float. Rows are quantized independently, so the result is
+    ``int8.quantize`` of the whole float matrix, without it or its float64 temporaries ever existing whole."""
+    out, inp = shape
+    values = np.empty((out, inp), np.int8)
+    scales = np.empty((out,), np.float32)
+    step = max(1, CONVERT_WEIGHTS // max(inp, 1))
+    for r0 in range(0, out, step):
+        part = int8.quantize(float_rows(r0, min(out, r0 + step)))
+        values[r0:r0 + step], scales[r0:r0 + step] = np.asarray(part.values), np.asarray(part.scales)
+    return Int8Matrix(jnp.asarray(values), jnp.asarray(scales), 0)
+
+
 def int8_copy(w: jax.Array | QuantizedMatrix) -> Int8Matrix:
     """An (out, in) weight as int8 with one scale per output row: an int8 one as it is, another (a 4-bit
     one: its blocks run along the input, so its rows across the input cannot be read or cut out) quantized
-    from the float matrix it stands for. The int8 copies the threshold layout of an int4 model reads by rows, and
-    its sparse layout's down columns."""
+    from the float matrix it stands for (``int8_by_rows``). The int8 copies the threshold layout of an int4
+    model reads by rows, and its sparse layout's down columns."""
     if isinstance(w, Int8Matrix) and w.scale_axis == 0:
         return w
-    return int8.quantize(as_float(w))
+    if isinstance(w, Q4Matrix):
+        rows = lambda r0, r1: q4.dequantize(w.take(slice(r0, r1)))
+    elif isinstance(w, Int8Matrix):  # one scale per column (input-major): the rows' values with every scale
+        rows = lambda r0, r1: int8.dequantize(Int8Matrix(w.values[r0:r1], w.scales, 1))
+    else:
+        rows = lambda r0, r1: jnp.asarray(w[r0:r1], jnp.float32)
+    return int8_by_rows(tuple(w.shape), rows)
 
 
 def rows(w: QuantizedMatrix, index: jax.Array, dtype=jnp.float32) -> jax.Array:
