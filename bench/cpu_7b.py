@@ -9,7 +9,8 @@ depends on shapes, bytes and which neurons are read, not on the weights' values.
   they are) format, one tensor in float at a time (``models.loading.load_quantized_gguf``);
 - engines per format: llama.cpp dense; jpinfer dense; jpinfer planted-sparse at each ``--fractions`` active,
   without and with a predictor of ``--rank`` per layer (``jpinfer.bench.planted``: the same neurons either
-  way). The sparse engines read int8 neuron bundles in both formats (a 4-bit model's are int8 copies);
+  way). The sparse engines read int8 neuron bundles (Q8_0), or the 4-bit gate/up rows in place and int8 copies
+  of the down columns (Q4_0);
 - speed: one prompt of ``--prompt-tokens`` random ids, ``--new-tokens`` greedy tokens, every engine once per
   round, ``--rounds`` interleaved rounds, median decode tok/s per engine and the median of same-round ratios to
   llama.cpp's (``x_llama_cpp``), the load average of each round;
@@ -165,9 +166,10 @@ def report(data: dict) -> str:
               f"with {' and '.join(f['written_with'])} in one pass of {f['write_s']:.0f} s, gguf's quantizer)"
               for ft, f in data["files"].items()]
     lines += ["", "jpinfer reads int8 rows with one scale each (1 byte a weight) from Q8_0's blocks (1.0625); its "
-              "sparse rows read int8 neuron bundles in both formats (a 4-bit model's are int8 copies: 4-bit blocks "
-              "run along the input, so a neuron's down column cuts across them). 'of bound' over 1 means the "
-              "engine read faster than XLA's float32 matrix-vector product, the reference."]
+              "sparse engines read int8 neuron bundles from Q8_0, and from Q4_0 the file's 4-bit gate/up rows in "
+              "place with int8 copies of the down columns (4-bit blocks run along the input, so a neuron's down "
+              "column cuts across them). 'of bound' over 1 means the engine read faster than XLA's float32 "
+              "matrix-vector product, the reference."]
     lines += ["", "## Decode speed", ""]
     lines += markdown_table(
         ["format", "engine", "decode tok/s", "x llama.cpp (same round)", "GB read/token", "bytes bound tok/s",

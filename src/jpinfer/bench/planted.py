@@ -32,7 +32,7 @@ import numpy as np
 
 from jpinfer.bench.engines import JaxEngine, weights_read_per_token
 from jpinfer.bench.fixed_list import listed_count
-from jpinfer.host_heap import release_free_heap
+from jpinfer.host_heap import release_freed_heap
 from jpinfer.models.loading import LoadedModel, load_quantized_gguf
 from jpinfer.models.params import Layer
 from jpinfer.modes.engines import without_ffn
@@ -117,7 +117,7 @@ def neuron_major(model: LoadedModel, consume: bool = False) -> list[NeuronFFN]:
             del layer
             # the dense FFN's memory back to the OS now, not held free in the heap while the next layers' layouts
             # are made in fresh memory (a 7B int4 model's build peaked 0.7 GB higher, 6.11 against 5.38 GB)
-            release_free_heap()
+            release_freed_heap()
     return out
 
 

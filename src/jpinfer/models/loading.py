@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import hashlib
 import json
@@ -18,6 +17,7 @@ from jpinfer import artifacts
 from jpinfer.cache import CacheWarning, cache_dir
 from jpinfer.config import ModelConfig
 from jpinfer.errors import CacheError, CheckpointError, JpinferError
+from jpinfer.host_heap import release_freed_heap
 from jpinfer.models.hf_loader import load_hf
 from jpinfer.models.params import Weights, build_weights
 
@@ -130,23 +130,6 @@ def load_quantized_gguf(source: str | os.PathLike, weights: str, tokenizer: bool
     release_freed_heap()
     tok = gguf_loader.load_gguf_tokenizer(path) if tokenizer else None
     return LoadedModel(cfg, quantized, tok, str(path))
-
-
-def release_freed_heap() -> bool:
-    """Hand the C heap's free pages back to the system (glibc's ``malloc_trim``); False where there is no such
-    call (another C library or system). Why: reading a file into int8 or 4-bit converts it a tensor at a time,
-    and glibc keeps the heap those conversions freed. Measured on the 7B-shaped Q8_0 file read into int8
-    (scratch, 2-core Zen 5 VM, 2026-12-04): resident 7.17 GiB after loading for 6.28 GiB of arrays, 6.77
-    after trimming; after 8 decoded tokens 7.65 GiB untrimmed against 7.45 (1.15x -> 1.12x the file's
-    tensor bytes, what bench/cpu_7b.py's memory rows compare)."""
-    try:
-        trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # the process's C library, as solver.milp opens it
-    except OSError:
-        return False
-    if trim is None:
-        return False
-    trim(0)
-    return True
 
 
 def int4_model(model: LoadedModel) -> LoadedModel:

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jpinfer.config import ModelConfig
-from jpinfer.host_heap import release_free_heap
+from jpinfer.host_heap import release_freed_heap
 from jpinfer.models import transformer
 from jpinfer.models.loading import LoadedModel
 from jpinfer.models.params import Weights
@@ -138,7 +138,7 @@ class Engine:
         self.ffn = ffn
         self.stepper = stepper or FusedStepper(model, ffn)
         self._warm: set[tuple] = set()
-        release_free_heap()  # what building the weights' layouts freed (host_heap)
+        release_freed_heap()  # what building the weights' layouts freed (host_heap)
 
     @property
     def cfg(self) -> ModelConfig:
@@ -279,7 +279,7 @@ class Engine:
         jax.block_until_ready(token)
         self._warm.add(key)
         del token, cache, rng
-        release_free_heap()  # what compiling and this run freed (host_heap)
+        release_freed_heap()  # what compiling and this run freed (host_heap)
 
     def device_step_seconds(self, prompt_ids: list[int], n_steps: int, config: GenerationConfig | None = None) -> float:
         """Mean decode step time with no host round trip between steps (the loop's lower bound).
