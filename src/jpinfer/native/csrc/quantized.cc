@@ -150,15 +150,6 @@ ffi::Error Q4MatvecImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> packed, ffi::
   return ffi::Error::Success();
 }
 
-ffi::Error Q40Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> packed, ffi::Buffer<ffi::F16> d, ffi::Buffer<ffi::F16> m,
-                   ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> y) {
-  return Q4MatvecImpl<false>(pool, packed, d, m, x, y);
-}
-ffi::Error Q41Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> packed, ffi::Buffer<ffi::F16> d, ffi::Buffer<ffi::F16> m,
-                   ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> y) {
-  return Q4MatvecImpl<true>(pool, packed, d, m, x, y);
-}
-
 }  // namespace
 }  // namespace jpn
 
@@ -181,5 +172,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jpinfer_int8_matvec, jpn::Int8MatvecImpl,
       .Arg<ffi::Buffer<ffi::F32>>() /* x (T, in) */                      \
       .Ret<ffi::Buffer<ffi::F32>>() /* y (T, out) */
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jpinfer_q4_0_matvec, jpn::Q40Impl, JPN_Q4_BINDING);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jpinfer_q4_1_matvec, jpn::Q41Impl, JPN_Q4_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jpinfer_q4_0_matvec, jpn::Q4MatvecImpl<false>, JPN_Q4_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jpinfer_q4_1_matvec, jpn::Q4MatvecImpl<true>, JPN_Q4_BINDING);

@@ -429,23 +429,6 @@ ffi::Error SparseFfnQ4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> packed, ff
   return ffi::Error::Success();
 }
 
-ffi::Error SparseFfnQ40Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> packed, ffi::Buffer<ffi::F16> block_scales,
-                            ffi::Buffer<ffi::F16> block_mins, ffi::Buffer<ffi::S8> down,
-                            ffi::Buffer<ffi::F32> down_scales, ffi::Buffer<ffi::F32> b_up, ffi::Buffer<ffi::F32> x,
-                            ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::S32> count, ffi::Buffer<ffi::F32> weights,
-                            ffi::ResultBuffer<ffi::F32> y, int32_t kind) {
-  return SparseFfnQ4Impl<false>(pool, packed, block_scales, block_mins, down, down_scales, b_up, x, ids, count,
-                                weights, y, kind);
-}
-ffi::Error SparseFfnQ41Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> packed, ffi::Buffer<ffi::F16> block_scales,
-                            ffi::Buffer<ffi::F16> block_mins, ffi::Buffer<ffi::S8> down,
-                            ffi::Buffer<ffi::F32> down_scales, ffi::Buffer<ffi::F32> b_up, ffi::Buffer<ffi::F32> x,
-                            ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::S32> count, ffi::Buffer<ffi::F32> weights,
-                            ffi::ResultBuffer<ffi::F32> y, int32_t kind) {
-  return SparseFfnQ4Impl<true>(pool, packed, block_scales, block_mins, down, down_scales, b_up, x, ids, count,
-                               weights, y, kind);
-}
-
 }  // namespace
 }  // namespace jpn
 
@@ -513,5 +496,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jpinfer_sparse_ffn_int8, jpn::SparseFfnInt8Impl,
       .Ret<ffi::Buffer<ffi::F32>>() /* y (T, d) */                                 \
       .Attr<int32_t>("kind")
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jpinfer_sparse_ffn_q4_0, jpn::SparseFfnQ40Impl, JPN_SPARSE_Q4_BINDING);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jpinfer_sparse_ffn_q4_1, jpn::SparseFfnQ41Impl, JPN_SPARSE_Q4_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jpinfer_sparse_ffn_q4_0, jpn::SparseFfnQ4Impl<false>, JPN_SPARSE_Q4_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jpinfer_sparse_ffn_q4_1, jpn::SparseFfnQ4Impl<true>, JPN_SPARSE_Q4_BINDING);
