@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_modes import all_active, assert_decodes_like
 from test_native_kernels import BACKENDS, list_cases
-from test_sparse_int8 import U, assert_scaled_equal, down_reference, listed_positions
+from test_sparse_int8 import U, assert_right_under_jit_and_scan, assert_scaled_equal, down_reference, listed_positions
 
 import jpinfer
 from jpinfer.config import UNGATED_KINDS
@@ -130,30 +129,15 @@ def test_q4_kernel_kinds_bias_weights_and_one_dimensional_x(kind, native):
 
 @pytest.mark.parametrize("native", BACKENDS)
 def test_q4_kernel_under_jit_and_scan(native):
-    """Inside a jitted lax.scan (the decode loop's form) with a traced count, and 11 tokens (calls of up to 8)."""
     gate_up, w, down, down_scales, b_up = q4_ffn("swiglu", seed=5)
     rng = np.random.default_rng(6)
     xs = integer_tokens(rng, 5)
     ids = rng.permutation(N).astype(np.int32)
-    counts = np.array([0, 1, 17, 40, 64], np.int32)
-
-    @jax.jit
-    def run(xs, counts):
-        step = lambda c, xc: (c, K.sparse_ffn_q4(gate_up, down, down_scales, xc[0], ids, xc[1], kind="swiglu",
-                                                 b_up=b_up, native=native))
-        return jax.lax.scan(step, 0, (xs, counts))[1]
-
-    got = np.asarray(run(xs, counts))
-    for t in range(5):
-        ref, margin, _, _ = reference(w, down, down_scales, b_up, xs[t:t + 1], ids, counts[t], "swiglu")
-        assert margin > MARGIN
-        assert_scaled_equal(got[t], ref[0], f"step {t}")
     x11 = integer_tokens(rng, 11)
-    y = jax.jit(lambda x: K.sparse_ffn_q4(gate_up, down, down_scales, x, ids, 50, kind="swiglu", b_up=b_up,
-                                          native=native))(x11)
-    ref, margin, _, _ = reference(w, down, down_scales, b_up, x11, ids, 50, "swiglu")
-    assert margin > MARGIN
-    assert_scaled_equal(y, ref, "11 tokens")
+    assert_right_under_jit_and_scan(
+        lambda x, ids, count: K.sparse_ffn_q4(gate_up, down, down_scales, x, ids, count, kind="swiglu", b_up=b_up,
+                                              native=native),
+        lambda x, ids, count: reference(w, down, down_scales, b_up, x, ids, count, "swiglu"), xs, x11, ids)
 
 
 @pytest.mark.parametrize("native", [b for b in BACKENDS if b.values[0]])

@@ -179,33 +179,38 @@ def test_int8_kernel_kinds_bias_and_one_dimensional_x(kind, native):
     assert_scaled_equal(y1, ref[0], kind + " 1-D")
 
 
-@pytest.mark.parametrize("native", BACKENDS)
-def test_int8_kernel_under_jit_and_scan(native):
-    """Inside a jitted lax.scan (the decode loop's form), one token a step and a traced count, and more than 8
-    tokens (several calls of up to 8)."""
-    rows, scales, down_scales, b_up = bundles("swiglu", seed=5)
-    rng = np.random.default_rng(6)
-    xs = rng.standard_normal((5, D)).astype(np.float32)
-    ids = rng.permutation(N).astype(np.int32)
+def assert_right_under_jit_and_scan(kernel, reference, xs, x11, ids):
+    """``kernel(x, ids, count)`` inside a jitted lax.scan (the decode loop's form), one token of ``xs`` (5, d) a
+    step with a traced count, and over the 11 tokens ``x11`` (several calls of up to 8), against
+    ``reference(x, ids, count)`` (a ``down_reference`` result) within ``assert_scaled_equal``."""
     counts = np.array([0, 1, 17, 40, 64], np.int32)
 
     @jax.jit
     def run(xs, counts):
-        step = lambda c, xc: (c, K.sparse_ffn_int8(rows, scales, down_scales, xc[0], ids, xc[1], kind="swiglu",
-                                                   b_up=b_up, native=native))
-        return jax.lax.scan(step, 0, (xs, counts))[1]
+        return jax.lax.scan(lambda c, xc: (c, kernel(xc[0], ids, xc[1])), 0, (xs, counts))[1]
 
     got = np.asarray(run(xs, counts))
     for t in range(5):
-        ref, margin, _, _ = reference(rows, scales, down_scales, b_up, xs[t:t + 1], ids, counts[t], "swiglu")
+        ref, margin, _, _ = reference(xs[t:t + 1], ids, counts[t])
         assert margin > 8 * U * 127
         assert_scaled_equal(got[t], ref[0], f"step {t}")
-    x11 = rng.standard_normal((11, D)).astype(np.float32)
-    y = jax.jit(lambda x: K.sparse_ffn_int8(rows, scales, down_scales, x, ids, 50, kind="swiglu", b_up=b_up,
-                                            native=native))(x11)
-    ref, margin, _, _ = reference(rows, scales, down_scales, b_up, x11, ids, 50, "swiglu")
+    y = jax.jit(lambda x: kernel(x, ids, 50))(x11)
+    ref, margin, _, _ = reference(x11, ids, 50)
     assert margin > 8 * U * 127
     assert_scaled_equal(y, ref, "11 tokens")
+
+
+@pytest.mark.parametrize("native", BACKENDS)
+def test_int8_kernel_under_jit_and_scan(native):
+    rows, scales, down_scales, b_up = bundles("swiglu", seed=5)
+    rng = np.random.default_rng(6)
+    xs = rng.standard_normal((5, D)).astype(np.float32)
+    ids = rng.permutation(N).astype(np.int32)
+    x11 = rng.standard_normal((11, D)).astype(np.float32)
+    assert_right_under_jit_and_scan(
+        lambda x, ids, count: K.sparse_ffn_int8(rows, scales, down_scales, x, ids, count, kind="swiglu", b_up=b_up,
+                                                native=native),
+        lambda x, ids, count: reference(rows, scales, down_scales, b_up, x, ids, count, "swiglu"), xs, x11, ids)
 
 
 @pytest.mark.parametrize("native", [b for b in BACKENDS if b.values[0]])

@@ -437,8 +437,7 @@ def _quantized_matrix(path: os.PathLike | str, t, shape: tuple[int, int], form: 
     float_rows = lambda r0, r1: dequantize(rows[r0:r1], t.tensor_type).reshape(-1, shape[1])
     if form != "int4" or shape[1] % q4.QK:
         return quantized.int8_by_rows(shape, float_rows)
-    step = max(1, quantized.CONVERT_WEIGHTS // shape[1])
-    return _stack([q4.quantize(float_rows(r0, r0 + step), INT4_KIND) for r0 in range(0, shape[0], step)])
+    return _stack([q4.quantize(float_rows(r0, r1), INT4_KIND) for r0, r1 in quantized.row_chunks(shape)])
 
 
 def _stack(parts: list) -> Int8Matrix | q4.Q4Matrix:

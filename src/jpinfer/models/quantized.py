@@ -19,7 +19,7 @@ integers (exactly) and scale them in another order (float32 rounding).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -82,17 +82,22 @@ def as_float(w: jax.Array | QuantizedMatrix, dtype=jnp.float32) -> jax.Array:
 CONVERT_WEIGHTS = 1 << 22
 
 
-def int8_by_rows(shape: tuple[int, int], float_rows: Callable[[int, int], Any]) -> Int8Matrix:
-    """An (out, in) matrix quantized to int8 per output row, ``CONVERT_WEIGHTS`` weights at a time:
-    ``float_rows(r0, r1)`` gives rows [r0, r1) in float. Rows are quantized independently, so the result is
-    ``int8.quantize`` of the whole float matrix, without it or its float64 temporaries ever existing whole."""
+def row_chunks(shape: tuple[int, int]) -> Iterator[tuple[int, int]]:
+    """(r0, r1): the row ranges of an (out, in) matrix converted ``CONVERT_WEIGHTS`` weights at a time."""
     out, inp = shape
-    values = np.empty((out, inp), np.int8)
-    scales = np.empty((out,), np.float32)
     step = max(1, CONVERT_WEIGHTS // max(inp, 1))
-    for r0 in range(0, out, step):
-        part = int8.quantize(float_rows(r0, min(out, r0 + step)))
-        values[r0:r0 + step], scales[r0:r0 + step] = np.asarray(part.values), np.asarray(part.scales)
+    return ((r0, min(out, r0 + step)) for r0 in range(0, out, step))
+
+
+def int8_by_rows(shape: tuple[int, int], float_rows: Callable[[int, int], Any]) -> Int8Matrix:
+    """An (out, in) matrix quantized to int8 per output row, a ``row_chunks`` range at a time: ``float_rows(r0,
+    r1)`` gives rows [r0, r1) in float. Rows are quantized independently, so the result is ``int8.quantize`` of
+    the whole float matrix, without it or its float64 temporaries ever existing whole."""
+    values = np.empty(shape, np.int8)
+    scales = np.empty(shape[:1], np.float32)
+    for r0, r1 in row_chunks(shape):
+        part = int8.quantize(float_rows(r0, r1))
+        values[r0:r1], scales[r0:r1] = np.asarray(part.values), np.asarray(part.scales)
     return Int8Matrix(jnp.asarray(values), jnp.asarray(scales), 0)
 
 

@@ -412,10 +412,13 @@ ffi::Error SparseFfnQ4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> packed, ff
         const int64_t row = r * n + id, ahead_row = r * n + later;
         rows[r] = W + row * (d / 2), ds[r] = D + row * nb, ms[r] = kQ41 ? M + row * nb : nullptr;
         ahead[r] = W + ahead_row * (d / 2);
-        for (int64_t c = 0; c < nb * 2; c += 64) _mm_prefetch(reinterpret_cast<const char*>(D + ahead_row * nb) + c, _MM_HINT_T0);
+        const char* ahead_scales = reinterpret_cast<const char*>(D + ahead_row * nb);
+        for (int64_t c = 0; c < nb * 2; c += 64) _mm_prefetch(ahead_scales + c, _MM_HINT_T0);
       }
       float s[2 * kMaxTokens];
-      WithCount<kMaxTokens>(T, [&](auto t) { Q4NeuronDots<decltype(t)::value, kQ41>(int(P), rows, ds, ms, ahead, xq, s); });
+      WithCount<kMaxTokens>(T, [&](auto t) {
+        Q4NeuronDots<decltype(t)::value, kQ41>(int(P), rows, ds, ms, ahead, xq, s);
+      });
       for (int64_t t = 0; t < T; ++t) {
         const float g = P == 2 ? s[t * P] : 0.0f;
         const float u = s[t * P + P - 1] + (BU ? BU[id] : 0.0f);
