@@ -221,11 +221,18 @@ def test_int8_kernel_is_deterministic_across_thread_counts(native):
     rng = np.random.default_rng(9)
     x = rng.standard_normal((4, 576)).astype(np.float32)
     ids, count = rng.permutation(1536).astype(np.int32), 1400
-    run = lambda: np.asarray(K.sparse_ffn_int8(rows, scales, down_scales, x, ids, count, kind="swiglu", b_up=b_up))
+    assert_thread_independent(
+        lambda: np.asarray(K.sparse_ffn_int8(rows, scales, down_scales, x, ids, count, kind="swiglu", b_up=b_up)),
+        reference(rows, scales, down_scales, b_up, x, ids, count, "swiglu"))
+
+
+def assert_thread_independent(run, reference_result):
+    """``run()`` gives the same bits on one thread as on all, and matches ``reference_result`` (a
+    ``down_reference`` result over a few thousand activations: a few lie within reach of a rounding boundary and
+    each may round the other way, at most 8 of them)."""
     one = on_one_thread(run)
     np.testing.assert_array_equal(run(), one)
-    # 5600 activations: a few lie within reach of a rounding boundary; each may round the other way here
-    ref, _, flips, n_near = reference(rows, scales, down_scales, b_up, x, ids, count, "swiglu")
+    ref, _, flips, n_near = reference_result
     assert n_near <= 8
     assert_scaled_equal(one, ref, "medium", extra=flips)
 
