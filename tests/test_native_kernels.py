@@ -482,6 +482,79 @@ def test_q4_quantizers_and_q8_blocks():
     assert np.array_equal(np.asarray(s), q_ref.sum(-1))
 
 
+# ------------------------------------------------------------------ neuron selection
+
+def select_reference(logits: np.ndarray, cutoffs: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray]:
+    """Brute force per row: the indices over the row's cut-off in increasing order, the first ``capacity`` of them
+    then zeros; and how many are over (comparisons in numpy: a NaN is never over)."""
+    rows = logits.reshape(-1, logits.shape[-1])
+    ids = np.zeros((rows.shape[0], capacity), np.int32)
+    wanted = np.zeros(rows.shape[0], np.int32)
+    for r, (row, cutoff) in enumerate(zip(rows, np.broadcast_to(cutoffs, rows.shape[:1]))):
+        with np.errstate(invalid="ignore"):
+            over = np.flatnonzero(row > cutoff)
+        ids[r, :min(over.size, capacity)] = over[:capacity]
+        wanted[r] = over.size
+    return ids.reshape(*logits.shape[:-1], capacity), wanted.reshape(logits.shape[:-1])
+
+
+def _selection_logits(rng, shape, over_share):
+    """Logits with about ``over_share`` of them over 0, ties at 0 itself, and a NaN per row."""
+    logits = np.where(rng.random(shape) < over_share, 1.0, -1.0) * rng.random(shape)
+    logits[rng.random(shape) < 0.05] = 0.0  # exactly the cut-off: not over it
+    logits.reshape(-1, shape[-1])[:, shape[-1] // 2] = np.nan
+    return logits.astype(np.float32)
+
+
+@pytest.mark.parametrize("native", BACKENDS)
+@pytest.mark.parametrize("n,capacity,over_share", [(13, 4, 0.5), (50, 50, 0.3), (50, 64, 0.9), (1536, 1447, 0.6),
+                                                   (11008, 1101, 0.1), (11008, 1101, 0.2), (9, 1, 0.0)])
+def test_select_over_matches_brute_force(native, n, capacity, over_share):
+    """Every row's ids over the cut-off in order, capped at the capacity (fewer: zeros after them; more: the
+    first ones, and ``wanted`` says how many there were); rows not a multiple of the 8 read at a time; one
+    token, a batch, under jit."""
+    rng = np.random.default_rng(n + capacity)
+    for shape in ((n,), (3, n)):
+        logits = _selection_logits(rng, shape, over_share)
+        expected_ids, expected_wanted = select_reference(logits, np.float32(0.0), capacity)
+        ids, wanted = jax.jit(lambda lg: K.select_over(lg, 0.0, capacity, native=native))(logits)
+        assert ids.dtype == jnp.int32 and ids.shape == (*shape[:-1], capacity) and wanted.shape == shape[:-1]
+        np.testing.assert_array_equal(np.asarray(ids), expected_ids)
+        np.testing.assert_array_equal(np.asarray(wanted), expected_wanted)
+
+
+@pytest.mark.parametrize("native", BACKENDS)
+def test_select_over_under_vmap_and_scan_with_a_cutoff_per_row(native):
+    """vmap over rows with a cut-off of each row's own, and inside a lax.scan: the same as brute force."""
+    rng = np.random.default_rng(7)
+    logits = _selection_logits(rng, (5, 200), 0.4)
+    cutoffs = np.float32([-0.5, 0.0, 0.3, 2.0, np.nan])  # the last: nothing is over a NaN cut-off
+    expected_ids, expected_wanted = select_reference(logits, cutoffs, 60)
+    ids, wanted = jax.jit(jax.vmap(lambda lg, c: K.select_over(lg, c, 60, native=native)))(logits, cutoffs)
+    np.testing.assert_array_equal(np.asarray(ids), expected_ids)
+    np.testing.assert_array_equal(np.asarray(wanted), expected_wanted)
+    assert int(wanted[-1]) == 0 and int(wanted[3]) == 0
+
+    def step(carry, row):
+        ids, wanted = K.select_over(row, 0.3, 60, native=native)
+        return carry + wanted, ids
+
+    total, scanned = jax.jit(lambda lg: jax.lax.scan(step, jnp.int32(0), lg))(logits)
+    np.testing.assert_array_equal(np.asarray(scanned), select_reference(logits, np.float32(0.3), 60)[0])
+    assert int(total) == int(select_reference(logits, np.float32(0.3), 60)[1].sum())
+
+
+def test_select_over_input_checks():
+    with pytest.raises(ValueError, match="float32"):
+        K.select_over(np.zeros(8, np.float16), 0.0, 4)
+    with pytest.raises(ValueError, match="capacity must be at least 1"):
+        K.select_over(np.zeros(8, np.float32), 0.0, 0)
+    with pytest.raises(ValueError, match="cutoff must be a scalar"):
+        K.select_over(np.zeros(8, np.float32), np.zeros(2), 4)
+    with pytest.raises(ValueError, match="n >= 1"):
+        K.select_over(np.zeros((2, 0), np.float32), 0.0, 4)
+
+
 # ------------------------------------------------------------------ input checks
 
 def test_input_checks():

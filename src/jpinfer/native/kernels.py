@@ -408,6 +408,29 @@ def threshold_rows_product_int8(values, scales, x, threshold, *, native: bool | 
     return (y[0], counts[0]) if flat else (y, counts)
 
 
+# ---------------------------------------------------------------- neuron selection
+
+def select_over(logits, cutoff, capacity: int, *, native: bool | None = None) -> tuple[jax.Array, jax.Array]:
+    """(ids int32 (..., capacity), wanted int32 (...)) for logits float32 (..., n): per row, the first
+    ``capacity`` indices i with logits[..., i] > cutoff (a scalar; a NaN is never over it), in increasing order,
+    then zeros; and how many indices are over it. The predictor modes' compaction
+    (``predictor.mlp.select_neurons``); its XLA form is ``jnp.nonzero`` with a static size."""
+    logits = _f32(logits, "logits")
+    if logits.ndim < 1 or logits.shape[-1] < 1:
+        raise ValueError(f"logits must be (..., n) with n >= 1, got shape {tuple(logits.shape)}")
+    if int(capacity) < 1:
+        raise ValueError(f"capacity must be at least 1, got {capacity}")
+    capacity, cut, lead = int(capacity), _scalar(cutoff, "cutoff"), logits.shape[:-1]
+    if _use_native(native):
+        return jax.ffi.ffi_call("jpinfer_select_over", (jax.ShapeDtypeStruct((*lead, capacity), jnp.int32),
+                                                        jax.ShapeDtypeStruct(lead, jnp.int32)),
+                                vmap_method="broadcast_all")(logits, cut)
+    over = logits > cut
+    first = lambda row: jnp.nonzero(row, size=capacity, fill_value=0)[0].astype(jnp.int32)
+    ids = jax.vmap(first)(over.reshape(-1, over.shape[-1])).reshape(*lead, capacity)
+    return ids, over.sum(-1, dtype=jnp.int32)
+
+
 # ---------------------------------------------------------------- float32, a few tokens
 
 def float_matvec(w, x, *, native: bool | None = None) -> jax.Array:
