@@ -154,6 +154,26 @@ def test_no_progress_silences_the_libraries_bars_in_spawned_children(monkeypatch
     assert before == ["False", "False"] and after == ["True", "True"]
 
 
+def test_no_progress_reaches_the_default_pack_build(monkeypatch):
+    """--no-progress: building the default model's pack (profiling, predictor training) shows no bars either;
+    without it, it does."""
+    import argparse
+    import types
+
+    import jpinfer.api
+    import jpinfer.pack
+    from jpinfer.bench import compare
+
+    built = []
+    monkeypatch.setattr(jpinfer.api, "load", lambda *a, **k: types.SimpleNamespace(model="the default model"))
+    monkeypatch.setattr(jpinfer.pack, "default_pack", lambda model, progress: built.append((model, progress)))
+    for progress in (False, True):
+        args = argparse.Namespace(pack=None, weights=["float"], predictors=None, profile=None, model=None,
+                                  dtypes=["float32"], progress=progress)
+        compare._packs(args, ["dense", "sparse"])
+    assert built == [("the default model", False), ("the default model", True)]
+
+
 @pytest.mark.parametrize("argv, environ, command", [
     (["jpinfer", "bench", "--modes", "dense"], {"HOME": "/root"}, "jpinfer bench --modes dense"),
     (["/src/jpinfer/bench/__main__.py", "--no-peers"], {}, "jpinfer bench --no-peers"),

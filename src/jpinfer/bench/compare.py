@@ -81,7 +81,7 @@ def _packs(args: argparse.Namespace, modes: list[str]) -> dict[str, Any]:
     for fmt in formats:
         print(f"the sparse modes read the default model's pack of {fmt} weights (built once into the cache, "
               "reused after)", file=sys.stderr)
-        packs[fmt] = default_pack(load(None, dtype=args.dtypes[0], weights=fmt).model)
+        packs[fmt] = default_pack(load(None, dtype=args.dtypes[0], weights=fmt).model, progress=args.progress)
     return packs
 
 
