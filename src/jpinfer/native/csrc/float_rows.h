@@ -34,7 +34,7 @@ inline void Dots(const float* const* rows, const float* x, int64_t T, int64_t d,
       if (next && t == 0) {  // the first token's pass streams the rows from memory: prefetch there
         for (int64_t j = j0; j < j1; j += 8) {
           if (((j - j0) & 15) == 0)
-            for (int r = 0; r < P; ++r) _mm_prefetch(reinterpret_cast<const char*>(next[r] + j), _MM_HINT_T0);
+            for (int r = 0; r < P; ++r) PrefetchAhead(next[r] + j);
           const __m256 xv = _mm256_loadu_ps(xt + j);
 #pragma GCC unroll 8
           for (int r = 0; r < P; ++r) a[r] = _mm256_fmadd_ps(_mm256_loadu_ps(rows[r] + j), xv, a[r]);
@@ -78,7 +78,7 @@ inline void AddRows(const float* const* rows, const float* w, int64_t T, int64_t
   int64_t j = j0;
   for (; j + 8 <= j1; j += 8) {
     if (n_next && ((j - j0) & 15) == 0)
-      for (int b = 0; b < n_next; ++b) _mm_prefetch(reinterpret_cast<const char*>(next[b] + j), _MM_HINT_T0);
+      for (int b = 0; b < n_next; ++b) PrefetchAhead(next[b] + j);
     __m256 r[B];
 #pragma GCC unroll 8
     for (int b = 0; b < B; ++b) r[b] = _mm256_loadu_ps(rows[b] + j);

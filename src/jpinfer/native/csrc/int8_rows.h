@@ -130,7 +130,7 @@ inline void Int8Dots(const int8_t* const* w, const int8_t* const* next, const in
     for (int r = 0; r < RB; ++r) {
       // the same bytes of the next pass's rows: one pass of prefetch distance, as the hardware
       // prefetcher alone left single-thread streaming at about half of XLA's float32 rate
-      if ((j & 63) == 0) _mm_prefetch(reinterpret_cast<const char*>(next[r] + j), _MM_HINT_T0);
+      if ((j & 63) == 0) PrefetchAhead(next[r] + j);
       const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r] + j));
       int t0 = 0;
 #if JPN_VNNI
@@ -191,7 +191,7 @@ inline void AddRowsInt8(const int8_t* const* rows, const int16_t* q, int64_t T, 
   int64_t j = j0;
   for (; j + 16 <= j1; j += 16) {
     if (n_next && ((j - j0) & 63) == 0)
-      for (int b = 0; b < n_next; ++b) _mm_prefetch(reinterpret_cast<const char*>(next[b] + j), _MM_HINT_T0);
+      for (int b = 0; b < n_next; ++b) PrefetchAhead(next[b] + j);
     const __m256i r0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[0] + j)));
     const __m256i r1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[1] + j)));
     const __m256i r2 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[2] + j)));

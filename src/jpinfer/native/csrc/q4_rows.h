@@ -139,7 +139,7 @@ inline int64_t Q4OctetPairs(const uint8_t* row, const uint16_t* d, const uint16_
   const int64_t pairs = x.octets / 2;
   for (int64_t i = 0; i < pairs; ++i) {
     const uint8_t* src = row + i * 256;
-    for (int c = 0; c < 4; ++c) _mm_prefetch(reinterpret_cast<const char*>(ahead + i * 256 + 64 * c), _MM_HINT_T0);
+    for (int c = 0; c < 4; ++c) PrefetchAhead(ahead + i * 256 + 64 * c);
     // (the maskz forms throughout: gcc 12's unmasked ones warn about their undefined pass-through operand)
     __m512i r[4];
     for (int j = 0; j < 4; ++j)
@@ -206,8 +206,8 @@ inline void Q4Rows(const uint8_t* const* rows, const uint16_t* const* d, const u
       const uint8_t* src = rows[r] + k * 128;
       const uint16_t* dr = d[r] + 8 * k;
       const uint16_t* mr = kQ41 ? m[r] + 8 * k : nullptr;
-      _mm_prefetch(reinterpret_cast<const char*>(ahead[r] + k * 128), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(ahead[r] + k * 128 + 64), _MM_HINT_T0);
+      PrefetchAhead(ahead[r] + k * 128);
+      PrefetchAhead(ahead[r] + k * 128 + 64);
       __m256i nib[8];
       OctetNibbles(src, nib);
       const __m256 dw = OctetHalves(dr);

@@ -413,7 +413,7 @@ ffi::Error SparseFfnQ4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> packed, ff
         rows[r] = W + row * (d / 2), ds[r] = D + row * nb, ms[r] = kQ41 ? M + row * nb : nullptr;
         ahead[r] = W + ahead_row * (d / 2);
         const char* ahead_scales = reinterpret_cast<const char*>(D + ahead_row * nb);
-        for (int64_t c = 0; c < nb * 2; c += 64) _mm_prefetch(ahead_scales + c, _MM_HINT_T0);
+        for (int64_t c = 0; c < nb * 2; c += 64) PrefetchAhead(ahead_scales + c);
       }
       float s[2 * kMaxTokens];
       WithCount<kMaxTokens>(T, [&](auto t) {
