@@ -21,6 +21,7 @@ import pytest
 from test_modes import all_active, assert_decodes_like
 from test_native_kernels import BACKENDS, list_cases
 from test_sparse_int8 import (
+    MARGIN,
     U,
     assert_right_under_jit_and_scan,
     assert_scaled_equal,
@@ -43,7 +44,6 @@ from tolerances import DECODER_ATOL, KERNEL_ATOL, KERNEL_RTOL
 
 N = 64
 D = 320  # 10 blocks: one octet of eight, then two tail blocks one at a time
-MARGIN = 8 * U * 127  # test_sparse_int8.py: how near a rounding boundary an activation may not be
 
 
 @pytest.fixture(autouse=True)

@@ -42,6 +42,10 @@ from tolerances import DECODER_ATOL, KERNEL_ATOL, KERNEL_RTOL
 U = 2.0 ** -24  # float32 unit roundoff
 N, D = 64, 100  # d not a multiple of 32: the integer dot products' scalar tails run
 INV127 = np.float32(1 / 127)
+# How near a rounding boundary a listed activation's scaled value (activation * 127 / peak, up to 127) may lie and
+# still round as here: the kernel computes it in float32, a few roundings of at most u * 127 each from this float64
+# value (8 allowed), so farther from a boundary its int8 activation is the one this reference takes.
+MARGIN = 8 * U * 127
 
 
 @pytest.fixture(autouse=True)
@@ -64,7 +68,7 @@ def listed_positions(ids, count, n) -> tuple[list[int], list[int]]:
     return [int(ids[p]) for p in positions], positions
 
 
-def reference(rows, scales, down_scales, b_up, x, ids, count, kind, near=8 * U * 127, weights=None):
+def reference(rows, scales, down_scales, b_up, x, ids, count, kind, near=MARGIN, weights=None):
     """``down_reference`` over int8 bundles: gate/up exact int64 dots times the float32 scales (the float32
     products of the kernel)."""
     n, R, d = rows.shape
@@ -75,7 +79,7 @@ def reference(rows, scales, down_scales, b_up, x, ids, count, kind, near=8 * U *
     return down_reference(h, b_up, w[:, R - 1], down_scales, listed, positions, kind, near, weights)
 
 
-def down_reference(h, b_up, down, down_scales, listed, positions, kind, near=8 * U * 127, weights=None):
+def down_reference(h, b_up, down, down_scales, listed, positions, kind, near=MARGIN, weights=None):
     """(y float64 (T, d), the smallest distance of a listed activation's scaled value to a rounding boundary,
     (T, d) what rounding the activations within ``near`` of a boundary the other way could move y by, and how
     many there are).
@@ -135,7 +139,7 @@ def test_int8_kernel_lists(case, T, native):
     x = np.random.default_rng(T).standard_normal((T, D)).astype(np.float32)
     ids, count = list_cases(N)[case]
     ref, margin, _, _ = reference(rows, scales, down_scales, b_up, x, ids, count, "swiglu")
-    assert margin > 8 * U * 127, "setup: an activation on a rounding boundary (change the seed)"
+    assert margin > MARGIN, "setup: an activation on a rounding boundary (change the seed)"
     y = K.sparse_ffn_int8(rows, scales, down_scales, x, ids, np.int32(count), kind="swiglu", b_up=b_up, native=native)
     assert y.shape == (T, D) and y.dtype == jnp.float32
     assert_scaled_equal(y, ref, f"{case} T={T}")
@@ -153,7 +157,7 @@ def test_int8_kernel_weights_multiply_the_activations(T, native):
     ids = np.concatenate([rng.permutation(N)[:30], [N + 2, 0, 0]]).astype(np.int32)
     weights = np.where(rng.random((T, len(ids))) < 0.3, 0.0, rng.random((T, len(ids)))).astype(np.float32)
     ref, margin, _, _ = reference(rows, scales, down_scales, b_up, x, ids, 31, "swiglu", weights=weights)
-    assert margin > 8 * U * 127, "setup: an activation on a rounding boundary (change the seed)"
+    assert margin > MARGIN, "setup: an activation on a rounding boundary (change the seed)"
     unweighted, _, _, _ = reference(rows, scales, down_scales, b_up, x, ids, 31, "swiglu")
     assert np.abs(ref - unweighted).max() > 1000 * 16 * U * np.abs(ref).max()  # the weights matter
     y = K.sparse_ffn_int8(rows, scales, down_scales, x, ids, 31, kind="swiglu", b_up=b_up, weights=weights,
@@ -170,7 +174,7 @@ def test_int8_kernel_kinds_bias_and_one_dimensional_x(kind, native):
     b_down = rng.standard_normal(D).astype(np.float32)
     ids, count = rng.permutation(N)[:45].astype(np.int32), 40
     ref, margin, _, _ = reference(rows, scales, down_scales, b_up, x, ids, count, kind)
-    assert margin > 8 * U * 127
+    assert margin > MARGIN
     y = K.sparse_ffn_int8(rows, scales, down_scales, x, ids, count, kind=kind, b_up=b_up, b_down=b_down,
                           native=native)
     assert_scaled_equal(y, ref + b_down, kind, extra=16 * U * np.abs(ref) + U * np.abs(ref + b_down))
@@ -192,11 +196,11 @@ def assert_right_under_jit_and_scan(kernel, reference, xs, x11, ids):
     got = np.asarray(run(xs, counts))
     for t in range(5):
         ref, margin, _, _ = reference(xs[t:t + 1], ids, counts[t])
-        assert margin > 8 * U * 127
+        assert margin > MARGIN
         assert_scaled_equal(got[t], ref[0], f"step {t}")
     y = jax.jit(lambda x: kernel(x, ids, 50))(x11)
     ref, margin, _, _ = reference(x11, ids, 50)
-    assert margin > 8 * U * 127
+    assert margin > MARGIN
     assert_scaled_equal(y, ref, "11 tokens")
 
 
@@ -280,7 +284,7 @@ def test_the_full_list_is_the_dense_int8_ffn(kind, arch, backend):
     np.testing.assert_array_equal(np.asarray(ffn.scales[:, R - 2]), np.asarray(layer.w_gate_up.scales)[-n:])
     a = np.asarray(transformer.ffn_activations(layer, jnp.asarray(x), engine.cfg), np.float64)
     scaled = np.abs(a) * 127 / np.abs(a).max(-1, keepdims=True)
-    assert np.abs(scaled - np.floor(scaled) - 0.5).min() > 8 * U * 127  # setup: no activation on a boundary
+    assert np.abs(scaled - np.floor(scaled) - 0.5).min() > MARGIN  # setup: no activation on a boundary
     dense = np.asarray(transformer.ffn_dense(layer, jnp.asarray(x), engine.cfg), np.float64)
     b_down = 0 if layer.b_down is None else np.abs(np.asarray(layer.b_down, np.float64))
     extra = 32 * U * (np.abs(dense) + b_down)  # both sides add b_down after the scaled sum: u |y| each
