@@ -81,12 +81,12 @@ def _ids_over(logits: jax.Array, cutoff: jax.Array, capacity: int) -> tuple[jax.
     (XLA's compaction of the mask is a cumulative sum and a scatter over every neuron: 3.4 against 0.5 ms a step
     for 32 layers of 11008 neurons with 1101 over the cut-off, 0.9 against 0.2 ms for the default model's 30
     layers of 1536; 2-core Zen 4 VM, 2026-12-05, scratch probe), its XLA form elsewhere."""
-    logits = logits.astype(jnp.float32)
+    logits, cutoff = logits.astype(jnp.float32), jnp.asarray(cutoff, jnp.float32)
     xla = lambda lg, c: select_over(lg, c, capacity, native=False)
     if not native_available():
         return xla(logits, cutoff)
     native = lambda lg, c: select_over(lg, c, capacity, native=True)
-    return jax.lax.platform_dependent(logits, jnp.asarray(cutoff, jnp.float32), cpu=native, default=xla)
+    return jax.lax.platform_dependent(logits, cutoff, cpu=native, default=xla)
 
 
 def _select_one(logits: jax.Array, cutoff: jax.Array, capacity: int) -> Selection:
