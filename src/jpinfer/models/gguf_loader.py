@@ -134,12 +134,29 @@ def _tensor_data(path: os.PathLike | str, t) -> np.ndarray:
     ``t.data``). The reader's ``t.data`` is a view of the whole file mapped in memory: every page a conversion
     touches would stay in this process's resident set until the reader goes, so a 7 GB file converted tensor by
     tensor would count twice at its peak."""
+    return _tensor_rows(path, t, 0, t.data.shape[0])
+
+
+def _tensor_rows(path: os.PathLike | str, t, r0: int, r1: int) -> np.ndarray:
+    """Rows [r0, r1) of a tensor's stored data (its outermost axis), read from the file alone: a conversion a
+    few rows at a time never holds the whole stored tensor (a 7B head stored Q8_0 is 139 MB)."""
+    shape = t.data.shape
+    row_bytes = int(t.n_bytes) // shape[0]
     with open(path, "rb") as f:
-        f.seek(int(t.data_offset))
-        raw = np.fromfile(f, np.uint8, int(t.n_bytes))
-    if raw.size != int(t.n_bytes):
+        f.seek(int(t.data_offset) + r0 * row_bytes)
+        raw = np.fromfile(f, np.uint8, (r1 - r0) * row_bytes)
+    if raw.size != (r1 - r0) * row_bytes:
         raise GGUFError(path, f"truncated GGUF file: tensor {t.name!r} is cut short")
-    return raw.view(t.data.dtype).reshape(t.data.shape)
+    return raw.view(t.data.dtype).reshape(r1 - r0, *shape[1:])
+
+
+def drop_metadata(reader: GGUFReader) -> None:
+    """Forget an open file's key/value fields once its config is read, keeping its tensors' descriptions: the
+    reader holds a tokenizer's vocabulary as small numpy arrays, several per token (Llama-2's 32000 tokens: the
+    7B-shaped file's reader took 0.16 GB, reading the config 0.13 GB more; dropping the fields then
+    ``release_freed_heap`` gave back 0.19 GB of it; scratch probe, 2-core Zen 4, 2026-12-05), which would
+    otherwise be held all the while the tensors are read."""
+    reader.fields.clear()
 
 
 def load_gguf_tokenizer(path: os.PathLike | str) -> Tokenizer:
@@ -430,11 +447,9 @@ def _quantized_matrix(path: os.PathLike | str, t, shape: tuple[int, int], form: 
     """One (out, in) tensor of the file in ``form`` ("int8" or "int4"; ``read_quantized_weights``); a Q4_0 / Q4_1
     tensor's blocks are kept as they are for "int4" unless ``keep_blocks`` is false."""
     kind = _Q4_TYPES.get(t.tensor_type)
-    raw = _tensor_data(path, t)
     if form == "int4" and kind is not None and keep_blocks:
-        return q4.from_gguf(raw, shape, kind)
-    rows = raw.reshape(shape[0], -1)
-    float_rows = lambda r0, r1: dequantize(rows[r0:r1], t.tensor_type).reshape(-1, shape[1])
+        return q4.from_gguf(_tensor_data(path, t), shape, kind)
+    float_rows = lambda r0, r1: dequantize(_tensor_rows(path, t, r0, r1), t.tensor_type).reshape(-1, shape[1])
     if form != "int4" or shape[1] % q4.QK:
         return quantized.int8_by_rows(shape, float_rows)
     return _stack([q4.quantize(float_rows(r0, r1), INT4_KIND) for r0, r1 in quantized.row_chunks(shape)])

@@ -123,6 +123,8 @@ def load_quantized_gguf(source: str | os.PathLike, weights: str, tokenizer: bool
     path = pathlib.Path(source).expanduser()
     reader = gguf_loader.open_gguf(path)
     cfg = gguf_loader.read_config(reader, path)
+    gguf_loader.drop_metadata(reader)
+    release_freed_heap()
     with tqdm(total=cfg.n_layers, desc=f"reading {path.name} into {weights}", unit="layer",
               disable=not progress) as layers:
         quantized = gguf_loader.read_quantized_weights(reader, cfg, path, weights,
