@@ -70,7 +70,11 @@ def test_straight_read_equals_the_float_path_quantized(tmp_path, monkeypatch, qt
     assert_same_matrix(got.weights.head, want.head, "head")
     if tied:
         assert got.weights.embed is None
-    else:  # the untied embedding: int8 rows of the file's table (the float path keeps it float)
+    elif fmt == "int4" and qtype in (Q.Q4_0, Q.Q4_1):  # the untied embedding: the file's 4-bit blocks as they are
+        assert got.weights.embed.kind == qtype.name.lower()
+        rows = quantized.rows(got.weights.embed, jnp.arange(cfg.vocab_size))
+        np.testing.assert_array_equal(np.asarray(rows), tensors["embed"])
+    else:  # int8 rows of the file's table (the float path keeps it float)
         assert_same_matrix(got.weights.embed, int8.quantize(tensors["embed"]), "embed")
     if fmt == "int4" and qtype in (Q.Q4_0, Q.Q4_1):  # the file's own blocks, not quantized again
         assert got.weights.layers[0].w_gate_up.kind == qtype.name.lower()

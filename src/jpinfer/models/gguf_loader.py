@@ -388,9 +388,10 @@ def read_quantized_weights(reader: GGUFReader, cfg: ModelConfig, path: os.PathLi
     ``fmt`` "int8": every projection, the head and an untied input embedding per output row
     (``quant.int8``, no SmoothQuant migration: that needs the float model and calibration text); "int4": the
     projections in 4-bit blocks, the file's own Q4_0 / Q4_1 blocks as they are (``quant.q4.from_gguf``), others
-    quantized to ``quantized.INT4_KIND``; head and embedding int8 as for "int8". A tensor stored in another type
-    is dequantized and quantized again ``quantized.CONVERT_WEIGHTS`` at a time (rows are quantized independently, so the
-    result is that of quantizing the whole float tensor). Norms and biases stay float32. ``progress`` is called
+    quantized to ``quantized.INT4_KIND``; the head int8 as for "int8", and the embedding too unless it is untied and
+    stored Q4_0 / Q4_1 (its blocks then, as they are). A tensor stored in another type is dequantized and quantized
+    again ``quantized.CONVERT_WEIGHTS`` at a time (rows are quantized independently, so the result is that of
+    quantizing the whole float tensor). Norms and biases stay float32. ``progress`` is called
     with each layer done."""
     if fmt not in ("int8", "int4"):
         raise ValueError(f"fmt must be 'int8' or 'int4', got {fmt!r}")
@@ -434,7 +435,12 @@ def read_quantized_weights(reader: GGUFReader, cfg: ModelConfig, path: os.PathLi
         if progress is not None:
             progress(i + 1)
     vocab_rows = (cfg.vocab_size, cfg.d_model)
-    embed = checked("token_embd.weight", matrix("token_embd.weight", "int8"), vocab_rows)
+    # an untied input table is read a row a token: a 4-bit file's own blocks for "int4" (7B: 74 MB, not 131 MB in
+    # int8, and no second rounding); the head, and a table tied to it, read whole by each step's head product,
+    # stay int8
+    in_blocks = fmt == "int4" and not cfg.tie_embeddings and _stored(by_name, "token_embd.weight", path
+                                                                      ).tensor_type in _Q4_TYPES
+    embed = checked("token_embd.weight", matrix("token_embd.weight", "int4" if in_blocks else "int8"), vocab_rows)
     head = embed if cfg.tie_embeddings else checked("output.weight", matrix("output.weight", "int8"), vocab_rows)
     bias = small.get("final_norm.bias")
     return Weights(head=head, layers=layers,
