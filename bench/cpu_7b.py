@@ -10,7 +10,7 @@ depends on shapes, bytes and which neurons are read, not on the weights' values.
 - engines per format: llama.cpp dense; jpinfer dense; jpinfer planted-sparse at each ``--fractions`` active,
   without and with a predictor of ``--rank`` per layer (``jpinfer.bench.planted``: the same neurons either
   way). The sparse engines read int8 neuron bundles (Q8_0), or the 4-bit gate/up rows in place and int8 copies
-  of the down columns (Q4_0);
+  of the down columns (Q4_0), each layer's neurons stored hottest first (``planted.popularity_order``);
 - speed: one prompt of ``--prompt-tokens`` random ids, ``--new-tokens`` greedy tokens, every engine once per
   round, ``--rounds`` interleaved rounds, median decode tok/s per engine and the median of same-round ratios to
   llama.cpp's (``x_llama_cpp``), the load average of each round;
@@ -38,7 +38,7 @@ from jpinfer.bench.child import ChildEngine, EngineFailed
 from jpinfer.bench.engines import JaxEngine, decode_tok_s, speed_rounds
 from jpinfer.bench.llama_cpp import LlamaCppEngine, peer_engine
 from jpinfer.bench.machine import matvec_read_bandwidth
-from jpinfer.bench.planted import file_engine, neuron_major, planted_bench_engine
+from jpinfer.bench.planted import file_engine, neuron_major, planted_bench_engine, popularity_order
 from jpinfer.bench.protocol import load_average, machine, machine_line, prefix_agreement
 from jpinfer.bench.random_gguf import LLAMA2_7B, SPECIAL_TOKENS, Shapes, random_ggufs
 from jpinfer.bench.results import markdown_table, publish
@@ -67,7 +67,7 @@ def speed(path: pathlib.Path, file_type: str, args, prompt: list[int], bandwidth
     model = load_quantized_gguf(path, fmt, tokenizer=False, progress=True)
     print(f"loaded {path.name} into {fmt} in {time.perf_counter() - started:.0f} s", flush=True)
     dense = JaxEngine(f"jpinfer {fmt} dense", Engine(model))
-    ffns = neuron_major(model)
+    ffns = neuron_major(model, order=popularity_order(model.cfg, min(args.fractions)))
     engines = {peer.name: peer, dense.name: dense}
     for fraction in args.fractions:
         for rank in (None, args.rank):

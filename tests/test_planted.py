@@ -97,6 +97,40 @@ def test_with_and_without_a_predictor_decode_the_same_tokens(tmp_path, monkeypat
         planted.planted_engine(model, 1.0, ffns)
 
 
+def test_popularity_order_is_hottest_first_at_every_larger_fraction():
+    cfg = fx.tiny_config()
+    order = planted.popularity_order(cfg, 0.05)
+    assert len(order) == cfg.n_layers
+    for fraction in (0.05, 0.1, 0.3):
+        for ids, f in zip(order, planted.planted_frequencies(cfg, fraction)):
+            assert sorted(ids.tolist()) == list(range(cfg.d_ff))
+            assert np.all(np.diff(f[ids]) <= 0), fraction
+
+
+@pytest.mark.parametrize("file_type,fmt", [("Q8_0", "int8"), ("Q4_0", "int4")])
+def test_a_layout_in_popularity_order_computes_the_same_sums(tmp_path, monkeypatch, file_type, fmt):
+    """Neurons stored hottest first: each step lists the rows holding its planted set's neurons, so the FFN
+    output is the model order's exactly (the int8 and 4-bit kernels sum integers: no order in the rounding)."""
+    monkeypatch.setenv("JPINFER_CACHE", str(tmp_path))
+    model = load_quantized_gguf(random_ggufs(TINY, (file_type,))[file_type], fmt, tokenizer=False)
+    order = planted.popularity_order(model.cfg, 0.1)
+    engines = {name: planted.planted_engine(model, 0.1, planted.neuron_major(model, order=o), rank=8)
+               for name, o in (("model", None), ("popular", order))}
+    ffn, moved = engines["model"].ffn.state[0], engines["popular"].ffn.state[0]
+    assert np.array_equal(np.asarray(moved.ffn.ids), order[0])
+    assert not np.array_equal(np.asarray(moved.sets), np.asarray(ffn.sets))  # other rows, the same neurons
+    neurons = lambda state: np.sort(np.asarray(state.ffn.ids)[np.asarray(state.sets)], axis=1)
+    np.testing.assert_array_equal(neurons(moved), neurons(ffn))
+    layer = model.weights.layers[0]
+    for x in np.random.default_rng(4).standard_normal((4, TINY.d_model)).astype(np.float32):
+        y = {name: np.asarray(planted.PlantedFFN()(0, layer, jnp.asarray(x), e.ffn.state[0])[0])
+             for name, e in engines.items()}
+        np.testing.assert_array_equal(y["popular"], y["model"])
+    config = GenerationConfig(max_new_tokens=12, ignore_eos=True)
+    tokens = {name: e.generate([299, 5, 77], config).token_ids for name, e in engines.items()}
+    assert tokens["popular"] == tokens["model"]
+
+
 def test_random_files_are_one_model_in_two_formats(tmp_path, monkeypatch):
     monkeypatch.setenv("JPINFER_CACHE", str(tmp_path))
     paths = random_ggufs(TINY, tuple(FILE_TYPES), seed=4)

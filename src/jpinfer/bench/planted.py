@@ -11,6 +11,10 @@ shapes): what is measured is what reading the listed neurons costs, so the outpu
 - Active sets: ``N_SETS`` sets of exactly K = fraction * d_ff neurons per layer, each drawn without replacement
   with weights the frequencies (Efraimidis-Spirakis keys), sorted by id. A decode step takes set number
   hash(FFN input) mod ``N_SETS``: successive tokens read different sets, for a few integer operations.
+- Layout: each layer's neurons stored hottest first (``popularity_order``), as a profile of the model would order
+  them: the active sets then fall mostly in the front of each matrix, whose rows are read closer together. 7B
+  int4 at 10% active (scratch A/B, 2-core Zen 4, 2026-12-05, 5 alternated rounds): 15.4 -> 16.1 tok/s, same-round
+  ratios 1.01-1.11. Every neuron's rows move together, so a set computes the same sums either way.
 - Without a predictor the set goes to the sparse op as it is (the ``sparse`` mode's kernel over the layer's
   neuron-major FFN, ``sparse.neurons``: int8 bundles for an int8 model; for an int4 one its 4-bit gate/up rows
   in place and int8 down slots).
@@ -33,6 +37,7 @@ import numpy as np
 from jpinfer.bench.engines import JaxEngine, weights_read_per_token
 from jpinfer.bench.fixed_list import listed_count
 from jpinfer.host_heap import release_freed_heap
+from jpinfer.config import ModelConfig
 from jpinfer.models.loading import LoadedModel, load_quantized_gguf
 from jpinfer.models.params import Layer
 from jpinfer.modes.engines import without_ffn
@@ -105,13 +110,29 @@ def planted_name(fraction: float, rank: int | None) -> str:
     return f"planted {fraction:.0%} active" + (f" + predictor (rank {rank})" if rank else " (no predictor)")
 
 
-def neuron_major(model: LoadedModel, consume: bool = False) -> list[NeuronFFN]:
-    """Every layer's FFN neuron-major (``sparse.from_layer``). ``consume``: drop each layer's dense FFN from
-    ``model`` once converted, so a model nothing else holds has one layer in both forms at a time, not all."""
+def planted_frequencies(cfg: ModelConfig, fraction: float, seed: int = 0) -> list[np.ndarray]:
+    """Per layer, each neuron's firing rate at ``fraction`` active (module docstring)."""
+    return synthetic_frequencies(cfg.n_layers, cfg.d_ff, mean_active=fraction, seed=seed)
+
+
+def popularity_order(cfg: ModelConfig, fraction: float, seed: int = 0) -> list[np.ndarray]:
+    """Per layer, the neuron ids hottest first (int32) at ``fraction`` active. The power law's ranks fall on the
+    same ids at every fraction, so this order is hottest first at any larger fraction too (more neurons tie at
+    rate 1 there); take the smallest fraction a layout serves."""
+    return [np.argsort(-f, kind="stable").astype(np.int32) for f in planted_frequencies(cfg, fraction, seed)]
+
+
+def neuron_major(model: LoadedModel, consume: bool = False, order: list[np.ndarray] | None = None
+                 ) -> list[NeuronFFN]:
+    """Every layer's FFN neuron-major (``sparse.from_layer``), its neurons in ``order`` (per layer, the ids in
+    storage order: ``popularity_order``) or the model's. ``consume``: drop each layer's dense FFN from ``model``
+    once converted, so a model nothing else holds has one layer in both forms at a time, not all."""
     out = []
     layers = model.weights.layers
     for i, layer in enumerate(layers):
-        out.append(from_layer(layer, model.cfg.ffn_kind, model.cfg.experts))
+        ffn = from_layer(layer, model.cfg.ffn_kind, model.cfg.experts)
+        out.append(ffn if order is None else ffn.subset(order[i])[0])
+        del ffn
         if consume:
             layers[i] = without_ffn(layer)
             del layer
@@ -132,14 +153,21 @@ def planted_engine(model: LoadedModel, fraction: float, ffns: list[NeuronFFN], *
     cfg = model.cfg
     sets_rng, predictor_rng = (np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(2))
     k = listed_count(cfg.d_ff, 1 - fraction)
-    freqs = synthetic_frequencies(cfg.n_layers, cfg.d_ff, mean_active=fraction, seed=seed)
     # two streams: the sets are the same with a predictor or without
-    states = [PlantedState(ffn, jnp.asarray(planted_sets(np.maximum(f, 1e-12), k, n_sets, sets_rng)),
+    states = [PlantedState(ffn, jnp.asarray(rows_of(ffn, planted_sets(np.maximum(f, 1e-12), k, n_sets, sets_rng))),
                            None if rank is None else random_predictor(cfg.d_model, cfg.d_ff, rank, predictor_rng))
-              for ffn, f in zip(ffns, freqs)]
+              for ffn, f in zip(ffns, planted_frequencies(cfg, fraction, seed))]
     weights = dataclasses.replace(model.weights, layers=[without_ffn(layer) for layer in model.weights.layers])
     return Engine(LoadedModel(cfg, weights, None, model.source), FfnStrategy(PlantedFFN(), states,
                                                                           planted_name(fraction, rank)))
+
+
+def rows_of(ffn: NeuronFFN, sets: np.ndarray) -> np.ndarray:
+    """Sets of neuron ids as the rows of ``ffn`` that hold those neurons (its ``ids``: row -> neuron), each
+    set sorted."""
+    row = np.empty(ffn.n_neurons, np.int32)
+    row[np.asarray(ffn.ids)] = np.arange(ffn.n_neurons, dtype=np.int32)
+    return np.sort(row[sets], axis=1)
 
 
 def planted_bytes_per_token(engine: Engine) -> int:
@@ -175,4 +203,5 @@ def file_engine(path: str, fmt: str, fraction: float | None = None, rank: int | 
     label = f"jpinfer {fmt}"
     if fraction is None:
         return JaxEngine(f"{label} dense", Engine(model))
-    return planted_bench_engine(model, fraction, neuron_major(model, consume=True), rank, label)
+    ffns = neuron_major(model, consume=True, order=popularity_order(model.cfg, fraction))
+    return planted_bench_engine(model, fraction, ffns, rank, label)
