@@ -13,8 +13,9 @@ shapes): what is measured is what reading the listed neurons costs, so the outpu
   hash(FFN input) mod ``N_SETS``: successive tokens read different sets, for a few integer operations.
 - Layout: each layer's neurons stored hottest first (``popularity_order``), as a profile of the model would order
   them: the active sets then fall mostly in the front of each matrix, whose rows are read closer together. 7B
-  int4 at 10% active (scratch A/B, 2-core Zen 4, 2026-12-05, 5 alternated rounds): 15.4 -> 16.1 tok/s, same-round
-  ratios 1.01-1.11. Every neuron's rows move together, so a set computes the same sums either way.
+  int4 at 10% active (scratch A/B, 2-core Zen 4, 2026-12-05, 5 alternated rounds each,
+  bench/results/popularity_order.md): 15.4 -> 16.1 tok/s (same-round ratios 1.01-1.11), with predictors 14.1 -> 14.5
+  (0.96-1.04). Every neuron's rows move together, so a set computes the same sums either way.
 - Without a predictor the set goes to the sparse op as it is (the ``sparse`` mode's kernel over the layer's
   neuron-major FFN, ``sparse.neurons``: int8 bundles for an int8 model; for an int4 one its 4-bit gate/up rows
   in place and int8 down slots).
@@ -36,8 +37,8 @@ import numpy as np
 
 from jpinfer.bench.engines import JaxEngine, weights_read_per_token
 from jpinfer.bench.fixed_list import listed_count
-from jpinfer.host_heap import release_freed_heap
 from jpinfer.config import ModelConfig
+from jpinfer.host_heap import release_freed_heap
 from jpinfer.models.loading import LoadedModel, load_quantized_gguf
 from jpinfer.models.params import Layer
 from jpinfer.modes.engines import without_ffn
@@ -145,7 +146,8 @@ def neuron_major(model: LoadedModel, consume: bool = False, order: list[np.ndarr
 def planted_engine(model: LoadedModel, fraction: float, ffns: list[NeuronFFN], *, rank: int | None = None,
                    n_sets: int = N_SETS, seed: int = 0) -> Engine:
     """The planted engine at ``fraction`` active (module docstring) over ``ffns`` (``neuron_major(model)``,
-    shared by several engines), with a predictor of ``rank`` per layer or none."""
+    shared by several engines, in any neuron order: each set lists the rows holding its neurons, ``rows_of``),
+    with a predictor of ``rank`` per layer or none."""
     if not 0 < fraction < 1:
         raise ValueError(f"the active fraction must lie in (0, 1), got {fraction}")
     if rank is not None and rank < 1:
