@@ -17,7 +17,7 @@ from jpinfer.solver import (
     solve_placement,
     synthetic_frequencies,
 )
-from jpinfer.solver.frequencies import check_frequencies
+from jpinfer.solver.frequencies import check_frequencies, hottest_first
 from jpinfer.solver.groups import make_groups
 
 NEURON_BYTES = 1000
@@ -240,6 +240,13 @@ def test_grouping_covers_each_neuron_once(n_neurons, group):
     assert np.all(g.size <= group) and np.all(g.size > 0)
     every = g.masks(np.ones(len(g), bool))
     assert all(m.all() for m in every)
+
+
+def test_hottest_first_orders_by_frequency_then_id():
+    f = np.array([0.2, 0.9, 0.2, 1.0, 0.0, 0.9])
+    order = hottest_first(f)
+    assert order.dtype == np.int32
+    assert order.tolist() == [3, 1, 5, 0, 2, 4]  # ties (0.9, 0.2) keep increasing ids
 
 
 def test_infeasible_budget_states_the_minimum():

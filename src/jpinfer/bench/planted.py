@@ -46,6 +46,7 @@ from jpinfer.predictor.mlp import PredictorWeights, predict_logits, select_neuro
 from jpinfer.quant import int8
 from jpinfer.runtime.engine import Engine, FfnStrategy
 from jpinfer.solver import synthetic_frequencies
+from jpinfer.solver.frequencies import hottest_first
 from jpinfer.sparse import NeuronFFN, all_rows_ffn, from_layer, sparse_ffn
 
 N_SETS = 256  # active sets drawn per layer
@@ -120,7 +121,7 @@ def popularity_order(cfg: ModelConfig, fraction: float, seed: int = 0) -> list[n
     """Per layer, the neuron ids hottest first (int32) at ``fraction`` active. The power law's ranks fall on the
     same ids at every fraction, so this order is hottest first at any larger fraction too (more neurons tie at
     rate 1 there); take the smallest fraction a layout serves."""
-    return [np.argsort(-f, kind="stable").astype(np.int32) for f in planted_frequencies(cfg, fraction, seed)]
+    return [hottest_first(f) for f in planted_frequencies(cfg, fraction, seed)]
 
 
 def neuron_major(model: LoadedModel, consume: bool = False, order: list[np.ndarray] | None = None

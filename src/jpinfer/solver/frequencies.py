@@ -68,6 +68,12 @@ def synthetic_frequencies(
     return out
 
 
+def hottest_first(frequencies: np.ndarray) -> np.ndarray:
+    """A layer's neuron ids by descending frequency, ties by id (int32): the order placement groups follow, and
+    a layout stored hottest first."""
+    return np.argsort(-np.asarray(frequencies), kind="stable").astype(np.int32)
+
+
 def load_frequencies(path: str | Path) -> list[np.ndarray]:
     """A (n_layers, n_neurons) .npy array of frequencies, as one array per layer."""
     array = np.load(path, allow_pickle=False)

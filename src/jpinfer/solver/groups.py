@@ -11,6 +11,8 @@ import dataclasses
 
 import numpy as np
 
+from jpinfer.solver.frequencies import hottest_first
+
 
 @dataclasses.dataclass(frozen=True)
 class Groups:
@@ -47,7 +49,7 @@ def make_groups(freqs: list[np.ndarray], group_size: int) -> Groups:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
     order, layer, start, size, mass = [], [], [], [], []
     for index, f in enumerate(freqs):
-        ids = np.argsort(-f, kind="stable").astype(np.int32)
+        ids = hottest_first(f)
         order.append(ids)
         starts = np.arange(0, f.size, group_size)
         sizes = np.minimum(group_size, f.size - starts)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from jpinfer.solver.frequencies import hottest_first
 from jpinfer.solver.latency import CostModel, evaluate
 
 
@@ -38,7 +39,7 @@ def refine(
     objective: str,
 ) -> list[np.ndarray]:
     """Per-layer masks at least as good as ``masks`` under ``objective`` with the same modes."""
-    orders = [np.argsort(-f, kind="stable") for f in freqs]
+    orders = [hottest_first(f) for f in freqs]
     counts = np.array([m.sum() for m in masks])
     split = [l for l, (k, f) in enumerate(zip(counts, freqs)) if 0 < k < f.size]
     new_counts = np.where(counts == np.array([f.size for f in freqs]), counts, 0)
