@@ -9,8 +9,8 @@ depends on shapes, bytes and which neurons are read, not on the weights' values.
   they are) format, one tensor in float at a time (``models.loading.load_quantized_gguf``);
 - engines per format: llama.cpp dense; jpinfer dense; jpinfer planted-sparse at each ``--fractions`` active,
   without and with a predictor of ``--rank`` per layer (``jpinfer.bench.planted``: the same neurons either
-  way). The sparse engines read int8 neuron bundles (Q8_0), or the 4-bit gate/up rows in place and int8 copies
-  of the down columns (Q4_0), each layer's neurons stored hottest first (``planted.popularity_order``);
+  way). The sparse engines read int8 neuron bundles (Q8_0), or the 4-bit gate/up rows in records by neuron and
+  int8 copies of the down columns (Q4_0), each layer's neurons stored hottest first (``planted.popularity_order``);
 - speed: one prompt of ``--prompt-tokens`` random ids, ``--new-tokens`` greedy tokens, every engine once per
   round, ``--rounds`` interleaved rounds, median decode tok/s per engine and the median of same-round ratios to
   llama.cpp's (``x_llama_cpp``), the load average of each round;

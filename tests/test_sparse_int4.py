@@ -1,4 +1,4 @@
-"""The sparse FFN of an int4 model: its 4-bit gate/up rows read in place and int8 down slots
+"""The sparse FFN of an int4 model: its 4-bit gate/up rows in records by neuron and int8 down slots
 (jpinfer.native.kernels.sparse_ffn_q4, native and XLA) against a float64 numpy reference written apart from the
 code, the layout (sparse.neurons) against the dense int4 FFN, and the sparse int4 engine against the dense one.
 
@@ -35,8 +35,8 @@ from jpinfer.config import UNGATED_KINDS
 from jpinfer.models import quantized, transformer
 from jpinfer.modes import build_engine
 from jpinfer.native import kernels as K
-from jpinfer.quant import int8
-from jpinfer.quant.q4 import QK, Q4Matrix
+from jpinfer.quant import int8, q4
+from jpinfer.quant.q4 import QK, Q4Bundles, Q4Matrix
 from jpinfer.sparse import all_rows_ffn, neurons, sparse_ffn
 
 from profiler_fixtures import ffn_inputs, tiny_engine
@@ -51,10 +51,21 @@ def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("JPINFER_CACHE", str(tmp_path / "cache"))
 
 
+def records_of(packed: np.ndarray, scales: np.ndarray, mins: np.ndarray | None, slots: int) -> np.ndarray:
+    """The records (n, bytes) of a (slots n, d) 4-bit matrix's rows as Q4Bundles' docstring lays them out, written
+    here with numpy: neuron i's rows i, n + i, ... packed, then their float16 scales as bytes, then their mins."""
+    n = packed.shape[0] // slots
+    by_neuron = lambda a: np.concatenate([a[s * n:(s + 1) * n] for s in range(slots)], axis=1)
+    halves = lambda a: np.ascontiguousarray(a, np.float16).view(np.uint8)
+    parts = [by_neuron(packed), by_neuron(halves(scales))] + ([] if mins is None else [by_neuron(halves(mins))])
+    return np.concatenate(parts, axis=1)
+
+
 def q4_ffn(kind: str, fmt: str = "q4_0", seed: int = 0, n: int = N, d: int = D):
-    """(gate_up Q4Matrix (P n, d), its float64 weights, int8 down (n, d), down scales (d,), b_up): random nibbles,
-    block scales 2^-7..2^-10 and (q4_1) mins +-2^-8..2^-10, so every product of the kernel is exact (module
-    docstring); the down slots quantized by the project's int8 quantizer with a few strong neurons."""
+    """(gate_up Q4Bundles (n records of P rows of d), its float64 weights (P n, d), int8 down (n, d), down scales
+    (d,), b_up): random nibbles, block scales 2^-7..2^-10 and (q4_1) mins +-2^-8..2^-10, so every product of the
+    kernel is exact (module docstring); the down slots quantized by the project's int8 quantizer with a few strong
+    neurons."""
     rng = np.random.default_rng(seed)
     rows = (1 if kind in UNGATED_KINDS else 2) * n
     nibbles = rng.integers(0, 16, (rows, d // QK, QK))
@@ -66,8 +77,8 @@ def q4_ffn(kind: str, fmt: str = "q4_0", seed: int = 0, n: int = N, d: int = D):
         w = scales[..., None] * nibbles + mins[..., None]
     # byte i of a block: element i in the low nibble, element i + 16 in the high one (llama.cpp's order)
     packed = (nibbles[..., :16] | nibbles[..., 16:] << 4).astype(np.uint8).reshape(rows, d // 2)
-    gate_up = Q4Matrix(jnp.asarray(packed), jnp.asarray(scales, jnp.float16),
-                       jnp.asarray(mins, jnp.float16) if fmt == "q4_1" else None, fmt)
+    slots = rows // n
+    gate_up = Q4Bundles(jnp.asarray(records_of(packed, scales, mins if fmt == "q4_1" else None, slots)), d, slots, fmt)
     down = rng.standard_normal((d, n)).astype(np.float32)
     down[:, ::9] *= 8
     dn = int8.quantize(down)
@@ -163,12 +174,35 @@ def test_bad_q4_operands_are_value_errors():
     x, ids = np.zeros((1, D), np.float32), np.arange(4, dtype=np.int32)
     with pytest.raises(ValueError, match="down must be int8"):
         K.sparse_ffn_q4(gate_up, down.astype(np.float32), down_scales, x, ids, 4, kind="swiglu")
-    with pytest.raises(ValueError, match=r"gate_up must be a 4-bit \(64, 320\)"):
+    with pytest.raises(ValueError, match="gate_up must hold 64 records of 1 4-bit rows of 320"):
         K.sparse_ffn_q4(gate_up, down, down_scales, x, ids, 4, kind="relu")
+    with pytest.raises(ValueError, match="gate_up must hold 32 records"):
+        K.sparse_ffn_q4(gate_up, down[:32], down_scales, x, ids, 4, kind="swiglu")
     with pytest.raises(ValueError, match="down_scales"):
         K.sparse_ffn_q4(gate_up, down, down_scales[:5], x, ids, 4, kind="swiglu")
-    with pytest.raises(ValueError, match="Q4Matrix"):
-        K.sparse_ffn_q4(down, down, down_scales, x, ids, 4, kind="swiglu")
+    with pytest.raises(ValueError, match="Q4Bundles"):
+        K.sparse_ffn_q4(gate_up.matrix(), down, down_scales, x, ids, 4, kind="swiglu")
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1"])
+def test_bundles_hold_each_neurons_rows_in_one_record(fmt):
+    """Q4Bundles.from_matrix writes the records as laid out independently here (records_of), matrix() gives the
+    matrix back bit for bit, take picks records; a matrix that does not split into the slots is refused."""
+    m = q4.quantize(np.random.default_rng(11).standard_normal((2 * 5, 64)).astype(np.float32), fmt)
+    bundles = Q4Bundles.from_matrix(m, 2)
+    mins = None if m.mins is None else np.asarray(m.mins)
+    expected = records_of(np.asarray(m.packed), np.asarray(m.scales), mins, 2)
+    assert bundles.records.dtype == jnp.uint8 and bundles.nbytes == m.nbytes
+    np.testing.assert_array_equal(np.asarray(bundles.records), expected)
+    back = bundles.matrix()
+    pairs = [(back.packed, m.packed), (back.scales, m.scales)] + ([] if mins is None else [(back.mins, m.mins)])
+    for a, b in pairs:
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    picked = bundles.take(jnp.asarray([3, 0]))
+    np.testing.assert_array_equal(np.asarray(picked.records), expected[[3, 0]])
+    np.testing.assert_array_equal(np.asarray(picked.matrix().packed), np.asarray(m.packed)[[3, 0, 8, 5]])
+    with pytest.raises(ValueError, match="does not split into 3 blocks"):
+        Q4Bundles.from_matrix(m, 3)
 
 
 # ------------------------------------------------------------------ the layout, the op and the mode
@@ -181,15 +215,18 @@ def int4_engine(kind: str, seed: int = 0, **arch) -> jpinfer.Engine:
 
 
 @pytest.mark.parametrize("kind", ["swiglu", "relu"])
-def test_the_layout_reads_the_4bit_rows_in_place_and_the_full_list_is_the_dense_ffn(kind):
-    """The layout holds the model's own 4-bit w_gate_up (the same arrays: nothing copied) and its int8 down
-    columns; every neuron listed it computes the dense int4 FFN (the same integers: one block of 32 inputs, whose
-    4-bit product both compute with the same operations), and the prefill form likewise."""
+def test_the_layout_holds_the_4bit_rows_and_the_full_list_is_the_dense_ffn(kind):
+    """The layout's records hold the model's own 4-bit w_gate_up (the same bits) and its int8 down columns; every
+    neuron listed it computes the dense int4 FFN (the same integers: one block of 32 inputs, whose 4-bit product both
+    compute with the same operations), and the prefill form likewise."""
     engine = int4_engine(kind)
     layer = engine.weights.layers[1]
     assert isinstance(layer.w_gate_up, Q4Matrix)
     ffn = neurons.from_layer(layer, kind)
-    assert ffn.gate_up is layer.w_gate_up and ffn.quantized and ffn.rows.shape == (engine.cfg.d_ff, 1, 32)
+    assert ffn.quantized and ffn.rows.shape == (engine.cfg.d_ff, 1, 32)
+    held = ffn.gate_up.matrix()
+    for a, b in ((held.packed, layer.w_gate_up.packed), (held.scales, layer.w_gate_up.scales)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     np.testing.assert_array_equal(np.asarray(ffn.rows[:, 0]), np.asarray(quantized.int8_copy(layer.w_down).values).T)
     x = ffn_inputs(tiny_engine(kind), np.random.default_rng(2).integers(0, 40, (2, 16)))[1][:3].astype(np.float32)
     a = np.asarray(transformer.ffn_activations(layer, jnp.asarray(x), engine.cfg), np.float64)
@@ -206,15 +243,17 @@ def test_the_layout_reads_the_4bit_rows_in_place_and_the_full_list_is_the_dense_
 
 
 def test_subset_takes_its_neurons_gate_and_up_rows():
-    """A part's 4-bit rows are its neurons' gate rows, then their up rows; with the whole layer's down slots it
+    """A part's records are its neurons' (their gate rows, then their up rows); with the whole layer's down slots it
     computes the layer's FFN over the same list."""
     ffn = neurons.from_layer(int4_engine("swiglu").weights.layers[0], "swiglu")
     n = ffn.n_neurons
     picked = np.array([5, 1, 40], np.int32)
     part, table = ffn.subset(picked, with_b_down=False)
     rows = np.concatenate([picked, picked + n])
-    np.testing.assert_array_equal(np.asarray(part.gate_up.packed), np.asarray(ffn.gate_up.packed)[rows])
-    np.testing.assert_array_equal(np.asarray(part.gate_up.scales), np.asarray(ffn.gate_up.scales)[rows])
+    np.testing.assert_array_equal(np.asarray(part.gate_up.records), np.asarray(ffn.gate_up.records)[picked])
+    held, whole = part.gate_up.matrix(), ffn.gate_up.matrix()
+    np.testing.assert_array_equal(np.asarray(held.packed), np.asarray(whole.packed)[rows])
+    np.testing.assert_array_equal(np.asarray(held.scales), np.asarray(whole.scales)[rows])
     np.testing.assert_array_equal(np.asarray(part.rows), np.asarray(ffn.rows)[picked])
     assert part.down_scales is ffn.down_scales and table.tolist() == [5, 1, 40]
     x = jnp.asarray(np.random.default_rng(3).standard_normal(ffn.d_model), jnp.float32)
@@ -234,5 +273,5 @@ def test_all_active_sparse_int4_decodes_like_dense_int4():
     layout's down slots: the same integers; test_sparse_int8.py's tolerances)."""
     dense = int4_engine("swiglu")
     sparse = build_engine(dense.model, "sparse", predictors=all_active(dense), capacity=dense.cfg.d_ff)
-    assert all(state.ffn.gate_up is layer.w_gate_up for state, layer in zip(sparse.ffn.state, dense.weights.layers))
+    assert all(isinstance(state.ffn.gate_up, Q4Bundles) for state in sparse.ffn.state)
     assert_decodes_like(sparse, dense, 24, rtol=KERNEL_RTOL, atol=max(KERNEL_ATOL, DECODER_ATOL))

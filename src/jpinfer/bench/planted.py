@@ -18,7 +18,7 @@ shapes): what is measured is what reading the listed neurons costs, so the outpu
   (0.96-1.04). Every neuron's rows move together, so a set computes the same sums either way.
 - Without a predictor the set goes to the sparse op as it is (the ``sparse`` mode's kernel over the layer's
   neuron-major FFN, ``sparse.neurons``: int8 bundles for an int8 model; for an int4 one its 4-bit gate/up rows
-  in place and int8 down slots).
+  in records by neuron and int8 down slots).
 - With a predictor (``rank``), each step also does what the ``sparse`` mode does to choose: a per-layer MLP
   d_model -> rank -> d_ff (random weights, int8 per output row like the model's projections: the W8A8
   products), then ``select_neurons`` over its logits plus a planted term (+``PLANT`` on the set, -``PLANT``

@@ -194,7 +194,7 @@ class _Split(Mode):
 
 class Sparse(_Predicted):
     name = label = "sparse"
-    # int8 bundles (``sparse.neurons``: an int4 model's 4-bit gate/up rows in place, its down columns int8
+    # int8 bundles (``sparse.neurons``: an int4 model's 4-bit gate/up rows in records by neuron, its down columns int8
     # copies); a quantized model's predictors are trained on its own FFN inputs
     weight_formats = ("float", "int8", "int4")
 

@@ -28,7 +28,7 @@ from jpinfer.config import UNGATED_KINDS
 from jpinfer.native.library import native_available, unavailable_reason
 from jpinfer.quant import int8, q4
 from jpinfer.quant.int8 import Int8Matrix
-from jpinfer.quant.q4 import Q4Matrix
+from jpinfer.quant.q4 import Q4Bundles, Q4Matrix
 
 MAX_TOKENS = 8
 KINDS = {"swiglu": 0, "reglu": 1, "drelu": 2, "relu": 3, "geglu": 4, "gelu": 5}  # csrc/sparse_ffn.cc Kind
@@ -234,24 +234,26 @@ def sparse_ffn_int8(rows, scales, down_scales, x, ids, count, *, kind: str, b_up
 
 def _check_q4_ffn(gate_up, down, down_scales, kind: str, b_up, b_down):
     _check_kind(kind)
-    q4.check(gate_up)
+    if not isinstance(gate_up, Q4Bundles) or gate_up.kind not in q4.KINDS:
+        raise ValueError("gate_up must be a quant.q4.Q4Bundles (the neurons' 4-bit gate/up records)")
     down = jnp.asarray(down)
     if down.dtype != jnp.int8 or down.ndim != 2:
         raise ValueError(f"down must be int8 (n, d) (a down column per neuron), got {down.dtype} {tuple(down.shape)}")
     n, d = down.shape
     P = 1 if kind in UNGATED_KINDS else 2
-    if gate_up.shape != (P * n, d):
-        raise ValueError(f"gate_up must be a 4-bit ({P * n}, {d}) matrix (the {'up' if P == 1 else 'gate, then up'} "
-                         f"rows of {n} neurons) for kind {kind!r}, got {gate_up.shape}")
+    if (gate_up.n, gate_up.slots, gate_up.inputs) != (n, P, d) or gate_up.records.dtype != jnp.uint8:
+        rows = "up" if P == 1 else "gate and up"
+        raise ValueError(f"gate_up must hold {n} records of {P} 4-bit rows of {d} (the {rows} rows of each neuron) "
+                         f"for kind {kind!r}, got {gate_up.n} of {gate_up.slots} rows of {gate_up.inputs}")
     down_scales = _f32(down_scales, "down_scales", (d,))
     b_up, b_down = _biases(b_up, b_down, n, d)
     return down, down_scales, b_up, b_down
 
 
 @functools.partial(jax.jit, static_argnames=("kind",))
-def xla_sparse_ffn_q4(gate_up: Q4Matrix, down, down_scales, b_up, x, ids, count, kind, weights=None):
-    """``sparse_ffn_q4`` in XLA ops (no b_down): the listed neurons' 4-bit rows taken at once and multiplied as
-    ``quant.q4.product`` does (the dense 4-bit product's function), then the int8 down half of
+def xla_sparse_ffn_q4(gate_up: Q4Bundles, down, down_scales, b_up, x, ids, count, kind, weights=None):
+    """``sparse_ffn_q4`` in XLA ops (no b_down): the listed neurons' records taken at once and their 4-bit rows
+    multiplied as ``quant.q4.product`` does (the dense 4-bit product's function), then the int8 down half of
     ``xla_sparse_ffn_int8``. The fallback here and the form ``sparse.op`` runs on accelerators."""
     n, d = down.shape
     if ids.shape[0] == 0:  # an empty list (quantize_tokens needs at least one activation)
@@ -259,27 +261,25 @@ def xla_sparse_ffn_q4(gate_up: Q4Matrix, down, down_scales, b_up, x, ids, count,
     valid = _valid(ids, count, n)
     safe = jnp.where(valid, ids, 0)
     gated = kind not in UNGATED_KINDS
-    h = q4.product(gate_up.take(jnp.concatenate([safe, safe + n]) if gated else safe), x)  # (T, P K)
+    h = q4.product(gate_up.take(safe).matrix(), x)  # (T, P K): the gate rows, then the up rows
     k = ids.shape[0]
     up = h[:, -k:] if b_up is None else h[:, -k:] + b_up[safe]
     a = jnp.where(valid[None, :], activate(kind, h[:, :k] if gated else None, up), 0.0)
     return _xla_quantized_down(a if weights is None else a * weights, down[safe], down_scales)
 
 
-def sparse_ffn_q4(gate_up: Q4Matrix, down, down_scales, x, ids, count, *, kind: str, b_up=None, b_down=None,
+def sparse_ffn_q4(gate_up: Q4Bundles, down, down_scales, x, ids, count, *, kind: str, b_up=None, b_down=None,
                   weights=None, native: bool | None = None) -> jax.Array:
-    """``sparse_ffn`` of a 4-bit model's neurons, float32 (T, d) (or (d,)): their gate/up rows read where they are
-    in the model's 4-bit ``gate_up`` (its (2 n, d) ``w_gate_up``: gate rows, then up rows; the up rows (n, d) only
-    for an ungated kind), their down columns as int8 ``down`` (n, d) with ``w_down``'s scale per output
-    ``down_scales`` (d,) (``sparse.neurons``). Gate/up are the dense 4-bit product's arithmetic on the listed rows
-    (x quantized in blocks of 32, ``q4_matvec``), the rest ``sparse_ffn_int8``'s (activations quantized per
-    token, exact int32 down sums, scaled); ``weights`` likewise."""
+    """``sparse_ffn`` of a 4-bit model's neurons, float32 (T, d) (or (d,)): their gate/up rows read from ``gate_up``,
+    the model's 4-bit rows in records by neuron (``quant.q4.Q4Bundles``: gate and up rows, up only for an ungated
+    kind), their down columns as int8 ``down`` (n, d) with ``w_down``'s scale per output ``down_scales`` (d,)
+    (``sparse.neurons``). Gate/up are the dense 4-bit product's arithmetic on the listed rows (x quantized in
+    blocks of 32, ``q4_matvec``), the rest ``sparse_ffn_int8``'s (activations quantized per token, exact int32
+    down sums, scaled); ``weights`` likewise."""
     down, down_scales, b_up, b_down = _check_q4_ffn(gate_up, down, down_scales, kind, b_up, b_down)
-    mins = gate_up.mins if gate_up.kind == "q4_1" else jnp.zeros((0,), jnp.float16)
     xla = lambda *a: xla_sparse_ffn_q4(gate_up, down, down_scales, *a[:-1], kind, a[-1])
-    return _quantized_sparse_ffn(f"jpinfer_sparse_ffn_{gate_up.kind}",
-                                 (gate_up.packed, gate_up.scales, mins, down, down_scales), xla, down.shape[1], x, ids,
-                                 count, kind, b_up, b_down, weights, native)
+    return _quantized_sparse_ffn(f"jpinfer_sparse_ffn_{gate_up.kind}", (gate_up.records, down, down_scales), xla,
+                                 down.shape[1], x, ids, count, kind, b_up, b_down, weights, native)
 
 
 def _quantized_sparse_ffn(target: str, operands: tuple, xla, d: int, x, ids, count, kind: str, b_up, b_down, weights,

@@ -16,14 +16,15 @@ model's own integers (W8A8, ``quant.int8``): the gate/up slots are neuron i's ro
 column i of ``w_down.values``, whose scales run along its outputs (``down_scales``, (d,), shared
 by every neuron): the full list then computes the dense int8 FFN's integers.
 
-An int4 model's gate/up rows stay where they are, in its 4-bit ``w_gate_up`` (``gate_up``: rows are whole
-4-bit rows, so neuron i's are rows i and n + i, read in place by the kernel, no copy), and only the down slot
-is an int8 bundle (R = 1): a copy of column i of the dequantized ``w_down``, requantized with one scale per
-output (``down_scales``). 4-bit blocks run along a matrix's input dimension, so a down column cannot be cut
-out of ``w_down``'s blocks, and re-blocking it in 4 bits along the other axis cost ~9% perplexity when tried
-(int8 copies 0.9% in the threshold mode, measured there, with most of it the per-token activation scale;
-docs/architecture.md). At Llama-2-7B's shapes this holds a layer's FFN in 2 x 0.5625 + 1 bytes a weight
-triple, against 3 when every slot was an int8 copy (bench/results/cpu_7b.md).
+An int4 model's gate/up rows are its own 4-bit rows, the file's bits, regrouped by neuron (``gate_up``, a
+``quant.q4.Q4Bundles``: neuron i's gate and up rows with their block scales in one record, so a listed neuron is
+one read, not four); only the down slot is an int8 bundle (R = 1): a copy of column i of the dequantized ``w_down``,
+requantized with one scale per output (``down_scales``). 4-bit blocks run along a matrix's input dimension, so a
+down column cannot be cut out of ``w_down``'s blocks, and re-blocking it in 4 bits along the other axis cost ~9%
+perplexity when tried (int8 copies 0.9% in the threshold mode, measured there, with most of it the per-token
+activation scale; docs/architecture.md). At Llama-2-7B's shapes this holds a layer's FFN in 2 x 0.5625 + 1 bytes a
+weight triple, against 3 when every slot was an int8 copy (bench/results/cpu_7b.md). Like the float and int8
+bundles, the records are a copy: an engine over them drops the model's dense FFN (``modes.engines.without_ffn``).
 
 With experts (Mixtral, ``ModelConfig.n_experts``) a layout also holds the router and each neuron's expert: a
 neuron's activation is then times its expert's routing weight (``routing``), zero for the experts the router
@@ -42,7 +43,7 @@ from jpinfer.config import FFN_KINDS, UNGATED_KINDS, FfnKind
 from jpinfer.models import quantized
 from jpinfer.models.params import Layer
 from jpinfer.models.transformer import expert_weights
-from jpinfer.quant.q4 import Q4Matrix
+from jpinfer.quant.q4 import Q4Bundles, Q4Matrix
 
 
 def routing_of(router: jax.Array, experts_per_token: int, experts: jax.Array, x: jax.Array) -> jax.Array:
@@ -64,8 +65,8 @@ class NeuronFFN:
     kind:   FFN activation kind (static).
     scales: int8 gate/up rows only: (n, R - 1) float32, the scale of each gate/up row (else None).
     down_scales: int8 rows only: (d_model,) float32, the down projection's scale per output.
-    gate_up: a 4-bit model's (module docstring): its 4-bit (P n, d_model) gate/up rows, gate rows then up rows (up
-            rows only, P = 1, for an ungated kind); ``rows`` then holds the int8 down slots alone, (n, 1, d_model).
+    gate_up: a 4-bit model's (module docstring): its 4-bit gate/up rows by neuron, P = 2 rows a record (gate, up;
+            P = 1, up only, for an ungated kind); ``rows`` then holds the int8 down slots alone, (n, 1, d_model).
     router / neuron_experts / experts_per_token: with experts, the router (n_experts, d_model), the expert of each
             row's neuron (n,) int32 and the router's top-k (static; 0 without experts).
     """
@@ -80,7 +81,7 @@ class NeuronFFN:
     router: jax.Array | None = None
     neuron_experts: jax.Array | None = None
     experts_per_token: int = dataclasses.field(default=0, metadata=dict(static=True))
-    gate_up: Q4Matrix | None = None
+    gate_up: Q4Bundles | None = None
 
     @property
     def quantized(self) -> bool:
@@ -120,11 +121,6 @@ class NeuronFFN:
             raise ValueError("subset positions must not repeat a neuron (it would be counted twice)")
         table = np.asarray(self.ids)[pos].astype(np.int32)
         take = lambda a: None if a is None else a[jnp.asarray(pos, jnp.int32)]
-        gate_up = None
-        if self.gate_up is not None:  # the held neurons' rows of each of its P blocks of n
-            slots = self.gate_up.outputs // self.n_neurons
-            gate_up = self.gate_up.take(jnp.asarray(np.concatenate([pos + j * self.n_neurons for j in range(slots)]),
-                                                    jnp.int32))
         compact = NeuronFFN(
             rows=take(self.rows),
             ids=jnp.asarray(table),
@@ -136,7 +132,7 @@ class NeuronFFN:
             router=self.router,
             neuron_experts=take(self.neuron_experts),
             experts_per_token=self.experts_per_token,
-            gate_up=gate_up,
+            gate_up=None if self.gate_up is None else self.gate_up.take(jnp.asarray(pos, jnp.int32)),
         )
         return compact, table
 
@@ -176,7 +172,7 @@ def from_arrays(
 
 def from_layer(layer: Layer, kind: FfnKind, experts: tuple[int, int] | None = None) -> NeuronFFN:
     """Neuron-major FFN of a decoder layer (``kind`` is ``ModelConfig.ffn_kind``): float bundles of a
-    float layer, int8 bundles of an int8 one, 4-bit gate/up rows and int8 down slots of an int4 one (module
+    float layer, int8 bundles of an int8 one, 4-bit gate/up records and int8 down slots of an int4 one (module
     docstring). ``experts``: (neurons per expert,
     experts per token) of a layer with a router (``ModelConfig.experts``), and only of such a layer."""
     if (layer.router is None) != (experts is None):
@@ -206,7 +202,7 @@ def _checked_gate_up_shape(gate_up_shape: tuple[int, int], down_shape: tuple[int
 
 def _q4_from_layer(layer: Layer, kind: FfnKind) -> NeuronFFN:
     down = quantized.int8_copy(layer.w_down)
-    _checked_gate_up_shape(layer.w_gate_up.shape, down.shape, kind)
+    slots = _checked_gate_up_shape(layer.w_gate_up.shape, down.shape, kind)
     return NeuronFFN(
         rows=down.values.T[:, None, :],
         ids=jnp.arange(down.shape[1], dtype=jnp.int32),
@@ -214,7 +210,7 @@ def _q4_from_layer(layer: Layer, kind: FfnKind) -> NeuronFFN:
         b_down=None if layer.b_down is None else jnp.asarray(layer.b_down),
         kind=kind,
         down_scales=down.scales,
-        gate_up=layer.w_gate_up,
+        gate_up=Q4Bundles.from_matrix(layer.w_gate_up, slots),
     )
 
 

@@ -18,7 +18,7 @@ and ``backend="gather"`` the XLA gather on any platform.
 Int8 bundles (``NeuronFFN.quantized``, W8A8: the dense int8 FFN's integers over the list) run the
 native ``native.kernels.sparse_ffn_int8`` on the CPU (library loaded) and its XLA gather form
 (``native.kernels.xla_sparse_ffn_int8``) elsewhere and for ``backend="xla"`` / ``"gather"``; an int4
-model's (4-bit gate/up rows in place, ``NeuronFFN.gate_up``) ``sparse_ffn_q4`` and ``xla_sparse_ffn_q4``
+model's (4-bit gate/up records, ``NeuronFFN.gate_up``) ``sparse_ffn_q4`` and ``xla_sparse_ffn_q4``
 likewise. The Pallas kernels read float rows only, so ``backend="pallas"`` refuses quantized bundles.
 
 With experts (``NeuronFFN.router``) each listed activation is times its expert's routing weight: int8 bundles
@@ -32,6 +32,7 @@ only: the input-sparse linear map of the threshold mode (``threshold_layout.py``
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Literal
 
@@ -207,7 +208,8 @@ def all_rows_ffn(ffn: NeuronFFN, x: jax.Array, keep: jax.Array | None = None) ->
     long (5.0 ms) (docs/architecture.md, "Engine modes").
 
     Int8 bundles run the dense int8 FFN's products (``quant.int8.product``: W8A8, the XLA form) on
-    their column blocks; an int4 model's gate/up rows the dense 4-bit product (``models.quantized.matmul``).
+    their column blocks; an int4 model's gate/up records the dense 4-bit product (``models.quantized.matmul``) on
+    the matrix they hold, copied out of them for the call.
 
     ``keep`` (T, n) boolean zeroes each token's other neurons' activations: the FFN over a list per token
     (a batch of sequences, each with its own predicted neurons), reading every row once. With experts each
@@ -219,13 +221,14 @@ def all_rows_ffn(ffn: NeuronFFN, x: jax.Array, keep: jax.Array | None = None) ->
         raise ValueError(f"x must be (d_model,) or (T, d_model) with d_model={ffn.d_model}, got {x.shape}")
     n, n_rows, d = ffn.rows.shape
     flat = ffn.rows.reshape(n, n_rows * d)
-    n_proj = n_rows - 1 if ffn.gate_up is None else ffn.gate_up.outputs // n
+    n_proj = n_rows - 1 if ffn.gate_up is None else ffn.gate_up.slots
     x2 = x.reshape(-1, d).astype(jnp.float32 if ffn.quantized else flat.dtype)
     # each block is copied out of the bundles once the layer's tokens exist (``ordering.after``: XLA otherwise
     # copied every layer's at the start of a prompt's step and held them all, 4.4 GB for a 7B int8 model)
     block = lambda j: after(flat[:, j * d : (j + 1) * d], x2)
     if ffn.gate_up is not None:  # the dense 4-bit product over the gate/up rows, then the int8 down slots
-        gate_up = quantized.matmul(x2, ffn.gate_up)
+        records = dataclasses.replace(ffn.gate_up, records=after(ffn.gate_up.records, x2))
+        gate_up = quantized.matmul(x2, records.matrix())
         project = lambda j: gate_up[:, j * n : (j + 1) * n]
         down = lambda act: int8.product(act, Int8Matrix(block(0), ffn.down_scales, 1))
     elif ffn.quantized:
