@@ -262,6 +262,26 @@ def test_subset_takes_its_neurons_gate_and_up_rows():
                                   np.asarray(whole))
 
 
+@pytest.mark.parametrize("T", [3, 12])
+def test_all_rows_with_a_list_per_token_is_each_tokens_sparse_ffn(T):
+    """all_rows_ffn over the records with ``keep`` (a batch's lists, one per token): every token equals the float64
+    reference over its own kept neurons, for a decode step's few tokens (the sparse op over the full list, ``keep``
+    as weights) and for a prompt's many (the dense 4-bit product over the records' matrix)."""
+    gate_up, w, down, down_scales, b_up = q4_ffn("swiglu", "q4_1", seed=12)
+    ffn = neurons.NeuronFFN(rows=jnp.asarray(down)[:, None, :], ids=jnp.arange(N, dtype=jnp.int32),
+                            b_up=jnp.asarray(b_up), b_down=None, kind="swiglu", down_scales=jnp.asarray(down_scales),
+                            gate_up=gate_up)
+    rng = np.random.default_rng(13)
+    x = integer_tokens(rng, T)
+    keep = rng.random((T, N)) < 0.4
+    y = np.asarray(all_rows_ffn(ffn, jnp.asarray(x), jnp.asarray(keep)))
+    for t in range(T):
+        ids = np.flatnonzero(keep[t]).astype(np.int32)
+        ref, margin, _, _ = reference(w, down, down_scales, b_up, x[t:t + 1], ids, len(ids), "swiglu")
+        assert margin > MARGIN, "setup: an activation on a rounding boundary (change the seed)"
+        assert_scaled_equal(y[t], ref[0], f"token {t} of {T}")
+
+
 def test_the_pallas_backend_refuses_4bit_rows():
     ffn = neurons.from_layer(int4_engine("swiglu").weights.layers[0], "swiglu")
     with pytest.raises(ValueError, match="Pallas kernels take float rows"):

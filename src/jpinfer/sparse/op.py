@@ -116,9 +116,7 @@ def sparse_ffn(
         else:
             y = jax.lax.platform_dependent(*args, cpu=cpu, cuda=kernel if triton_available() else gather,
                                            default=gather)
-    if ffn.b_down is not None:
-        y = y + ffn.b_down.astype(jnp.float32)
-    return y.astype(x.dtype).reshape(x.shape)
+    return _with_b_down(ffn, y).astype(x.dtype).reshape(x.shape)
 
 
 def _routed_ffn(ffn: NeuronFFN, x: jax.Array, ids: jax.Array, count: jax.Array, backend: str) -> jax.Array:
@@ -208,8 +206,10 @@ def all_rows_ffn(ffn: NeuronFFN, x: jax.Array, keep: jax.Array | None = None) ->
     long (5.0 ms) (docs/architecture.md, "Engine modes").
 
     Int8 bundles run the dense int8 FFN's products (``quant.int8.product``: W8A8, the XLA form) on
-    their column blocks; an int4 model's gate/up records the dense 4-bit product (``models.quantized.matmul``) on
-    the matrix they hold, copied out of them for the call.
+    their column blocks. An int4 model's records run, for up to ``native.kernels.MAX_TOKENS`` tokens (a decode
+    step's batch), as ``sparse_ffn`` over the full list with ``keep`` as 0/1 weights (one pass over the records,
+    natively on the CPU), and for more tokens (a prompt) as the dense 4-bit product (``models.quantized.matmul``)
+    over the matrix they hold, copied out of them for the call, then the int8 down slots.
 
     ``keep`` (T, n) boolean zeroes each token's other neurons' activations: the FFN over a list per token
     (a batch of sequences, each with its own predicted neurons), reading every row once. With experts each
@@ -223,6 +223,13 @@ def all_rows_ffn(ffn: NeuronFFN, x: jax.Array, keep: jax.Array | None = None) ->
     flat = ffn.rows.reshape(n, n_rows * d)
     n_proj = n_rows - 1 if ffn.gate_up is None else ffn.gate_up.slots
     x2 = x.reshape(-1, d).astype(jnp.float32 if ffn.quantized else flat.dtype)
+    if ffn.gate_up is not None and x2.shape[0] <= native_kernels.MAX_TOKENS:
+        weights = None if keep is None else keep.reshape(-1, n).astype(jnp.float32)
+        if ffn.router is not None:
+            routing = ffn.routing(x.reshape(-1, d))
+            weights = routing if weights is None else weights * routing
+        y = _quantized_ffn(ffn, x2, jnp.arange(n, dtype=jnp.int32), jnp.int32(n), "auto", weights)
+        return _with_b_down(ffn, y).astype(x.dtype).reshape(x.shape)
     # each block is copied out of the bundles once the layer's tokens exist (``ordering.after``: XLA otherwise
     # copied every layer's at the start of a prompt's step and held them all, 4.4 GB for a 7B int8 model)
     block = lambda j: after(flat[:, j * d : (j + 1) * d], x2)
@@ -246,9 +253,11 @@ def all_rows_ffn(ffn: NeuronFFN, x: jax.Array, keep: jax.Array | None = None) ->
     if ffn.router is not None:
         act = act * ffn.routing(x.reshape(-1, d))
     y = down(act if keep is None else jnp.where(keep.reshape(act.shape), act, 0))
-    if ffn.b_down is not None:
-        y = y + ffn.b_down.astype(jnp.float32)
-    return y.astype(x.dtype).reshape(x.shape)
+    return _with_b_down(ffn, y).astype(x.dtype).reshape(x.shape)
+
+
+def _with_b_down(ffn: NeuronFFN, y: jax.Array) -> jax.Array:
+    return y if ffn.b_down is None else y + ffn.b_down.astype(jnp.float32)
 
 
 def _gathered_rows_product(matrix: jax.Array, x: jax.Array, ids: jax.Array, count: jax.Array) -> jax.Array:
