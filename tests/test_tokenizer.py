@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pathlib
+import subprocess
+import sys
 
 import pytest
 import regex
@@ -180,3 +182,16 @@ def test_default_digits_follow_llama_cpp_smollm(default_pair):
         ids = mine.encode(text)
         assert ids == digit_first_reference(theirs, text), text
         assert mine.decode(ids) == text
+
+
+def test_a_gguf_and_its_tokenizer_load_without_pytorch(tmp_path):
+    """A GGUF's model and tokenizer load without importing PyTorch: transformers' AutoTokenizer import brings it in
+    where it is installed (0.24 GB resident, 0.06 of a 7B 4-bit file's bytes), so only the Hugging Face tokenizer
+    path imports it. Checked in a fresh interpreter (this one has PyTorch loaded for the references)."""
+    path = write_tiny(tmp_path)
+    code = ("import sys; from jpinfer.models.gguf_loader import load_gguf; "
+            f"cfg, tensors, tokenizer = load_gguf({str(path)!r}); assert tokenizer.encode('x y'); "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "False"

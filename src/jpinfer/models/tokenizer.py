@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as RawTokenizer
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
 from jpinfer.errors import CheckpointError
 
@@ -182,6 +182,10 @@ def load_hf_tokenizer(directory: os.PathLike | str) -> Tokenizer | None:
         raise CheckpointError(f"{directory}: tokenizer directory not found")
     if not any((directory / name).exists() for name in TOKENIZER_FILES):
         return None
+    # imported here: AutoTokenizer brings transformers' configuration code and with it PyTorch where installed
+    # (0.24 GB resident), which a GGUF's tokenizer, built above from ``tokenizers``, never needs
+    from transformers import AutoTokenizer
+
     try:
         tok = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
     except (OSError, ValueError, ImportError) as err:
