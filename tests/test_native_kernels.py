@@ -663,3 +663,27 @@ def test_library_reports_its_build():
     f = library.features()
     assert {"avx2", "fma", "f16c"} <= set(f["compiled"]) <= set(f["cpu"])
     assert library.loaded_path() and os.path.isfile(library.loaded_path())
+
+
+@pytest.mark.parametrize("fmt,inputs", [("int8", 100), ("q4_0", 96), ("q4_1", 256), ("q4_1", 1024)])
+@pytest.mark.parametrize("T", [1, 3])
+def test_many_rows_cut_in_pieces_compute_each_row_alone(fmt, inputs, T):
+    """Short rows go to the threads in pieces of up to ``out / 8`` rows (quantized.cc, RowsPerPiece), four a pass at
+    one token for 4-bit rows under 512 inputs: each output is still its row's sum in a fixed order, so the product
+    of 1000 rows equals, bit for bit, its 37-row slices' products (one piece each)."""
+    rng = np.random.default_rng(inputs + T)
+    w = rng.standard_normal((1000, inputs)).astype(np.float32)
+    x = jnp.asarray(rng.standard_normal((T, inputs)), jnp.float32)
+    if fmt == "int8":
+        m = int8.quantize(w)
+        product = lambda m: np.asarray(K.int8_matvec(m.values, m.scales, x, native=True))
+        pieces = [int8.Int8Matrix(m.values[r:r + 37], m.scales[r:r + 37], 0) for r in range(0, 1000, 37)]
+    else:
+        m = q4.quantize(w, fmt)
+        product = lambda m: np.asarray(K.q4_matvec(m, x, native=True))
+        pieces = [m.take(slice(r, r + 37)) for r in range(0, 1000, 37)]
+    whole = product(m)
+    np.testing.assert_array_equal(whole, np.concatenate([product(p) for p in pieces], axis=-1))
+    matrix = int8.dequantize(m) if fmt == "int8" else q4.dequantize(m)
+    dense = np.asarray(x, np.float64) @ np.asarray(matrix, np.float64).T
+    assert np.abs(whole - dense).max() < 0.05 * np.abs(dense).max()  # and it is the product (8-bit inputs)
