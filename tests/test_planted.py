@@ -13,6 +13,8 @@ from jpinfer.bench.random_gguf import FILE_TYPES, Shapes, random_ggufs, tensor_s
 from jpinfer.models.gguf_loader import open_gguf, read_config
 from jpinfer.models.loading import LoadedModel, load_quantized_gguf
 from jpinfer.models.params import build_weights
+from jpinfer.quant.int8 import Int8Matrix
+from jpinfer.quant.q4 import Q4Matrix
 from jpinfer.runtime.generation import GenerationConfig
 
 import gguf_fixtures as fx
@@ -89,10 +91,11 @@ def test_with_and_without_a_predictor_decode_the_same_tokens(tmp_path, monkeypat
     assert runs[None] == runs[16]
     bench = planted.planted_bench_engine(model, 0.1, ffns, 16, "x")
     lighter = planted.planted_bench_engine(model, 0.1, ffns, None, "x")
-    predictor = planted.random_predictor(TINY.d_model, TINY.d_ff, 16, np.random.default_rng(0))
+    predictor = planted.random_predictor(TINY.d_model, TINY.d_ff, 16, np.random.default_rng(0), "int8")
     per_layer = sum(int(a.nbytes) for a in (predictor.w_in.values, predictor.w_in.scales, predictor.w_out.values,
                                             predictor.w_out.scales, predictor.b_in, predictor.b_out, predictor.cutoff))
     assert bench.weight_bytes_per_token - lighter.weight_bytes_per_token == TINY.n_layers * per_layer
+    assert all(isinstance(state.predictor.w_out, Int8Matrix) for state in bench.engine.ffn.state)
     with pytest.raises(ValueError, match="fraction"):
         planted.planted_engine(model, 1.0, ffns)
 
@@ -117,6 +120,8 @@ def test_a_layout_in_popularity_order_computes_the_same_sums(tmp_path, monkeypat
     engines = {name: planted.planted_engine(model, 0.1, planted.neuron_major(model, order=o), rank=8)
                for name, o in (("model", None), ("popular", order))}
     ffn, moved = engines["model"].ffn.state[0], engines["popular"].ffn.state[0]
+    # the predictor in the model's format (a rank of 8 is under one 4-bit block: its w_out stays int8)
+    assert isinstance(ffn.predictor.w_in, {"int8": Int8Matrix, "int4": Q4Matrix}[fmt])
     assert np.array_equal(np.asarray(moved.ffn.ids), order[0])
     assert not np.array_equal(np.asarray(moved.sets), np.asarray(ffn.sets))  # other rows, the same neurons
     neurons = lambda state: np.sort(np.asarray(state.ffn.ids)[np.asarray(state.sets)], axis=1)

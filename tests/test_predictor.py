@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from jpinfer.ffn import PredictorMaskFFN, evaluate, mask_states
+from jpinfer.models.quantized import as_float
 from jpinfer.predictor import (
     LayerData,
     PredictorMismatchError,
@@ -312,3 +313,41 @@ def test_cutoff_keeps_both_recall_targets():
     assert only_recall.strong_recall is not None and both.predicted >= only_recall.predicted
     logits = np.asarray(predict_logits(tuned, jnp.asarray(x, jnp.float32)))
     assert np.mean(logits[strong] > float(tuned.cutoff)) >= 0.99
+
+
+# ----- a quantized model's predictors
+
+@pytest.mark.parametrize("fmt,rank,w_out_type", [("int8", 32, "Int8Matrix"), ("int4", 32, "Q4Matrix"),
+                                                 ("int4", 16, "Int8Matrix")])
+def test_a_predictor_in_a_weights_format_computes_its_stored_matrices(fmt, rank, w_out_type):
+    """``in_format``: the two matrices in the model's format (4-bit blocks need 32 inputs: a rank of 16 keeps w_out
+    int8), biases and cut-off as they were; its logits are the float64 MLP of the matrices it stores, to the
+    rounding of the activations each product quantizes (per token or per block of 32, int8: |error| <= max|x| /
+    254 an input, so sum_j |W_ij| max|x| / 254 an output; the hidden layer's error passes ReLU and the second
+    product's |W|)."""
+    rng = np.random.default_rng(7)
+    d_model, d_ff = 64, 96
+    p = PredictorWeights(jnp.asarray(rng.normal(size=(rank, d_model)) / 8, jnp.float32),
+                         jnp.asarray(rng.normal(size=rank) * 0.1, jnp.float32),
+                         jnp.asarray(rng.normal(size=(d_ff, rank)) / 4, jnp.float32),
+                         jnp.asarray(rng.normal(size=d_ff) * 0.1, jnp.float32), jnp.float32(0.25))
+    assert p.in_format("float") is p
+    q = p.in_format(fmt)
+    assert type(q.w_in).__name__ == ("Int8Matrix" if fmt == "int8" else "Q4Matrix")
+    assert type(q.w_out).__name__ == w_out_type
+    for name in ("b_in", "b_out", "cutoff"):
+        np.testing.assert_array_equal(np.asarray(getattr(q, name)), np.asarray(getattr(p, name)))
+    w_in, w_out = (np.asarray(as_float(m), np.float64) for m in (q.w_in, q.w_out))
+    x = rng.normal(size=(3, d_model))
+    hidden = np.maximum(x @ w_in.T + np.asarray(p.b_in, np.float64), 0)
+    reference = hidden @ w_out.T + np.asarray(p.b_out, np.float64)
+    hidden_error = np.abs(x).max(-1, keepdims=True) @ np.abs(w_in).sum(-1)[None] / 254
+    bound = ((np.abs(hidden).max(-1, keepdims=True) + hidden_error.max(-1, keepdims=True)) / 254
+             * np.abs(w_out).sum(-1)[None] + hidden_error @ np.abs(w_out).T)
+    logits = np.asarray(predict_logits(q, jnp.asarray(x, jnp.float32)), np.float64)
+    # plus float32 rounding of sums of <= 64 terms: 1e-5 of the logits' size, far under the bound (~1e-2)
+    assert np.all(np.abs(logits - reference) <= bound + 1e-5 * (1 + np.abs(reference)))
+    # the weights' own rounding: the stored matrices stand for the float ones
+    assert np.abs(w_out - np.asarray(p.w_out)).max() < 0.1 * np.abs(np.asarray(p.w_out)).max()
+    with pytest.raises(ValueError, match="fmt must be"):
+        p.in_format("int3")

@@ -294,4 +294,7 @@ def test_all_active_sparse_int4_decodes_like_dense_int4():
     dense = int4_engine("swiglu")
     sparse = build_engine(dense.model, "sparse", predictors=all_active(dense), capacity=dense.cfg.d_ff)
     assert all(isinstance(state.ffn.gate_up, Q4Bundles) for state in sparse.ffn.state)
+    # the predictors in the model's format: w_in (rank, d_model) in 4-bit blocks, w_out (d_ff, rank 4) int8
+    assert all(isinstance(state.predictor.w_in, Q4Matrix) and isinstance(state.predictor.w_out, int8.Int8Matrix)
+               for state in sparse.ffn.state)
     assert_decodes_like(sparse, dense, 24, rtol=KERNEL_RTOL, atol=max(KERNEL_ATOL, DECODER_ATOL))

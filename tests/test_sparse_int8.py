@@ -32,6 +32,7 @@ from jpinfer.modes import build_engine
 from jpinfer.native import kernels as K
 from jpinfer.predictor import PredictorMismatchError, TrainConfig, train_predictors
 from jpinfer.profiler import ProfileMismatchError, profile
+from jpinfer.quant.int8 import Int8Matrix
 from jpinfer.sparse import all_rows_ffn, neurons, sparse_ffn
 
 from activation_reference import activation64
@@ -336,6 +337,7 @@ def test_int8_needs_its_own_profile_and_predictors():
     predictors = train_predictors(int8_form, prof, ranks=8, config=TrainConfig(max_epochs=1), progress=False)
     assert predictors.meta["model"]["weights"] == "int8"
     engine = build_engine(int8_form.model, "sparse", predictors=predictors, profile=prof)
+    assert all(isinstance(state.predictor.w_out, Int8Matrix) for state in engine.ffn.state)  # the model's format
     assert len(engine.generate(PROMPT, GenerationConfig(max_new_tokens=6)).token_ids) == 6
     with pytest.raises(PredictorMismatchError, match=r"trained for model 'tiny-relu' \(int8 weights"):
         build_engine(float_engine.model, "sparse", predictors=predictors)

@@ -20,10 +20,11 @@ shapes): what is measured is what reading the listed neurons costs, so the outpu
   neuron-major FFN, ``sparse.neurons``: int8 bundles for an int8 model; for an int4 one its 4-bit gate/up rows
   in records by neuron and int8 down slots).
 - With a predictor (``rank``), each step also does what the ``sparse`` mode does to choose: a per-layer MLP
-  d_model -> rank -> d_ff (random weights, int8 per output row like the model's projections: the W8A8
-  products), then ``select_neurons`` over its logits plus a planted term (+``PLANT`` on the set, -``PLANT``
-  elsewhere). The MLP's own logits are ~1e-2, so the selection returns exactly the planted set in id order:
-  both forms compute the same neurons, and their difference is the predictor's and the selection's cost.
+  d_model -> rank -> d_ff (random weights in the model's format, as the ``sparse`` mode runs a quantized
+  model's predictors: int8 per output row for an int8 model, 4-bit blocks for an int4 one), then
+  ``select_neurons`` over its logits plus a planted term (+``PLANT`` on the set, -``PLANT`` elsewhere). The
+  MLP's own logits are ~1e-2, so the selection returns exactly the planted set in id order: both forms compute
+  the same neurons, and their difference is the predictor's and the selection's cost.
 - A prompt computes every neuron, as the ``sparse`` mode does.
 """
 
@@ -41,9 +42,9 @@ from jpinfer.config import ModelConfig
 from jpinfer.host_heap import release_freed_heap
 from jpinfer.models.loading import LoadedModel, load_quantized_gguf
 from jpinfer.models.params import Layer
+from jpinfer.models.quantized import weights_format
 from jpinfer.modes.engines import without_ffn
 from jpinfer.predictor.mlp import PredictorWeights, predict_logits, select_neurons
-from jpinfer.quant import int8
 from jpinfer.runtime.engine import Engine, FfnStrategy
 from jpinfer.solver import synthetic_frequencies
 from jpinfer.solver.frequencies import hottest_first
@@ -100,12 +101,13 @@ def planted_sets(frequencies: np.ndarray, k: int, n_sets: int, rng: np.random.Ge
     return np.sort(np.argpartition(-keys, k - 1, axis=1)[:, :k], axis=1).astype(np.int32)
 
 
-def random_predictor(d_model: int, d_ff: int, rank: int, rng: np.random.Generator) -> PredictorWeights:
-    """A predictor MLP of ``rank`` with random int8 weights whose logits are ~``PREDICTOR_LOGIT_SCALE``."""
+def random_predictor(d_model: int, d_ff: int, rank: int, rng: np.random.Generator, fmt: str) -> PredictorWeights:
+    """A predictor MLP of ``rank`` with random weights in the weights format ``fmt`` (as the ``sparse`` mode runs
+    a model's predictors: ``PredictorWeights.in_format``) whose logits are ~``PREDICTOR_LOGIT_SCALE``."""
     w_in = rng.standard_normal((rank, d_model), np.float32) / np.float32(np.sqrt(d_model))
     w_out = rng.standard_normal((d_ff, rank), np.float32) * np.float32(PREDICTOR_LOGIT_SCALE / np.sqrt(rank))
-    return PredictorWeights(int8.quantize(w_in), jnp.zeros((rank,), jnp.float32), int8.quantize(w_out),
-                            jnp.zeros((d_ff,), jnp.float32), jnp.float32(0.0))
+    return PredictorWeights(jnp.asarray(w_in), jnp.zeros((rank,), jnp.float32), jnp.asarray(w_out),
+                            jnp.zeros((d_ff,), jnp.float32), jnp.float32(0.0)).in_format(fmt)
 
 
 def planted_name(fraction: float, rank: int | None) -> str:
@@ -156,9 +158,11 @@ def planted_engine(model: LoadedModel, fraction: float, ffns: list[NeuronFFN], *
     cfg = model.cfg
     sets_rng, predictor_rng = (np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(2))
     k = listed_count(cfg.d_ff, 1 - fraction)
+    fmt = weights_format(model.weights)
     # two streams: the sets are the same with a predictor or without
+    predictor = lambda: None if rank is None else random_predictor(cfg.d_model, cfg.d_ff, rank, predictor_rng, fmt)
     states = [PlantedState(ffn, jnp.asarray(rows_of(ffn, planted_sets(np.maximum(f, 1e-12), k, n_sets, sets_rng))),
-                           None if rank is None else random_predictor(cfg.d_model, cfg.d_ff, rank, predictor_rng))
+                           predictor())
               for ffn, f in zip(ffns, planted_frequencies(cfg, fraction, seed))]
     weights = dataclasses.replace(model.weights, layers=[without_ffn(layer) for layer in model.weights.layers])
     return Engine(LoadedModel(cfg, weights, None, model.source), FfnStrategy(PlantedFFN(), states,

@@ -41,12 +41,13 @@ def is_quantized(w) -> bool:
 
 
 def weights_format(weights: Weights) -> str:
-    """"float", "int8" or "int4": the format of the decoder's projections (int4 where any is 4-bit)."""
+    """"float", "int8" or "int4": the format of the decoder's projections (int4 where any is 4-bit; also for
+    a model whose FFN matrices were moved into a sparse layout)."""
     layer = weights.layers[0]
     projections = (layer.w_qkv, layer.wo, layer.w_gate_up, layer.w_down)
     if any(isinstance(w, Q4Matrix) for w in projections):
         return "int4"
-    return "int8" if isinstance(layer.w_gate_up, Int8Matrix) else "float"
+    return "int8" if any(isinstance(w, Int8Matrix) for w in projections) else "float"
 
 
 def bytes_per_weight(weights: Weights) -> float:
@@ -175,6 +176,16 @@ def _product_jvp(primals, tangents):
     return _product(tokens, w), dy
 
 
+def quantize_matrix(w, fmt: str) -> QuantizedMatrix:
+    """A float (out, in) matrix in ``fmt``: "int8" per output row; "int4" in ``INT4_KIND`` blocks where its
+    inputs fill whole blocks of 32, else int8 (the blocks' width)."""
+    if fmt not in ("int8", "int4"):
+        raise ValueError(f"fmt must be 'int8' or 'int4', got {fmt!r}")
+    if fmt == "int8" or w.shape[1] % q4.QK:
+        return int8.quantize(w)
+    return q4.quantize(w, INT4_KIND)
+
+
 def quantize_weights(weights: Weights, fmt: str, blocks: dict[str, Q4Matrix] | None = None) -> Weights:
     """Float ``weights`` in the format ``fmt`` ("int8" or "int4"; module docstring).
 
@@ -196,11 +207,7 @@ def quantize_weights(weights: Weights, fmt: str, blocks: dict[str, Q4Matrix] | N
 
     def convert(i: int, name: str, w: jax.Array) -> QuantizedMatrix:
         stored = blocks.get(f"layers.{i}.{name}")
-        if stored is not None:
-            return stored
-        if fmt == "int8" or w.shape[1] % q4.QK:  # 4-bit blocks need whole blocks of 32 inputs
-            return int8.quantize(w)
-        return q4.quantize(w, INT4_KIND)
+        return stored if stored is not None else quantize_matrix(w, fmt)
 
     layers = [
         dataclasses.replace(layer, **{name: convert(i, name, getattr(layer, name))

@@ -25,6 +25,7 @@ from jpinfer.errors import JpinferError
 from jpinfer.ffn import PredictorListFFN, PredictorListState, ThresholdLayer, ThresholdRowsFFN
 from jpinfer.models.loading import LoadedModel
 from jpinfer.models.params import Layer
+from jpinfer.models.quantized import weights_format
 from jpinfer.modes.devices import default_devices, host_dtype_for
 from jpinfer.modes.hybrid import ColdParts, HybridFFN, HybridLayer
 from jpinfer.predictor.store import Predictors
@@ -42,7 +43,8 @@ def sparse_engine(model: LoadedModel, predictors: Predictors, capacity: tuple[in
                   backend: str = "auto") -> Engine:
     """One device; the model's FFN matrices are replaced by the neuron-major copies."""
     kind = model.cfg.ffn_kind
-    states = [PredictorListState(neurons.from_layer(layer, kind, model.cfg.experts), p)
+    fmt = weights_format(model.weights)
+    states = [PredictorListState(neurons.from_layer(layer, kind, model.cfg.experts), p.in_format(fmt))
               for layer, p in zip(model.weights.layers, predictors.layers)]
     weights = dataclasses.replace(model.weights, layers=[without_ffn(layer) for layer in model.weights.layers])
     sparse_model = LoadedModel(model.cfg, weights, model.tokenizer, model.source)
