@@ -27,7 +27,7 @@ import numpy as np
 import jpinfer
 from jpinfer.bench.accuracy import wikitext_windows
 from jpinfer.bench.planted import random_predictor
-from jpinfer.bench.protocol import load_average, machine, machine_line
+from jpinfer.bench.protocol import TEST_WINDOWS, load_average, machine, machine_line
 from jpinfer.bench.results import markdown_table, publish
 from jpinfer.ffn import PredictorMaskFFN, evaluate, layer_capacities, mask_states
 from jpinfer.pack.default import pack_for
@@ -90,23 +90,23 @@ def timing(rank: int, rounds: int, calls: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--windows", type=int, default=16, help="WikiText-2 test windows of 512 tokens")
+    ap.add_argument("--test-windows", type=int, default=TEST_WINDOWS, help="WikiText-2 test windows of 512 tokens")
     ap.add_argument("--rank", type=int, default=256, help="the 7B-shaped predictors' width")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--calls", type=int, default=10, help="timed calls a round")
     ap.add_argument("--out", default=None, help="markdown file (a .json beside it)")
     args = ap.parse_args()
     load_before = load_average()
-    acc = accuracy(args.windows)
+    acc = accuracy(args.test_windows)
     times = timing(args.rank, args.rounds, args.calls)
     m = machine(load_before)
     lines = [
         "# Predictors in the model's format", "",
         f"{machine_line(m)}", "",
-        f"`python bench/predictor_formats.py --windows {args.windows} --rank {args.rank} --rounds {args.rounds} "
-        f"--calls {args.calls}`", "",
+        f"`python bench/predictor_formats.py --test-windows {args.test_windows} --rank {args.rank} "
+        f"--rounds {args.rounds} --calls {args.calls}`", "",
         f"## Accuracy: the default model's pack predictors (ranks {min(acc['ranks'])}-{max(acc['ranks'])}), "
-        f"{args.windows} WikiText-2 test windows of 512 tokens", "",
+        f"{args.test_windows} WikiText-2 test windows of 512 tokens", "",
         f"The sparse mode's FFN at the pack's capacities; dense perplexity {acc['dense_ppl']:.3f}. Hits: truly "
         "active neurons the predictor kept, a token and layer (of 'active'); predicted: neurons it kept.", "",
         *markdown_table(("predictor format", "perplexity", "x dense", "hits", "active", "recall", "predicted",
