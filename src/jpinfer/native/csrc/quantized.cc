@@ -39,7 +39,8 @@ constexpr int64_t kRowsPerPiece = 64, kPieceBytes = 128 << 10, kMinPieces = 8;
 // (4096, 4096) and (11008, 4096) products, whose pieces stay 64 rows, within noise (0.97-1.04)
 // (bench/results/short_row_pieces.md).
 int64_t RowsPerPiece(int64_t out, int64_t row_bytes) {
-  return std::max(kRowsPerPiece, std::min(CeilDiv(kPieceBytes, row_bytes), CeilDiv(out, kMinPieces)));
+  const int64_t fill = CeilDiv(kPieceBytes, std::max<int64_t>(row_bytes, 1));  // (an empty row: no division by 0)
+  return std::max(kRowsPerPiece, std::min(fill, CeilDiv(out, kMinPieces)));
 }
 thread_local std::vector<int8_t> tl_q;
 thread_local std::vector<float> tl_scale;
