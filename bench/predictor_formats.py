@@ -30,6 +30,7 @@ from jpinfer.bench.planted import random_predictor
 from jpinfer.bench.protocol import TEST_WINDOWS, load_average, machine, machine_line
 from jpinfer.bench.results import markdown_table, publish
 from jpinfer.ffn import PredictorMaskFFN, evaluate, layer_capacities, mask_states
+from jpinfer.models.params import nbytes
 from jpinfer.pack.default import pack_for
 from jpinfer.predictor import predict_logits
 
@@ -50,7 +51,7 @@ def accuracy(windows: int) -> dict:
                              progress=True)
         per_token = {k: sum(layer[k] for layer in sums) / (test.size * cfg.n_layers) for k in sums[0]}
         rows[fmt] = dict(ppl=ppl, ppl_ratio=ppl / dense_ppl, **per_token,
-                         predictor_bytes=sum(int(a.nbytes) for p in layers for a in jax.tree_util.tree_leaves(p)))
+                         predictor_bytes=nbytes(layers))
     return dict(dense_ppl=dense_ppl, ranks=pack.predictors.ranks, rows=rows)
 
 
@@ -81,9 +82,8 @@ def timing(rank: int, rounds: int, calls: int) -> dict:
             ms[fmt].append((time.perf_counter() - start) / calls * 1e3)
     rows = {}
     for fmt, stack in stacks.items():
-        nbytes = sum(int(a.nbytes) for p in stack for a in jax.tree_util.tree_leaves(p))
-        median = statistics.median(ms[fmt])
-        rows[fmt] = dict(ms=median, bytes=nbytes, gb_s=nbytes / median / 1e6,
+        read, median = nbytes(stack), statistics.median(ms[fmt])
+        rows[fmt] = dict(ms=median, bytes=read, gb_s=read / median / 1e6,
                          x_float=statistics.median(a / b for a, b in zip(ms[fmt], ms["float"])))
     return dict(rank=rank, layers=layers, rows=rows)
 

@@ -41,7 +41,7 @@ from jpinfer.bench.fixed_list import listed_count
 from jpinfer.config import ModelConfig
 from jpinfer.host_heap import release_freed_heap
 from jpinfer.models.loading import LoadedModel, load_quantized_gguf
-from jpinfer.models.params import Layer
+from jpinfer.models.params import Layer, nbytes
 from jpinfer.models.quantized import weights_format
 from jpinfer.modes.engines import without_ffn
 from jpinfer.predictor.mlp import PredictorWeights, predict_logits, select_neurons
@@ -189,7 +189,7 @@ def planted_bytes_per_token(engine: Engine) -> int:
             per_neuron += ffn.gate_up.nbytes // ffn.n_neurons
         total += k * per_neuron + (0 if ffn.down_scales is None else int(ffn.down_scales.nbytes))
         if state.predictor is not None:
-            total += sum(int(a.nbytes) for a in jax.tree_util.tree_leaves(state.predictor))
+            total += nbytes(state.predictor)
     return total
 
 

@@ -20,6 +20,7 @@ the experts. Optional tensors (biases, norm bias, the input embedding when tied 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -223,5 +224,6 @@ def cast(weights: Weights, dtype) -> Weights:
     return jax.tree_util.tree_map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, weights)
 
 
-def nbytes(weights: Weights) -> int:
-    return sum(int(a.nbytes) for a in jax.tree_util.tree_leaves(weights))
+def nbytes(tree: Any) -> int:
+    """Bytes of every array in a pytree: weights, a layer, predictors (quantized matrices count their scales)."""
+    return sum(int(a.nbytes) for a in jax.tree_util.tree_leaves(tree))
