@@ -54,7 +54,7 @@ from jpinfer.bench.modelled import (
 )
 from jpinfer.bench.results import publish
 from jpinfer.config import ModelConfig
-from jpinfer.runtime.generation import CACHE_ROUNDING, MIN_PROMPT_BUCKET
+from jpinfer.runtime.generation import MIN_PROMPT_BUCKET, attend_length, generation_shapes
 from jpinfer.solver import InfeasibleBudgetError, ModelSizes, model_sizes, preset, solve_placement
 from jpinfer.solver.cli import SHAPES
 
@@ -237,7 +237,10 @@ def gpu_decode_comparisons(record: dict, source: str = "gpu_suite.json") -> tupl
     if cfg is None:
         return [], f"{source}: unknown model {record['model']!r}; not compared"
     dtype_bytes = {"bfloat16": 2, "float32": 4}[record.get("dtype", "float32" if cfg is TINY else "bfloat16")]
-    kv_slots = -(-(MIN_PROMPT_BUCKET + record["new_tokens"]) // CACHE_ROUNDING) * CACHE_ROUNDING
+    # the cache slots the run's last step attends over (the rung ``attend_length`` picks in the cache the Engine
+    # allocates), which the cost model reads as the KV cache
+    positions = MIN_PROMPT_BUCKET + record["new_tokens"]
+    kv_slots = attend_length(positions, generation_shapes(MIN_PROMPT_BUCKET, record["new_tokens"], cfg.max_position)[1])
     out = []
     for engine, tps in record["median"].items():
         if engine == "dense":
@@ -248,7 +251,7 @@ def gpu_decode_comparisons(record: dict, source: str = "gpu_suite.json") -> tupl
             continue
         seconds = fixed_list_seconds(cfg, dtype_bytes, kv_slots, name, active)
         out.append(Comparison(source, f"{cfg.name}, {engine}, all on {record['device']}", tps, seconds))
-    return out, f"{source}: {record['device']} modelled with the {name} preset, KV cache of {kv_slots} positions"
+    return out, f"{source}: {record['device']} modelled with the {name} preset, attention over {kv_slots} cache slots"
 
 
 def measured_section(results: pathlib.Path) -> tuple[list[str], list[dict]]:

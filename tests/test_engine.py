@@ -11,6 +11,7 @@ import torch
 from jpinfer import Engine, GenerationConfig, LoadedModel
 from jpinfer.config import RopeScaling
 from jpinfer.models import hf_loader, params
+from jpinfer.runtime.generation import CACHE_ROUNDING, MIN_PROMPT_BUCKET, cache_capacity, generation_shapes
 from jpinfer.runtime.sampling import ARGMAX_BLOCK, Sampler, argmax, sample
 
 from hf_reference import make_model
@@ -149,6 +150,20 @@ def test_bad_prompts_are_value_errors(tiny):
         engine.generate([engine.cfg.vocab_size])
     with pytest.raises(ValueError, match="chat template"):
         engine.generate("abc", chat=True)
+
+
+def test_cache_capacity_holds_the_positions_with_bounded_waste():
+    for tokens in range(1, 3 * CACHE_ROUNDING):
+        slots = cache_capacity(tokens, 4096)
+        assert slots >= tokens
+        if tokens <= CACHE_ROUNDING:  # a power of two, at most twice what it holds (or the smallest prompt bucket)
+            assert slots & (slots - 1) == 0 and slots >= MIN_PROMPT_BUCKET
+            assert slots < 2 * tokens or slots == MIN_PROMPT_BUCKET
+        else:  # a multiple of CACHE_ROUNDING, less than one step of it to spare
+            assert slots % CACHE_ROUNDING == 0 and slots - tokens < CACHE_ROUNDING
+    assert cache_capacity(300, 200) == 200 and cache_capacity(20, 24) == 24  # never past the model's context
+    # a 32-token prompt with 8 new tokens: 64 slots (it was 256 before the powers of two)
+    assert generation_shapes(32, 8, 4096) == (32, 64, 8)
 
 
 def test_generation_stops_at_context_end(tiny):

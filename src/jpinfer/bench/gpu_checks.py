@@ -30,7 +30,7 @@ from jpinfer.bench.layer_offload import cast_floats
 from jpinfer.bench.results import error_text
 from jpinfer.models.loading import LoadedModel
 from jpinfer.runtime.engine import Engine
-from jpinfer.runtime.generation import CACHE_ROUNDING, MIN_PROMPT_BUCKET, GenerationConfig, attend_length
+from jpinfer.runtime.generation import MIN_PROMPT_BUCKET, GenerationConfig, attend_length, cache_capacity
 from jpinfer.sparse import NeuronFFN
 
 BF16_U = 2.0**-8  # bfloat16's unit roundoff: 8 significant bits, round to nearest
@@ -140,7 +140,7 @@ def next_logits(engine: Engine, prompt: list[int], token: int) -> np.ndarray:
     """float32 logits (vocab,) of decoding ``token`` after ``prompt`` (one bucket long) with the engine's own
     stepper: the prefill fills the cache, then one decode step."""
     n = len(prompt)
-    capacity = -(-(n + 1) // CACHE_ROUNDING) * CACHE_ROUNDING
+    capacity = cache_capacity(n + 1, engine.cfg.max_position)
     stepper = engine.stepper
     cache = stepper.new_cache(capacity)
     _, cache, _ = stepper.first(jnp.asarray([prompt], jnp.int32), jnp.int32(n), cache, jax.random.PRNGKey(0),

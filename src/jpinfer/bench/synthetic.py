@@ -40,12 +40,12 @@ from jpinfer.config import ModelConfig
 from jpinfer.ffn import part_capacities, whole_blocks
 from jpinfer.models import transformer
 from jpinfer.models.loading import LoadedModel
-from jpinfer.models.params import Layer, Weights
+from jpinfer.models.params import Layer, Weights, nbytes
 from jpinfer.modes.engines import hybrid_engine, sparse_engine
 from jpinfer.predictor.mlp import PredictorWeights
 from jpinfer.predictor.store import Predictors
 from jpinfer.runtime.engine import Engine
-from jpinfer.runtime.generation import CACHE_ROUNDING, MIN_PROMPT_BUCKET
+from jpinfer.runtime.generation import MIN_PROMPT_BUCKET, generation_shapes
 from jpinfer.solver import synthetic_frequencies
 from jpinfer.solver.baselines import greedy
 
@@ -147,7 +147,6 @@ class Budget:
 
 def budget_of(cfg: ModelConfig, weights: Weights, predictors: list[PredictorWeights], fraction: float,
               kv_slots: int) -> Budget:
-    nbytes = lambda tree: int(sum(a.nbytes for a in jax.tree_util.tree_leaves(tree)))
     layer = weights.layers[0]
     itemsize = jnp.dtype(weights.dtype).itemsize
     model = nbytes(weights)
@@ -195,7 +194,7 @@ def budget_setup(model: LoadedModel, fraction: float, devices: tuple[Any, Any], 
     predictors = Predictors([jax.device_put(p, accelerator) for p in activity.predictors],
                             {"model_name": cfg.name, "synthetic": True})
     ks = activity.capacity
-    kv_slots = -(-(PROMPT_TOKENS + new_tokens) // CACHE_ROUNDING) * CACHE_ROUNDING  # the cache Engine allocates
+    kv_slots = generation_shapes(PROMPT_TOKENS, new_tokens, cfg.max_position)[1]  # the cache Engine allocates
     b = budget_of(cfg, weights, predictors.layers, fraction, kv_slots)
     masks = greedy(freqs, b.hot_neurons())
     n_hot = int(sum(m.sum() for m in masks))

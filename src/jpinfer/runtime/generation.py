@@ -12,7 +12,7 @@ from jpinfer.config import ModelConfig
 from jpinfer.runtime.sampling import Sampler
 
 MIN_PROMPT_BUCKET = 16
-CACHE_ROUNDING = 256
+CACHE_ROUNDING = 256  # cache capacities: powers of two up to it, then its multiples
 MIN_ATTEND = 128  # each rung is one more compilation of the step; below 128 slots attention is cheap
 
 
@@ -75,8 +75,16 @@ def prompt_bucket(n: int) -> int:
 
 
 def cache_capacity(tokens: int, max_position: int) -> int:
-    """KV cache slots for ``tokens`` positions: rounded up to CACHE_ROUNDING (a few cache shapes, so a few
-    compilations), at most the model's context."""
+    """KV cache slots for ``tokens`` positions: the next power of two up to CACHE_ROUNDING, then the next
+    multiple of it (a few cache shapes, so a few compilations), at most the model's context.
+
+    Why powers of two below CACHE_ROUNDING: a short generation's cache was 256 slots whatever it held; for a
+    Llama-2-7B-shaped model in 4-bit blocks (3.86 GB of tensors) that float32 cache is 0.27 GB, and a 32-token
+    prompt with 8 new tokens peaked at 4.56 GB with 256 slots against 4.41 with 64 (one process, 2026-12-06,
+    2-core Zen 4 VM). Attention reads ``attend_length`` slots either way, so a smaller cache only saves memory."""
+    tokens = max(int(tokens), 1)
+    if tokens <= CACHE_ROUNDING:
+        return min(max(MIN_PROMPT_BUCKET, 1 << (tokens - 1).bit_length()), max_position)
     return min(-(-tokens // CACHE_ROUNDING) * CACHE_ROUNDING, max_position)
 
 
