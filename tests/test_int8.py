@@ -117,8 +117,10 @@ def test_quantize_tokens_equals_numpy():
 def test_bad_matrices_are_value_errors():
     with pytest.raises(ValueError, match="2-D matrix"):
         int8.quantize(np.zeros((2, 3, 4)))
-    with pytest.raises(ValueError, match="inf or nan"):
-        int8.quantize(np.array([[1.0, np.nan]]))
+    for bad in (np.nan, np.inf, -np.inf):  # anywhere in a line, whichever axis the scales run along
+        for scale_axis in (0, 1):
+            with pytest.raises(ValueError, match="inf or nan"):
+                int8.quantize(np.array([[1.0, -2.0], [3.0, bad]]), scale_axis)
     with pytest.raises(ValueError, match="takes 5"):
         quantized.matmul(jnp.zeros((1, 4)), int8.quantize(np.ones((3, 5))))
 
