@@ -349,5 +349,5 @@ def test_a_predictor_in_a_weights_format_computes_its_stored_matrices(fmt, rank,
     assert np.all(np.abs(logits - reference) <= bound + 1e-5 * (1 + np.abs(reference)))
     # the weights' own rounding: the stored matrices stand for the float ones
     assert np.abs(w_out - np.asarray(p.w_out)).max() < 0.1 * np.abs(np.asarray(p.w_out)).max()
-    with pytest.raises(ValueError, match="fmt must be"):
+    with pytest.raises(ValueError, match="'float', 'int8' or 'int4'"):
         p.in_format("int3")
