@@ -251,7 +251,7 @@ def test_threshold_rows(shape, T, native):
     m = rng.standard_normal(shape).astype(np.float32)
     x = rng.standard_normal((T, shape[0])).astype(np.float32)
     x[:, ::9] = 0.0  # zeros: dropped even at threshold 0
-    for thr in (0.0, 0.67, 10.0):  # all non-zero kept, about half, nothing
+    for thr in (-np.inf, 0.0, 0.67, 10.0):  # everything kept, all non-zero, about half, nothing
         y_ref, counts_ref, bound = threshold_reference(m, x, thr)
         y, counts = K.threshold_rows_product(m, x, thr, native=native)
         assert counts.dtype == jnp.int32 and np.array_equal(np.asarray(counts), counts_ref)
@@ -263,6 +263,22 @@ def test_threshold_rows(shape, T, native):
     if T == 1:
         y1, c1 = K.threshold_rows_product(m, x[0], 0.67, native=native)
         assert y1.shape == (shape[1],) and c1.shape == () and int(c1) == counts_ref[0]
+
+
+@pytest.mark.parametrize("native", BACKENDS)
+@pytest.mark.parametrize("T", [1, 3])
+def test_threshold_rows_never_keep_a_nan(T, native):
+    """A NaN entry of x is never kept, whatever the threshold (|NaN| > t is false), in the eight-entry blocks of
+    one token's compaction and in the entries after them."""
+    rng = np.random.default_rng(5)
+    m = rng.standard_normal((45, 20)).astype(np.float32)
+    x = rng.standard_normal((T, 45)).astype(np.float32)
+    x[:, [0, 7, 19, 41, 44]] = np.nan
+    for thr in (-np.inf, 0.5):
+        y, counts = K.threshold_rows_product(m, x, thr, native=native)
+        y_ref, counts_ref, bound = threshold_reference(m, np.nan_to_num(x, nan=0.0), thr)
+        assert np.array_equal(np.asarray(counts), counts_ref - (thr < 0) * 5)  # the zeros stand in for NaNs
+        assert_within(y, y_ref, bound, f"thr={thr}")
 
 
 @needs_native
@@ -305,7 +321,7 @@ def test_threshold_rows_int8_exact(shape, T, native):
     scales = rng.random(shape[1]).astype(np.float32) / 50
     x = rng.standard_normal((T, shape[0])).astype(np.float32)
     x[:, ::7] = 0.0
-    for thr in (0.0, 0.67, 10.0):
+    for thr in (-np.inf, 0.0, 0.67, 10.0):
         ref, counts_ref = threshold_int8_reference(values, scales, x, thr)
         y, counts = K.threshold_rows_product_int8(values, scales, x, thr, native=native)
         assert np.array_equal(np.asarray(counts), counts_ref)
