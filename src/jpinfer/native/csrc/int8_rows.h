@@ -176,34 +176,45 @@ inline void Int8Dots(const int8_t* const* w, const int8_t* const* next, const in
     }
 }
 
-// acc[t * ldy + j] += sum_b q[t * 4 + b] * rows[b][j] for j in [j0, j1), four int8 rows (a missing row
-// points at any valid row with weight 0), exact in int32. Rows are widened to int16 and interleaved in
-// pairs so that one _mm256_madd_epi16 multiplies two rows by their two token weights and adds them.
+// acc[t * ldy + j] += sum_b q[t * kSumRows + b] * rows[b][j] for j in [j0, j1), kSumRows int8 rows (a missing
+// row points at any valid row with weight 0), exact in int32. Rows are widened to int16 and interleaved in pairs
+// so that one _mm256_madd_epi16 multiplies two rows by their two token weights and adds them; the pairs' sums
+// meet in registers and the (T, j1 - j0) int32 sums in memory are loaded and stored once per kSumRows rows.
+// Eight rows a pass against four (2-core Zen 4 VM, 2026-12-06, one process, 15 alternated rounds, one token, the
+// int8 threshold rows kernel): the default model's 30 chained (1536, 576) down matrices 0.82x the time with every
+// row kept, 0.78x at half kept; four 7B-shaped (11008, 4096) 0.92x either way; the same bits
+// (bench/results/int8_threshold_rows.md).
+constexpr int kSumRows = 8;
+
 inline void AddRowsInt8(const int8_t* const* rows, const int16_t* q, int64_t T, int64_t j0, int64_t j1, int32_t* acc,
                         int64_t ldy, const int8_t* const* next, int n_next) {
-  __m256i w01[kMaxTokens], w23[kMaxTokens];
-  for (int64_t t = 0; t < T; ++t) {
-    const uint32_t p01 = uint16_t(q[t * 4 + 0]) | uint32_t(uint16_t(q[t * 4 + 1])) << 16;
-    const uint32_t p23 = uint16_t(q[t * 4 + 2]) | uint32_t(uint16_t(q[t * 4 + 3])) << 16;
-    w01[t] = _mm256_set1_epi32(int32_t(p01));
-    w23[t] = _mm256_set1_epi32(int32_t(p23));
-  }
+  constexpr int kPairs = kSumRows / 2;
+  __m256i w[kPairs][kMaxTokens];  // rows 2p and 2p + 1's token weights in every int32 lane
+  for (int64_t t = 0; t < T; ++t)
+    for (int p = 0; p < kPairs; ++p) {
+      const uint32_t pair = uint16_t(q[t * kSumRows + 2 * p]) | uint32_t(uint16_t(q[t * kSumRows + 2 * p + 1])) << 16;
+      w[p][t] = _mm256_set1_epi32(int32_t(pair));
+    }
   int64_t j = j0;
   for (; j + 16 <= j1; j += 16) {
     if (n_next && ((j - j0) & 63) == 0)
       for (int b = 0; b < n_next; ++b) PrefetchAhead(next[b] + j);
-    const __m256i r0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[0] + j)));
-    const __m256i r1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[1] + j)));
-    const __m256i r2 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[2] + j)));
-    const __m256i r3 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[3] + j)));
     // unpack works within 128-bit lanes: lo holds columns 0-3 and 8-11, hi 4-7 and 12-15
-    const __m256i lo01 = _mm256_unpacklo_epi16(r0, r1), hi01 = _mm256_unpackhi_epi16(r0, r1);
-    const __m256i lo23 = _mm256_unpacklo_epi16(r2, r3), hi23 = _mm256_unpackhi_epi16(r2, r3);
+    __m256i lo[kPairs], hi[kPairs];
+    for (int p = 0; p < kPairs; ++p) {
+      const __m256i a = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[2 * p] + j)));
+      const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[2 * p + 1] + j)));
+      lo[p] = _mm256_unpacklo_epi16(a, b);
+      hi[p] = _mm256_unpackhi_epi16(a, b);
+    }
     for (int64_t t = 0; t < T; ++t) {
-      const __m256i lo = _mm256_add_epi32(_mm256_madd_epi16(lo01, w01[t]), _mm256_madd_epi16(lo23, w23[t]));
-      const __m256i hi = _mm256_add_epi32(_mm256_madd_epi16(hi01, w01[t]), _mm256_madd_epi16(hi23, w23[t]));
+      __m256i l = _mm256_madd_epi16(lo[0], w[0][t]), h = _mm256_madd_epi16(hi[0], w[0][t]);
+      for (int p = 1; p < kPairs; ++p) {
+        l = _mm256_add_epi32(l, _mm256_madd_epi16(lo[p], w[p][t]));
+        h = _mm256_add_epi32(h, _mm256_madd_epi16(hi[p], w[p][t]));
+      }
       // back to column order: (0-3, 4-7) and (8-11, 12-15)
-      const __m256i c0 = _mm256_permute2x128_si256(lo, hi, 0x20), c1 = _mm256_permute2x128_si256(lo, hi, 0x31);
+      const __m256i c0 = _mm256_permute2x128_si256(l, h, 0x20), c1 = _mm256_permute2x128_si256(l, h, 0x31);
       int32_t* a = acc + t * ldy + j;
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(a),
                           _mm256_add_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a)), c0));
@@ -213,12 +224,12 @@ inline void AddRowsInt8(const int8_t* const* rows, const int16_t* q, int64_t T, 
   }
   for (; j < j1; ++j)
     for (int64_t t = 0; t < T; ++t)
-      for (int b = 0; b < 4; ++b) acc[t * ldy + j] += int32_t(q[t * 4 + b]) * int32_t(rows[b][j]);
+      for (int b = 0; b < kSumRows; ++b) acc[t * ldy + j] += int32_t(q[t * kSumRows + b]) * int32_t(rows[b][j]);
 }
 
 // Y[t * cols + j] = (sum over k < m of q[k * T + t] * row(k)[j]) * (token_scale[t] * col_scale[j]): m listed
-// int8 rows of `cols` entries weighted by int8 values (held in int16; q padded to whole blocks of four with
-// zeros), summed exactly in int32, then scaled. Split over the rows, not the columns: integer sums are exact,
+// int8 rows of `cols` entries weighted by int8 values (held in int16), summed exactly in int32, kSumRows rows
+// a pass (AddRowsInt8), then scaled. Split over the rows, not the columns: integer sums are exact,
 // so any partition gives the same bits, and each thread reads whole rows (4 KiB of an int8 down row of the
 // 7B shape; a column split left 2 KiB runs and measured 4.6 GB/s where XLA's float32 W @ x reads 16). Each
 // piece sums into its own int32 (T, cols) part of `parts`; the parts are added, then scaled. The second
@@ -229,23 +240,23 @@ inline void ScaledRowsSum(ffi::ThreadPool& pool, int64_t m, int64_t T, int64_t c
   std::fill(Y, Y + T * cols, 0.0f);
   if (m == 0 || cols == 0) return;
   const int64_t pieces = std::min<int64_t>(Workers(pool), CeilDiv(m, 16));
-  const int64_t len = RoundUp(CeilDiv(m, pieces), 4);
+  const int64_t len = RoundUp(CeilDiv(m, pieces), kSumRows);
   int32_t* acc = Scratch(parts, size_t(pieces * T * cols));
   ParallelFor(pool, pieces, m * cols, [&](int64_t i) {
     int32_t* part = acc + i * T * cols;
     std::fill(part, part + T * cols, 0);
     const int64_t k1 = std::min(m, (i + 1) * len);
-    for (int64_t k = i * len; k < k1; k += 4) {
-      const int B = int(std::min<int64_t>(4, k1 - k));
-      const int8_t* r[4];
-      int16_t qb[kMaxTokens * 4];
-      for (int b = 0; b < 4; ++b) {  // a short last block: its first row stands in, weight 0
+    for (int64_t k = i * len; k < k1; k += kSumRows) {
+      const int B = int(std::min<int64_t>(kSumRows, k1 - k));
+      const int8_t* r[kSumRows];
+      int16_t qb[kMaxTokens * kSumRows];
+      for (int b = 0; b < kSumRows; ++b) {  // a short last block: its first row stands in, weight 0
         r[b] = row(k + (b < B ? b : 0));
-        for (int64_t t = 0; t < T; ++t) qb[t * 4 + b] = b < B ? q[(k + b) * T + t] : 0;
+        for (int64_t t = 0; t < T; ++t) qb[t * kSumRows + b] = b < B ? q[(k + b) * T + t] : 0;
       }
-      const int8_t* rn[4];
-      const int nb = int(std::clamp<int64_t>(k1 - k - 4, 0, 4));
-      for (int b = 0; b < nb; ++b) rn[b] = row(k + 4 + b);
+      const int8_t* rn[kSumRows];
+      const int nb = int(std::clamp<int64_t>(k1 - k - kSumRows, 0, kSumRows));
+      for (int b = 0; b < nb; ++b) rn[b] = row(k + kSumRows + b);
       AddRowsInt8(r, qb, T, 0, cols, part, cols, rn, nb);
     }
   });
