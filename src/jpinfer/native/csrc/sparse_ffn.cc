@@ -232,7 +232,7 @@ thread_local std::vector<int32_t> tl_down;
 template <class RowFn>
 void QuantizedDownSum(ffi::ThreadPool& pool, int64_t m, int64_t T, int64_t d, const float* act, RowFn&& down,
                       const float* down_scales, float* Y) {
-  int16_t* aq = Scratch(tl_actq, size_t(RoundUp(m, 4) * T));
+  int16_t* aq = Scratch(tl_actq, size_t(m * T));
   float as[kMaxTokens];
   for (int64_t t = 0; t < T; ++t) {
     float peak = 0.0f;

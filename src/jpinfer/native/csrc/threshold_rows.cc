@@ -62,6 +62,34 @@ inline int64_t KeptEntries(const float* x, int64_t n, float thr, int64_t* kept) 
   return nk;
 }
 
+// Both kernels' compaction of x (T, N): the rows any token keeps, in order, into kept (returns how many), per
+// kept row the T weights weight(x, t) (zero where token t drops the row), and counts[t], the entries token t
+// keeps. One token goes through KeptEntries.
+template <class W, class WeightFn>
+int64_t KeptRows(const float* X, int64_t N, int64_t T, float thr, int64_t* kept, W* weights, int32_t* counts,
+                 WeightFn&& weight) {
+  if (T == 1) {
+    const int64_t nk = KeptEntries(X, N, thr, kept);
+    for (int64_t k = 0; k < nk; ++k) weights[k] = weight(X[kept[k]], 0);
+    counts[0] = int32_t(nk);
+    return nk;
+  }
+  for (int64_t t = 0; t < T; ++t) counts[t] = 0;
+  int64_t nk = 0;
+  for (int64_t j = 0; j < N; ++j) {
+    bool any = false;
+    for (int64_t t = 0; t < T; ++t) {
+      const float v = X[t * N + j];
+      const bool keep = std::fabs(v) > thr;
+      weights[nk * T + t] = keep ? weight(v, t) : W(0);
+      counts[t] += keep;
+      any |= keep;
+    }
+    if (any) kept[nk++] = j;
+  }
+  return nk;
+}
+
 ffi::Error ThresholdRowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> m, ffi::Buffer<ffi::F32> x,
                              ffi::Buffer<ffi::F32> threshold, ffi::ResultBuffer<ffi::F32> y,
                              ffi::ResultBuffer<ffi::S32> counts) {
@@ -79,25 +107,7 @@ ffi::Error ThresholdRowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> m, ffi:
   // Compaction: the kept rows in order, and per kept row the T weights (0 where a token drops it).
   int64_t* kept = Scratch(tl_kept, size_t(N));
   float* wts = Scratch(tl_weights, size_t(N * T));
-  for (int64_t t = 0; t < T; ++t) C[t] = 0;
-  int64_t nk = 0;
-  if (T == 1) {
-    nk = KeptEntries(X, N, thr, kept);
-    for (int64_t k = 0; k < nk; ++k) wts[k] = X[kept[k]];
-    C[0] = int32_t(nk);
-  } else {
-    for (int64_t j = 0; j < N; ++j) {
-      bool any = false;
-      for (int64_t t = 0; t < T; ++t) {
-        const float v = X[t * N + j];
-        const bool keep = std::fabs(v) > thr;
-        wts[nk * T + t] = keep ? v : 0.0f;
-        C[t] += keep;
-        any |= keep;
-      }
-      if (any) kept[nk++] = j;
-    }
-  }
+  const int64_t nk = KeptRows(X, N, T, thr, kept, wts, C, [](float v, int64_t) { return v; });
   // Rows a pass: eight on a narrow matrix (the default model's down, q|k|v and o products), four on a wide
   // one; a pass loads its outputs once for all its rows. (Measured with the column split, 2026-12-04:
   // narrow pieces 26-44 -> 34-47 GB/s with eight, while wide ones read 31-36 with eight against four's
@@ -171,28 +181,11 @@ ffi::Error ThresholdRowsInt8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> m, f
     const float peak = Peak(X + t * N, N);
     inverse[t] = peak > 0.0f ? 127.0f / peak : 0.0f;
     token_scale[t] = peak * kInv127;  // XLA's peak / 127 (see int8_rows.h)
-    C[t] = 0;
   }
   int64_t* kept = Scratch(tl_kept, size_t(N));
-  int16_t* qw = Scratch(tl_qweights, size_t(RoundUp(N, 4) * T));  // [kept k][token], padded to whole blocks
-  int64_t nk = 0;
-  if (T == 1) {
-    nk = KeptEntries(X, N, thr, kept);
-    for (int64_t k = 0; k < nk; ++k) qw[k] = int16_t(QuantizeOne(X[kept[k]], inverse[0]));
-    C[0] = int32_t(nk);
-  } else {
-    for (int64_t j = 0; j < N; ++j) {
-      bool any = false;
-      for (int64_t t = 0; t < T; ++t) {
-        const float v = X[t * N + j];
-        const bool keep = std::fabs(v) > thr;
-        qw[nk * T + t] = keep ? int16_t(QuantizeOne(v, inverse[t])) : 0;
-        C[t] += keep;
-        any |= keep;
-      }
-      if (any) kept[nk++] = j;
-    }
-  }
+  int16_t* qw = Scratch(tl_qweights, size_t(N * T));  // [kept k][token]
+  const int64_t nk = KeptRows(X, N, T, thr, kept, qw, C,
+                              [&](float v, int64_t t) { return int16_t(QuantizeOne(v, inverse[t])); });
   ScaledRowsSum(pool, nk, T, cols, [&](int64_t k) { return W + kept[k] * cols; }, qw, token_scale, S, tl_acc, Y);
   return ffi::Error::Success();
 }
