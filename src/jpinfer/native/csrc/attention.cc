@@ -30,7 +30,7 @@ namespace {
 // Slots per piece: 128 KiB of keys and values at hd 64, in L2. Smaller blocks, for more pieces than the default
 // model's 3 kv heads give at short lengths, did not pay (2-core Zen 4 VM, 2026-12-06, one process, 30 layers
 // chained, one token, 25 alternated rounds): 128 slots 0.99-1.02x the time at 100-900 positions, 64 slots
-// 1.00-1.09x; a 7B-shaped layer (32 kv heads) 0.99-1.08x and 1.10-1.14x; four tokens 0.97-0.98x either way.
+// 1.00-1.09x; a 7B-shaped layer (32 kv heads) 0.99-1.08x and 1.10-1.14x; four tokens 0.97-0.98x and 0.98-1.02x.
 constexpr int64_t kBlock = 256;
 
 thread_local std::vector<float> tl_scores;
