@@ -133,3 +133,65 @@ def test_llama_cpp_greedy_tokens_match_jpinfer_on_float32_weights():
     assert stats.tokens == expect
     assert stats.n_prompt == len(ids) and len(stats.step_s) == len(stats.tokens) - 1
     assert llama.run(ids, 8).tokens == expect  # state is reset between prompts
+
+
+class _FakeParams:
+    use_extra_bufts = True
+
+
+class _FakeLlama:
+    """Records whether llama.cpp's weight repacking was on when each model was loaded (the
+    parameters ``Llama`` reads from ``llama_cpp.llama_cpp.llama_model_default_params``)."""
+
+    loads: list[bool] = []
+
+    def __init__(self, model_path, n_ctx=512, **kwargs):
+        import llama_cpp.llama_cpp as low
+
+        _FakeLlama.loads.append(low.llama_model_default_params().use_extra_bufts)
+        self._n_ctx = n_ctx
+        self.scores = np.zeros((n_ctx, 5), np.float32)
+
+    def n_ctx(self):
+        return self._n_ctx
+
+    def n_vocab(self):
+        return 5
+
+    def reset(self):
+        pass
+
+    def eval(self, tokens):
+        pass
+
+    def close(self):
+        pass
+
+
+@pytest.fixture
+def fake_llama_cpp(monkeypatch):
+    import sys
+    import types
+
+    low = types.ModuleType("llama_cpp.llama_cpp")
+    low.llama_model_default_params = _FakeParams
+    top = types.ModuleType("llama_cpp")
+    top.Llama, top.llama_cpp = _FakeLlama, low
+    monkeypatch.setitem(sys.modules, "llama_cpp", top)
+    monkeypatch.setitem(sys.modules, "llama_cpp.llama_cpp", low)
+    _FakeLlama.loads = []
+    return _FakeLlama
+
+
+@pytest.mark.parametrize("repack", [True, False])
+def test_perplexity_loads_the_model_as_its_engine_does(quantized, fake_llama_cpp, repack):
+    """An engine that runs only without the weight repacking (where llama.cpp's repacking crashes)
+    must measure its perplexity without it too: a perplexity model loaded with the repacking on
+    killed the bench's llama.cpp rows on an Intel Xeon VM. Uniform logits give perplexity = vocab."""
+    _, path = quantized
+    engine = peer.LlamaCppEngine(path, n_threads=2, n_ctx=16, repack=repack)
+    assert engine.perplexity(np.ones((2, 8), np.int64)) == pytest.approx(5.0)
+    assert fake_llama_cpp.loads == [repack, repack]
+    import llama_cpp.llama_cpp as low
+
+    assert low.llama_model_default_params().use_extra_bufts  # the default restored after each load

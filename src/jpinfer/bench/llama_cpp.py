@@ -185,6 +185,7 @@ class LlamaCppEngine:
 
         self.model_path = pathlib.Path(model_path)
         self.n_threads = n_threads
+        self.repack = repack
         reader = GGUFReader(self.model_path)
         self.weight_bytes_per_token = _weight_bytes_per_token(reader)
         self.name = (f"llama.cpp {label or _file_type_label(reader)} ({n_threads} threads"
@@ -211,7 +212,7 @@ class LlamaCppEngine:
 
     def perplexity(self, windows: np.ndarray) -> float:
         """llama.cpp's own perplexity of this file on token ``windows`` (``perplexity``)."""
-        return perplexity(self.model_path, windows, self.n_threads)
+        return perplexity(self.model_path, windows, self.n_threads, repack=self.repack)
 
     def _greedy(self) -> int:
         """Argmax of the logits of the last evaluated token.
@@ -290,14 +291,17 @@ def quantized_gguf(source: os.PathLike | str, file_type: str) -> pathlib.Path:
     return target
 
 
-def perplexity(model_path: os.PathLike | str, windows: np.ndarray, n_threads: int = 2) -> float:
+def perplexity(model_path: os.PathLike | str, windows: np.ndarray, n_threads: int = 2, repack: bool = True) -> float:
     """llama.cpp's perplexity on token ``windows`` (N, T) as ``profiler.evaluate`` counts it:
-    exp(mean NLL) of every token after the first of each window, from llama.cpp's own logits."""
+    exp(mean NLL) of every token after the first of each window, from llama.cpp's own logits.
+    ``repack``: as ``LlamaCppEngine``'s (an engine that runs only without the repacking measures
+    its perplexity without it too)."""
     import llama_cpp
 
     windows = np.asarray(windows)
-    llm = llama_cpp.Llama(model_path=str(model_path), n_ctx=windows.shape[1], n_batch=windows.shape[1],
-                          n_threads=n_threads, n_threads_batch=n_threads, logits_all=True, verbose=False)
+    with _weight_repacking(repack):
+        llm = llama_cpp.Llama(model_path=str(model_path), n_ctx=windows.shape[1], n_batch=windows.shape[1],
+                              n_threads=n_threads, n_threads_batch=n_threads, logits_all=True, verbose=False)
     try:
         total = 0.0
         for window in windows:
