@@ -176,18 +176,85 @@ inline void Int8Dots(const int8_t* const* w, const int8_t* const* next, const in
     }
 }
 
-// acc[t * ldy + j] += sum_b q[t * kSumRows + b] * rows[b][j] for j in [j0, j1), kSumRows int8 rows (a missing
-// row points at any valid row with weight 0), exact in int32. Rows are widened to int16 and interleaved in pairs
-// so that one _mm256_madd_epi16 multiplies two rows by their two token weights and adds them; the pairs' sums
-// meet in registers and the (T, j1 - j0) int32 sums in memory are loaded and stored once per kSumRows rows.
-// Eight rows a pass against four (2-core Zen 4 VM, 2026-12-06, one process, 15 alternated rounds, one token, the
-// int8 threshold rows kernel): the default model's 30 chained (1536, 576) down matrices 0.82x the time with every
-// row kept, 0.78x at half kept; four 7B-shaped (11008, 4096) 0.92x either way; the same bits
-// (bench/results/int8_threshold_rows.md).
+// acc[t * cols + slot(j)] += sum_b q[t * kSumRows + b] * rows[b][j] for j < cols, kSumRows int8 rows (a missing row
+// points at any valid row with weight 0), exact in int32; slot: SumSlot. The (T, cols) int32 sums in memory are
+// loaded and stored once per kSumRows rows.
+//
+// With AVX-512 VNNI, 64 columns a step: two rounds of byte and word unpacks put the same column of four rows in one
+// int32 lane, so one vpdpbusd multiplies four rows by their four token weights and adds them. vpdpbusd takes one
+// operand unsigned: the rows go in as w ^ 0x80 = w + 128 (unsigned), and 128 * (the token's weights' sum) comes back
+// out of the sums once per pass. The unpacks work within 128-bit lanes, so each 64-column block's sums are kept in
+// the lane order they leave in (SumSlot), and put back in column order only by the caller's last pass over them.
+// Otherwise (AVX2) rows are widened to int16 and interleaved in pairs, one _mm256_madd_epi16 multiplying two rows by
+// their two token weights; so are the last cols % 64 columns with VNNI. On the Intel Xeon VM (2026-12-06, whose L3
+// holds the default model's int8 weights, so the products run at their instruction rate) the int16 form read the
+// threshold mode's kept down rows at about half the dense int8 product's bytes per second, and made that mode slower
+// than dense int8 (bench/results/int8_threshold_rows.md).
+// Eight rows a pass against four (int16 form; 2-core Zen 4 VM, 2026-12-06, one process, 15 alternated rounds, one
+// token, the int8 threshold rows kernel): the default model's 30 chained (1536, 576) down matrices 0.82x the time with
+// every row kept, 0.78x at half kept; four 7B-shaped (11008, 4096) 0.92x either way; the same bits.
 constexpr int kSumRows = 8;
 
-inline void AddRowsInt8(const int8_t* const* rows, const int16_t* q, int64_t T, int64_t j0, int64_t j1, int32_t* acc,
-                        int64_t ldy, const int8_t* const* next, int n_next) {
+#if JPN_ZMM
+constexpr int64_t kSumBlock = 64;  // columns a VNNI step; whole blocks are held in SumSlot's order
+#else
+constexpr int64_t kSumBlock = 1 << 30;  // no reordered blocks
+#endif
+
+// Where AddRowsInt8 keeps column j's sum among cols: within a whole block of 64, column 16 L + 4 k + e (128-bit lane L
+// of the unpacked vector k, int32 e of it) at 16 k + 4 L + e; the columns after the last whole block in order.
+inline int64_t SumSlot(int64_t j, int64_t cols) {
+  const int64_t c = j % kSumBlock, base = j - c;
+  if (base + kSumBlock > cols) return j;
+  return base + 16 * ((c & 15) >> 2) + 4 * (c >> 4) + (c & 3);
+}
+
+inline void AddRowsInt8(const int8_t* const* rows, const int16_t* q, int64_t T, int64_t cols, int32_t* acc,
+                        const int8_t* const* next, int n_next) {
+  int64_t j = 0;
+#if JPN_ZMM
+  {
+    constexpr int kQuads = kSumRows / 4;
+    __m512i weights[kQuads][kMaxTokens];  // rows 4g..4g+3's token weights, a byte each, in every int32 lane
+    __m512i back[kMaxTokens];             // -128 * the sum of a token's weights
+    for (int64_t t = 0; t < T; ++t) {
+      int32_t sum = 0;
+      for (int g = 0; g < kQuads; ++g) {
+        uint32_t quad = 0;
+        for (int b = 0; b < 4; ++b) {
+          const int16_t v = q[t * kSumRows + 4 * g + b];
+          quad |= uint32_t(uint8_t(int8_t(v))) << (8 * b);
+          sum += v;
+        }
+        weights[g][t] = _mm512_set1_epi32(int32_t(quad));
+      }
+      back[t] = _mm512_set1_epi32(-128 * sum);
+    }
+    const __m512i flip = _mm512_set1_epi8(char(0x80));
+    for (; j + 64 <= cols; j += 64) {
+      for (int b = 0; b < n_next; ++b) PrefetchAhead(next[b] + j);
+      __m512i quads[kQuads][4];
+      for (int g = 0; g < kQuads; ++g) {
+        __m512i r[4];
+        for (int b = 0; b < 4; ++b) r[b] = _mm512_xor_si512(_mm512_loadu_si512(rows[4 * g + b] + j), flip);
+        const __m512i lo01 = _mm512_unpacklo_epi8(r[0], r[1]), hi01 = _mm512_unpackhi_epi8(r[0], r[1]);
+        const __m512i lo23 = _mm512_unpacklo_epi8(r[2], r[3]), hi23 = _mm512_unpackhi_epi8(r[2], r[3]);
+        quads[g][0] = _mm512_unpacklo_epi16(lo01, lo23);  // columns 16 L + 0..3 of each lane L
+        quads[g][1] = _mm512_unpackhi_epi16(lo01, lo23);  // 4..7
+        quads[g][2] = _mm512_unpacklo_epi16(hi01, hi23);  // 8..11
+        quads[g][3] = _mm512_unpackhi_epi16(hi01, hi23);  // 12..15
+      }
+      for (int64_t t = 0; t < T; ++t) {
+        int32_t* a = acc + t * cols + j;
+        for (int k = 0; k < 4; ++k) {
+          __m512i v = _mm512_add_epi32(_mm512_loadu_si512(a + 16 * k), back[t]);
+          for (int g = 0; g < kQuads; ++g) v = _mm512_dpbusd_epi32(v, quads[g][k], weights[g][t]);
+          _mm512_storeu_si512(a + 16 * k, v);
+        }
+      }
+    }
+  }
+#endif
   constexpr int kPairs = kSumRows / 2;
   __m256i w[kPairs][kMaxTokens];  // rows 2p and 2p + 1's token weights in every int32 lane
   for (int64_t t = 0; t < T; ++t)
@@ -195,8 +262,8 @@ inline void AddRowsInt8(const int8_t* const* rows, const int16_t* q, int64_t T, 
       const uint32_t pair = uint16_t(q[t * kSumRows + 2 * p]) | uint32_t(uint16_t(q[t * kSumRows + 2 * p + 1])) << 16;
       w[p][t] = _mm256_set1_epi32(int32_t(pair));
     }
-  int64_t j = j0;
-  for (; j + 16 <= j1; j += 16) {
+  const int64_t j0 = j;
+  for (; j + 16 <= cols; j += 16) {
     if (n_next && ((j - j0) & 63) == 0)
       for (int b = 0; b < n_next; ++b) PrefetchAhead(next[b] + j);
     // unpack works within 128-bit lanes: lo holds columns 0-3 and 8-11, hi 4-7 and 12-15
@@ -215,16 +282,16 @@ inline void AddRowsInt8(const int8_t* const* rows, const int16_t* q, int64_t T, 
       }
       // back to column order: (0-3, 4-7) and (8-11, 12-15)
       const __m256i c0 = _mm256_permute2x128_si256(l, h, 0x20), c1 = _mm256_permute2x128_si256(l, h, 0x31);
-      int32_t* a = acc + t * ldy + j;
+      int32_t* a = acc + t * cols + j;
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(a),
                           _mm256_add_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a)), c0));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(a + 8),
                           _mm256_add_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 8)), c1));
     }
   }
-  for (; j < j1; ++j)
+  for (; j < cols; ++j)
     for (int64_t t = 0; t < T; ++t)
-      for (int b = 0; b < kSumRows; ++b) acc[t * ldy + j] += int32_t(q[t * kSumRows + b]) * int32_t(rows[b][j]);
+      for (int b = 0; b < kSumRows; ++b) acc[t * cols + j] += int32_t(q[t * kSumRows + b]) * int32_t(rows[b][j]);
 }
 
 // Y[t * cols + j] = (sum over k < m of q[k * T + t] * row(k)[j]) * (token_scale[t] * col_scale[j]): m listed
@@ -257,13 +324,14 @@ inline void ScaledRowsSum(ffi::ThreadPool& pool, int64_t m, int64_t T, int64_t c
       const int8_t* rn[kSumRows];
       const int nb = int(std::clamp<int64_t>(k1 - k - kSumRows, 0, kSumRows));
       for (int b = 0; b < nb; ++b) rn[b] = row(k + kSumRows + b);
-      AddRowsInt8(r, qb, T, 0, cols, part, cols, rn, nb);
+      AddRowsInt8(r, qb, T, cols, part, rn, nb);
     }
   });
   for (int64_t i = 1; i < pieces; ++i)
     for (int64_t e = 0; e < T * cols; ++e) acc[e] += acc[i * T * cols + e];
   for (int64_t t = 0; t < T; ++t)
-    for (int64_t j = 0; j < cols; ++j) Y[t * cols + j] = float(acc[t * cols + j]) * (token_scale[t] * col_scale[j]);
+    for (int64_t j = 0; j < cols; ++j)
+      Y[t * cols + j] = float(acc[t * cols + SumSlot(j, cols)]) * (token_scale[t] * col_scale[j]);
 }
 
 }  // namespace jpn
