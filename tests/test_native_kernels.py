@@ -198,6 +198,29 @@ def test_sparse_ffn_medium_threads_bit_identical():
     assert np.array_equal(many[:1], np.asarray(K.sparse_ffn(rows, x[:1], ids, count, kind="swiglu", b_up=b_up)))
 
 
+@needs_native
+def test_concurrent_callers_share_the_helpers():
+    """Kernels called from several threads at once (XLA runs independent programs side by side) compete for
+    the native helper threads (csrc/threads.cc): each call must still compute its own result, the same bits
+    as alone on one thread. Products of 0.8 MB, past the size at which a sleeping helper is woken."""
+    import concurrent.futures
+
+    rng = np.random.default_rng(5)
+    values = rng.integers(-127, 128, (1024, 768), dtype=np.int8)
+    scales = (rng.random(1024) / 50).astype(np.float32)
+    xs = rng.standard_normal((6, 3, 768)).astype(np.float32)
+    product = jax.jit(lambda x: K.int8_matvec(values, scales, x))
+    expect = [on_one_thread(lambda x=x: np.asarray(product(x))) for x in xs]
+
+    def calls(i):
+        return [np.array_equal(np.asarray(product(xs[i])), expect[i]) for _ in range(20)]
+
+    with concurrent.futures.ThreadPoolExecutor(len(xs)) as pool:
+        results = list(pool.map(calls, range(len(xs))))
+    assert all(all(r) for r in results)
+    assert np.array_equal(expect[0], int8_reference(values, scales, xs[0])[0])
+
+
 @pytest.mark.parametrize("native", BACKENDS)
 def test_sparse_ffn_jit_and_scan(native):
     """Under jit with traced ids and count, and chained over layers inside lax.scan."""

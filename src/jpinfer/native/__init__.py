@@ -19,8 +19,9 @@ The library is compiled at ``pip install`` time (setup.py: g++ -O3 -march=native
 -march=x86-64-v3 with JPINFER_NATIVE_PORTABLE=1) and loaded with ctypes on first use
 (``library.py``); when it is missing, broken, built for another CPU, or disabled with
 JPINFER_NATIVE=0, one warning says why and every function runs its XLA implementation instead.
-Kernels run on XLA's intra-op thread pool with fixed partitions: results are bit-identical
-whatever the thread count.
+Kernels split their work between the calling thread and jpinfer's own helper threads (as many
+as XLA's intra-op pool has beyond one; ``csrc/threads.cc``) with fixed partitions: results are
+bit-identical whatever the thread count.
 """
 
 from jpinfer.native.library import native_available, unavailable_reason

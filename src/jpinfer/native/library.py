@@ -156,7 +156,7 @@ def features() -> dict[str, list[str]]:
 
 
 def set_max_threads(n: int) -> None:
-    """Cap the threads a kernel uses (the calling one included); 0 = every thread of XLA's intra-op pool.
+    """Cap the threads a kernel uses (the calling one included); 0 = as many as XLA's intra-op pool has.
     Results do not depend on it (fixed partitions); it exists to check that and to measure."""
     lib = _ensure()["lib"]
     if lib is not None:

@@ -1,16 +1,17 @@
 // Shared pieces of jpinfer's native CPU kernels (XLA FFI custom calls, see ../__init__.py).
 //
-// Threads: the kernels run on XLA's intra-op thread pool, handed to every handler through the FFI
-// context (`ffi::ThreadPool`), not on OpenMP. XLA:CPU already keeps one worker per core; an OpenMP
-// team would be a second set of threads that spin after each parallel region (GOMP_SPINCOUNT) while
-// XLA's workers run the next ops, oversubscribing the cores, and would add a libgomp dependency to the
-// wheel. The pool's threads are idle while a custom call runs (it is one op of the program), so the
-// calling thread plus (threads - 1) helpers split the work.
+// Threads: a kernel splits its work between the calling thread and jpinfer's own helper threads, as many
+// helpers as XLA's intra-op pool (handed to every handler through the FFI context, `ffi::ThreadPool`) has
+// threads beyond one, the pool's threads being idle while a custom call runs (it is one op of the program).
+// Not OpenMP: XLA:CPU already keeps one worker per core; an OpenMP team would be a second set of threads
+// that spin after each parallel region (GOMP_SPINCOUNT) while XLA's workers run the next ops,
+// oversubscribing the cores, and would add a libgomp dependency to the wheel. The helpers spin only
+// briefly after a loop and yield while they do (ParallelFor below says why they are not XLA's pool).
 // Measured (bench/native_kernels.py, 2-core EPYC, 2026-12-02, same ParallelFor with an OpenMP
 // `parallel for schedule(dynamic)` body, build flag -DJPN_OPENMP -fopenmp): the OpenMP build ran the 7B
 // sparse FFN within run-to-run noise of this one (0.71-0.82 vs 0.64-0.86 of XLA's W @ x rate), but
 // XLA's own dense FFN, run in between, slowed by up to 30% at the small shape while the OpenMP team
-// spun: the oversubscription above. So the pool stays; JPN_OPENMP is kept for re-measuring only.
+// spun: the oversubscription above. So no OpenMP; JPN_OPENMP is kept for re-measuring only.
 //
 // Determinism: every kernel cuts its work into a partition that depends on the shapes and the
 // count only, never on the number of threads; each piece writes its own output slice or partial sum,
@@ -30,6 +31,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <thread>
 #include <type_traits>
@@ -109,40 +111,23 @@ T* Scratch(std::vector<T>& buf, size_t n) {
   return buf.data();
 }
 
-// Runs body(i) for every i in [0, n): the calling thread and up to (threads - 1) helpers scheduled
-// on XLA's pool claim indices from one atomic counter (dynamic balance, no fixed thread->piece map).
-// work_bytes: about how many bytes the whole loop reads; below kInlineBytes it runs on the caller
-// alone, as waking a helper costs a few microseconds.
-constexpr int64_t kInlineBytes = 96 * 1024;
-
-// Above that, helpers are used when the work outlasts scheduling them several times over. Schedule
-// costs the caller little on an idle machine but tens of microseconds on a busy one (measured 11-22 us a
-// call at load average 6-7 on the 2-core EPYC VM, where the woken helper preempts the caller; helpers
-// then started 130-1100 us late on average), and the default model's sparse FFN (0.5 MB a layer at
-// 95%) ran up to 2.4x faster on the caller alone there. So a loop uses helpers when its work, read at
-// kBytesPerNs, lasts kScheduleMultiple times the recent cost of Schedule (an average the scheduling
-// loops keep); one skipped loop in kProbeEvery schedules anyway, so that the average follows the
-// machine's load. (An average of the helpers' start delays instead kept that 95% layer on the caller
-// alone on the idle machine as well, where two threads ran it 1.4x faster.) Which thread runs a piece
-// never changes a result (above).
+// Runs body(i) for every i in [0, n): the calling thread and up to (threads - 1) of jpinfer's helper
+// threads (threads.cc) claim indices from one atomic counter (dynamic balance, no fixed thread->piece map).
+// work_bytes: about how many bytes the whole loop reads; below kInlineBytes it runs on the caller alone.
 //
-// A Schedule sample counts at most kScheduleSampleCapNs: on the idle 2-core EPYC a call now and then took
-// 1-5 ms (the caller preempted by the thread it woke), which lifted the average past the 7 MB gate/up
-// product's bar, and a run of steps then ran products on the caller alone: the default model's
-// 8-sequence decode step took 64-68 ms against 48-55 with the helpers always used (2026-12-04). The
-// busy machine's 11-22 us a call stays under the cap, so the average still follows real load.
-constexpr int64_t kBytesPerNs = 16;  // about one core's read rate (9-28 GB/s measured on the EPYC VMs)
-constexpr int64_t kScheduleMultiple = 4;
-constexpr uint32_t kProbeEvery = 16;
-constexpr int64_t kScheduleSampleCapNs = 100 * 1000;
-struct ScheduleCost {
-  std::atomic<int64_t> ns{0};
-  std::atomic<uint32_t> skipped{0};
-};
-inline ScheduleCost& RecentScheduleCost() {
-  static ScheduleCost cost;  // one per library (an inline function's static)
-  return cost;
-}
+// Why own helpers and not XLA's pool: a pool.Schedule wakes a sleeping pool thread, which on the 2-core
+// Intel Xeon VM (2026-12-06) cost the caller 20-46 us on average, so the loops it was worth it for were few:
+// in the int8 threshold mode's decode 78% of the dense int8 products and 96% of the threshold products
+// ran on the caller alone, and one thread decoded as fast as two. A helper that has just run a loop spins
+// for kLingerNs (yielding now and then) before it sleeps, so the next loop of a decode step, microseconds
+// later, hands it work with two atomic stores; a sleeping helper is woken only for loops of kWakeBytes
+// and more, and lingers again after them.
+constexpr int64_t kInlineBytes = 96 * 1024;
+constexpr int64_t kWakeBytes = 512 * 1024;
+
+// Offers `job` to up to `wanted` helpers that are free (starting them on first use); a sleeping one only
+// when `wake`. Returns how many took it. Each runs job() once.
+int OfferToHelpers(int wanted, const std::shared_ptr<std::function<void()>>& job, bool wake);
 
 // Threads a ParallelFor may use: the pool's size (at least 1), capped by MaxThreads().
 inline int64_t Workers(ffi::ThreadPool& pool) {
@@ -154,7 +139,7 @@ inline int64_t Workers(ffi::ThreadPool& pool) {
 template <class F>
 void ParallelFor(ffi::ThreadPool& pool, int64_t n, int64_t work_bytes, F&& body) {
   if (n <= 0) return;
-#ifdef JPN_OPENMP  // measurement build only (bench/results/native_kernels.md): OpenMP instead of XLA's pool
+#ifdef JPN_OPENMP  // measurement build only (bench/results/native_kernels.md): OpenMP instead of the helpers
   {
     const int cap = MaxThreads();
     const int threads = cap > 0 ? std::min(cap, omp_get_max_threads()) : omp_get_max_threads();
@@ -167,12 +152,8 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t n, int64_t work_bytes, F&& body)
     return;
   }
 #endif
-  const int64_t threads = pool.num_threads() > 0 ? Workers(pool) : 0;
-  const int64_t helpers = std::min<int64_t>(threads, n) - 1;
-  ScheduleCost& cost = RecentScheduleCost();
-  if (helpers <= 0 || work_bytes < kInlineBytes ||
-      (work_bytes < cost.ns.load(std::memory_order_relaxed) * kBytesPerNs * kScheduleMultiple &&
-       cost.skipped.fetch_add(1, std::memory_order_relaxed) % kProbeEvery != 0)) {
+  const int64_t helpers = std::min<int64_t>(Workers(pool), n) - 1;
+  if (helpers <= 0 || work_bytes < kInlineBytes) {
     for (int64_t i = 0; i < n; ++i) body(i);
     return;
   }
@@ -193,16 +174,10 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t n, int64_t work_bytes, F&& body)
       state->done.fetch_add(1, std::memory_order_release);
     }
   };
-  using Clock = std::chrono::steady_clock;
-  const Clock::time_point start = Clock::now();
-  for (int64_t h = 0; h < helpers; ++h) pool.Schedule(decltype(work)(work));
-  const int64_t ns = std::min(kScheduleSampleCapNs,
-                              std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count());
-  const int64_t average = cost.ns.load(std::memory_order_relaxed);
-  cost.ns.store(average + (ns - average) / 8, std::memory_order_relaxed);  // a racing call may lose an update
+  OfferToHelpers(int(helpers), std::make_shared<std::function<void()>>(work), work_bytes >= kWakeBytes);
   work();
-  // Wait only for pieces other threads have claimed and are running (never for a queued task, so a
-  // busy or one-thread pool cannot deadlock us).
+  // Wait only for pieces other threads have claimed and are running (never for work not yet begun, so a
+  // helper that starts late cannot hold us).
   for (int spins = 0; state->done.load(std::memory_order_acquire) < n; ++spins) {
     if (spins < 4096) _mm_pause(); else std::this_thread::yield();
   }

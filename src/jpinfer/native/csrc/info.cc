@@ -85,7 +85,7 @@ __attribute__((visibility("default"), target("arch=x86-64"))) uint32_t jpinfer_n
   return f;
 }
 
-// 0 = every thread of XLA's intra-op pool; n > 0 caps the workers (the caller included) at n.
+// 0 = as many workers as XLA's intra-op pool has threads; n > 0 caps the workers (the caller included) at n.
 __attribute__((visibility("default"))) void jpinfer_native_set_max_threads(int n) {
   jpn::g_max_threads.store(n < 0 ? 0 : n, std::memory_order_relaxed);
 }
