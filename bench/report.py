@@ -358,6 +358,8 @@ def quantized_weights() -> list[str]:
                   "x llama.cpp (perplexity)"],
                  [[r["engine"], fmt(r["ppl_ratio"], ".3f"), fmt(r["tok_s"], ".1f"), fmt(r["speedup"], ".2f"),
                    fmt(r.get("x_llama_cpp"), ".2f"), fmt(r.get("ppl_x_llama_cpp"), ".3f")] for r in rows])
+    if data.get("peer_notes"):  # a peer that could not run as it should (e.g. without its weight repacking)
+        out += ["", " ".join(data["peer_notes"])]
     return out + ["", source("quantized"), ""]
 
 
