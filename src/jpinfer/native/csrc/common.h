@@ -31,7 +31,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <functional>
 #include <memory>
 #include <thread>
 #include <type_traits>
@@ -119,15 +118,35 @@ T* Scratch(std::vector<T>& buf, size_t n) {
 // Intel Xeon VM (2026-12-06) cost the caller 20-46 us on average, so the loops it was worth it for were few:
 // in the int8 threshold mode's decode 78% of the dense int8 products and 96% of the threshold products
 // ran on the caller alone, and one thread decoded as fast as two. A helper that has just run a loop spins
-// for kLingerNs (yielding now and then) before it sleeps, so the next loop of a decode step, microseconds
+// for 2 ms (threads.cc) (yielding now and then) before it sleeps, so the next loop of a decode step, microseconds
 // later, hands it work with two atomic stores; a sleeping helper is woken only for loops of kWakeBytes
 // and more, and lingers again after them.
 constexpr int64_t kInlineBytes = 96 * 1024;
 constexpr int64_t kWakeBytes = 512 * 1024;
 
-// Offers `job` to up to `wanted` helpers that are free (starting them on first use); a sleeping one only
-// when `wake`. Returns how many took it. Each runs job() once.
-int OfferToHelpers(int wanted, const std::shared_ptr<std::function<void()>>& job, bool wake);
+// One ParallelFor loop as its threads share it: indices claimed from `next`, finished ones counted in `done`.
+// Shared ownership: a helper may start after the caller has returned (every index claimed); it then finds the
+// counter exhausted and never touches `body`, which lives on the caller's stack.
+struct Loop {
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  int64_t n = 0;
+  void* body = nullptr;
+  void (*call)(void* body, int64_t i) = nullptr;
+
+  void Work() {
+    for (;;) {
+      const int64_t i = next.fetch_add(1, std::memory_order_relaxed);
+      if (i >= n) return;
+      call(body, i);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+// Offers `loop` to up to `wanted` helpers that are free (starting them on first use); a sleeping one only
+// when `wake`. Each that takes it runs loop->Work() once.
+void OfferToHelpers(int wanted, const std::shared_ptr<Loop>& loop, bool wake);
 
 // Threads a ParallelFor may use: the pool's size (at least 1), capped by MaxThreads().
 inline int64_t Workers(ffi::ThreadPool& pool) {
@@ -157,28 +176,16 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t n, int64_t work_bytes, F&& body)
     for (int64_t i = 0; i < n; ++i) body(i);
     return;
   }
-  struct State {
-    std::atomic<int64_t> next{0};
-    std::atomic<int64_t> done{0};
-  };
-  // Shared ownership: a helper may start after the caller has returned (every index claimed);
-  // it then finds the counter exhausted and never touches `body`, which lives on the caller's stack.
-  auto state = std::make_shared<State>();
   using Body = std::remove_reference_t<F>;
-  Body* fn = &body;
-  auto work = [state, fn, n]() {
-    for (;;) {
-      const int64_t i = state->next.fetch_add(1, std::memory_order_relaxed);
-      if (i >= n) return;
-      (*fn)(i);
-      state->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  OfferToHelpers(int(helpers), std::make_shared<std::function<void()>>(work), work_bytes >= kWakeBytes);
-  work();
+  auto loop = std::make_shared<Loop>();
+  loop->n = n;
+  loop->body = const_cast<void*>(static_cast<const void*>(&body));
+  loop->call = [](void* b, int64_t i) { (*static_cast<Body*>(b))(i); };
+  OfferToHelpers(int(helpers), loop, work_bytes >= kWakeBytes);
+  loop->Work();
   // Wait only for pieces other threads have claimed and are running (never for work not yet begun, so a
   // helper that starts late cannot hold us).
-  for (int spins = 0; state->done.load(std::memory_order_acquire) < n; ++spins) {
+  for (int spins = 0; loop->done.load(std::memory_order_acquire) < n; ++spins) {
     if (spins < 4096) _mm_pause(); else std::this_thread::yield();
   }
 }

@@ -195,18 +195,14 @@ inline void Int8Dots(const int8_t* const* w, const int8_t* const* next, const in
 // every row kept, 0.78x at half kept; four 7B-shaped (11008, 4096) 0.92x either way; the same bits.
 constexpr int kSumRows = 8;
 
-#if JPN_ZMM
-constexpr int64_t kSumBlock = 64;  // columns a VNNI step; whole blocks are held in SumSlot's order
-#else
-constexpr int64_t kSumBlock = 1 << 30;  // no reordered blocks
-#endif
-
-// Where AddRowsInt8 keeps column j's sum among cols: within a whole block of 64, column 16 L + 4 k + e (128-bit lane L
-// of the unpacked vector k, int32 e of it) at 16 k + 4 L + e; the columns after the last whole block in order.
+// Where AddRowsInt8 keeps column j's sum among cols: within a whole block of 64 (VNNI), column 16 L + 4 k + e (128-bit
+// lane L of the unpacked vector k, int32 e of it) at 16 k + 4 L + e; elsewhere in order.
 inline int64_t SumSlot(int64_t j, int64_t cols) {
-  const int64_t c = j % kSumBlock, base = j - c;
-  if (base + kSumBlock > cols) return j;
-  return base + 16 * ((c & 15) >> 2) + 4 * (c >> 4) + (c & 3);
+#if JPN_ZMM
+  const int64_t c = j & 63, base = j - c;
+  if (base + 64 <= cols) return base + 16 * ((c & 15) >> 2) + 4 * (c >> 4) + (c & 3);
+#endif
+  return j;
 }
 
 inline void AddRowsInt8(const int8_t* const* rows, const int16_t* q, int64_t T, int64_t cols, int32_t* acc,

@@ -1,8 +1,8 @@
 // jpinfer's helper threads: the second to n-th workers of ParallelFor (common.h says why they are not XLA's
-// pool). Each helper has one slot: a caller claims a free slot (idle -> claimed), puts the job in and marks
-// it ready; the helper runs it, frees the slot, and spins on it for kLingerNs before it sleeps on its
+// pool). Each helper has one slot: a caller claims a free slot (free -> claimed), puts the loop in and marks
+// it ready; the helper runs it, frees the slot, and spins on it for kLinger before it sleeps on its
 // condition variable. The caller and a helper going to sleep meet Dekker-style (each stores its flag, then
-// reads the other's, sequentially consistent), so a job is never left in a slot whose helper sleeps.
+// reads the other's, sequentially consistent), so a loop is never left in a slot whose helper sleeps.
 // The helpers and their slots are never destroyed: a detached thread may still be waiting at exit.
 #include <condition_variable>
 #include <mutex>
@@ -21,7 +21,7 @@ enum : int { kFree = 0, kClaimed = 1, kReady = 2 };
 struct Slot {
   std::atomic<int> state{kFree};
   std::atomic<bool> asleep{false};
-  std::shared_ptr<std::function<void()>> job;  // written by the claiming caller, read once ready
+  std::shared_ptr<Loop> loop;  // written by the claiming caller, read once ready
   std::mutex mutex;
   std::condition_variable wakeup;
 };
@@ -54,9 +54,9 @@ void Serve(Slot* slot) {
       slot->wakeup.wait(lock, [slot] { return slot->state.load() == kReady; });
       slot->asleep.store(false);
     }
-    std::shared_ptr<std::function<void()>> job = std::move(slot->job);
-    (*job)();
-    job.reset();
+    std::shared_ptr<Loop> loop = std::move(slot->loop);
+    loop->Work();
+    loop.reset();
     slot->state.store(kFree, std::memory_order_release);
   }
 }
@@ -76,11 +76,10 @@ int Start(int wanted) {
 
 }  // namespace
 
-int OfferToHelpers(int wanted, const std::shared_ptr<std::function<void()>>& job, bool wake) {
+void OfferToHelpers(int wanted, const std::shared_ptr<Loop>& loop, bool wake) {
   Helpers& all = All();
   const int n = Start(wanted);
-  int taken = 0;
-  for (int i = 0; i < n && taken < wanted; ++i) {
+  for (int i = 0; i < n; ++i) {
     Slot& slot = all.slots[i];
     int expected = kFree;
     if (!slot.state.compare_exchange_strong(expected, kClaimed, std::memory_order_acquire)) continue;
@@ -88,15 +87,13 @@ int OfferToHelpers(int wanted, const std::shared_ptr<std::function<void()>>& job
       slot.state.store(kFree, std::memory_order_release);
       continue;
     }
-    slot.job = job;
+    slot.loop = loop;
     slot.state.store(kReady);
     if (slot.asleep.load()) {
       std::lock_guard<std::mutex> lock(slot.mutex);
       slot.wakeup.notify_one();
     }
-    ++taken;
   }
-  return taken;
 }
 
 }  // namespace jpn
