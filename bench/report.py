@@ -17,6 +17,7 @@ from jpinfer.bench.gpu_suite import part_note
 from jpinfer.bench.protocol import AGREEMENT_LABELS, AGREEMENT_MEANINGS, machine_line, prefix_agreement
 from jpinfer.bench.results import format_cell as fmt
 from jpinfer.bench.results import markdown_table as table
+from jpinfer.pack.settings import AUTO, AUTO_TARGET
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
@@ -65,6 +66,18 @@ def source(name: str) -> str:
     return f"Source: [`{name}.md`]({name}.md) (data: `{name}.json`), made by `{COMMANDS[name]}`."
 
 
+def threshold_targets(settings: dict[str, Any]) -> str:
+    """The threshold mode's targets in a pack's recorded settings, e.g. 'activation 50%, input auto (25% for float
+    and int8 weights), attention auto (...) (uniform)'."""
+    if settings.get("model_wide_sparsity") is not None:
+        return f"model-wide {settings['model_wide_sparsity']:.0%} (greedy)"
+    auto = f"{AUTO} ({AUTO_TARGET:.0%} for float and int8 weights, off for int4)"
+    target = lambda v: "off" if v is None else auto if v == AUTO else f"{v:.0%}"
+    activation = settings["sparsity"] if settings.get("threshold_sparsity") is None else settings["threshold_sparsity"]
+    return (f"activation {target(activation)}, input {target(settings.get('input_sparsity'))}, attention "
+            f"{target(settings.get('attention_sparsity'))} ({settings.get('allocation', 'uniform')})")
+
+
 def setup() -> list[str]:
     out = ["## Setup", ""]
     bench, first = load("bench"), load("first_run")
@@ -84,7 +97,8 @@ def setup() -> list[str]:
         stages = ", ".join(f"{k} {v:.0f} s" for k, v in pack["stage_seconds"].items())
         out += [f"- Pack (every reproduction reads it): {s['n_tokens']} tokens of {s['corpus']} profiled "
                 f"({s['calibration_tokens']} calibrate the thresholds), activity thresholds for {s['sparsity']:.0%} "
-                f"sparsity, {s['n_samples']} predictor samples per layer, predictors at recall {s['recall']} / strong "
+                f"sparsity, threshold mode targets {threshold_targets(s)}, "
+                f"{s['n_samples']} predictor samples per layer, predictors at recall {s['recall']} / strong "
                 f"{s['strong_recall']}, placement for a GPU budget of {s['gpu_budget']} of the weights "
                 f"({s['hardware']} preset, objective {s['objective']}). Stages: {stages}."]
     if first:

@@ -11,6 +11,7 @@ import pytest
 
 from jpinfer import ActivationProfile
 from jpinfer.cli import COMMANDS, main
+from jpinfer.pack.settings import AUTO_TARGET
 
 
 @pytest.mark.parametrize(
@@ -43,6 +44,9 @@ from jpinfer.cli import COMMANDS, main
         (["prepare", "--sparsity", "1.5"], "fraction of inactive neurons"),
         (["prepare", "--hardware", "tpu"], "hardware must be a preset"),
         (["prepare", "--gpu-budget", "lots"], "cannot read gpu_budget"),
+        (["prepare", "--model-wide-sparsity", "0.3", "--attention-sparsity", "off"],
+         "a model-wide target spreads over every kind: give it without the per-kind targets"),
+        (["prepare", "--input-sparsity", "1.5"], "input sparsity is the fraction skipped"),
         (["profile", "--out", "x.npz", "--input-sparsity", "1.2"], "input sparsity is the fraction skipped"),
         (["generate", "hi", "--weights", "int8", "--mode", "hybrid", "--predictors", "p"],
          "int8 weights run in the modes dense, sparse and threshold; mode 'hybrid' runs float weights (its"),
@@ -54,6 +58,28 @@ def test_bad_arguments_exit_with_a_message(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv, weights, targets", [
+    ([], "float", {"input": AUTO_TARGET, "attention": AUTO_TARGET}),  # auto: a quarter of every product's inputs
+    ([], "int8", {"input": AUTO_TARGET, "attention": AUTO_TARGET}),
+    ([], "int4", {"input": None}),  # auto: off (the rows would be int8 copies of the 4-bit blocks)
+    (["--input-sparsity", "off", "--attention-sparsity", "0.1"], "float", {"input": None, "attention": 0.1}),
+    (["--attention-sparsity", "OFF", "--input-sparsity", "0.3"], "int4", {"input": 0.3}),
+    (["--input-sparsity", "auto", "--attention-sparsity", "0.2"], "int4", {"input": None, "attention": 0.2}),
+])
+def test_prepare_reads_per_kind_targets_auto_or_off(argv, weights, targets):
+    import argparse
+
+    from jpinfer.pack import PackSettings
+    from jpinfer.pack.cli import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    settings = PackSettings(input_sparsity=args.input_sparsity, attention_sparsity=args.attention_sparsity)
+    assert settings.threshold_targets("swiglu", weights) == {
+        "activation": settings.sparsity, "allocation": settings.allocation} | targets
 
 
 def test_bad_capacity_is_a_usage_error(capsys):

@@ -73,6 +73,14 @@ def pack_dir(made, tmp_path):
     return path
 
 
+def targets_of(settings: PackSettings, ffn_kind: str, weights: str = "float") -> dict:
+    """The threshold mode's targets per kind (those on) that ``settings`` ask of a model of ``ffn_kind``."""
+    asked = settings.threshold_targets(ffn_kind, weights)
+    targets = {"activation": asked["activation"], "input": asked["input"], "qkv": asked.get("attention"),
+               "o": asked.get("attention")}
+    return {kind: target for kind, target in targets.items() if target is not None}
+
+
 def finished(path) -> dict:
     return {stage: entry["finished"] for stage, entry in json.loads((path / MANIFEST).read_text())["stages"].items()}
 
@@ -91,7 +99,7 @@ def test_round_trip(made, model):
         np.testing.assert_array_equal(a, b)
     # the stages computed what their functions compute from the same inputs
     assert made.predictors.meta["profile_fingerprint"] == jpinfer.predictor.profile_fingerprint(made.profile)
-    assert made.thresholds.target == {"activation": made.settings.sparsity}
+    assert made.thresholds.target == targets_of(made.settings, model.cfg.ffn_kind)
 
 
 def test_prepare_again_reuses_every_stage(made, model, pack_dir):
@@ -291,6 +299,8 @@ def test_a_quantized_model_gets_a_pack_of_its_own(quantized_packs, made, model, 
     default place is per weights format."""
     qmodel, pack = quantized_packs[fmt]
     assert pack.ran == STAGES and pack.weights == fmt and made.weights == "float"
+    assert pack.thresholds.target == targets_of(made.settings, "swiglu", fmt)
+    assert (pack.thresholds.input is None) == (fmt == "int4")  # "auto": no int8 copies of the 4-bit blocks
     assert pack.path.name.startswith(f"tiny-swiglu-{fmt}-") and pack.path.parent.name == "packs"
     assert pack.manifest["model"]["fingerprint"] == model_fingerprint(qmodel.cfg, qmodel.weights)
     assert Pack.load(pack.path, qmodel).settings == made.settings
@@ -323,7 +333,7 @@ def test_every_stage_and_mode_runs_on_each_architecture(kind, arch, cache, setti
     same layers, scaling the router too) gets a pack of its own, and its threshold and sparse modes decode."""
     model = tiny_engine(kind, **arch).model
     pack = prepare(model, tmp_path / "pack", settings, progress=False)
-    assert pack.ran == STAGES and pack.thresholds.target == {"activation": settings.sparsity}
+    assert pack.ran == STAGES and pack.thresholds.target == targets_of(settings, kind)
     assert pack.profile.counts.shape[-1] == model.cfg.d_ff
     if not model.cfg.n_experts:  # with experts, half the neurons are exactly zero on every token
         assert np.all(pack.profile.thresholds > 0)

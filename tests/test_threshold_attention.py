@@ -229,7 +229,7 @@ def test_pack_attention_sparsity_keeps_the_other_stages():
     """Asking a pack for attention thresholds re-runs its thresholds stage only: the calibration, profile and
     predictors made without them stay valid."""
     plain, wide = PackSettings(), PackSettings(attention_sparsity=0.3)
-    a, b = (stage_keys(s, "swiglu", "float32", "f" * 16) for s in (plain, wide))
+    a, b = (stage_keys(s, "swiglu", "float32", "float", "f" * 16) for s in (plain, wide))
     assert a["thresholds"] != b["thresholds"]
     assert all(a[stage] == b[stage] for stage in a if stage != "thresholds")
     with pytest.raises(Exception, match="attention sparsity is the fraction skipped"):

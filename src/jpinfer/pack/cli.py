@@ -5,9 +5,16 @@ from __future__ import annotations
 import argparse
 
 from jpinfer.cli_args import add_model_arguments
-from jpinfer.pack.settings import OBJECTIVES, PackSettings
+from jpinfer.pack.settings import AUTO, AUTO_TARGET, OBJECTIVES, PackSettings
 
 DEFAULTS = PackSettings()
+
+
+def target(text: str) -> float | str | None:
+    """A per-kind target on the command line: a fraction, "off" (None: the kind reads its matrices whole) or
+    "auto" (the weights format decides: ``PackSettings``)."""
+    word = text.strip().lower()
+    return None if word == "off" else AUTO if word == AUTO else float(text)
 
 
 def add_arguments(p: argparse.ArgumentParser, command: str = "prepare") -> None:
@@ -36,11 +43,12 @@ def add_arguments(p: argparse.ArgumentParser, command: str = "prepare") -> None:
                                "sparsity unless --threshold-sparsity is given")
     sparsity.add_argument("--threshold-sparsity", type=float, default=None,
                           help="threshold mode: fraction of neurons skipped (default: --sparsity)")
-    sparsity.add_argument("--input-sparsity", type=float, default=None,
-                          help="threshold mode: fraction of FFN input dimensions skipped (default: off)")
-    sparsity.add_argument("--attention-sparsity", type=float, default=None,
+    auto = f"default auto: {AUTO_TARGET} with float or int8 weights, off with int4"
+    sparsity.add_argument("--input-sparsity", type=target, default=DEFAULTS.input_sparsity,
+                          help=f"threshold mode: fraction of FFN input dimensions skipped, or off ({auto})")
+    sparsity.add_argument("--attention-sparsity", type=target, default=DEFAULTS.attention_sparsity,
                           help="threshold mode: fraction of the inputs of the attention's q|k|v and output products "
-                               "skipped (model-wide sparsity; default: off)")
+                               f"skipped, or off ({auto})")
     sparsity.add_argument("--model-wide-sparsity", type=float, default=None,
                           help="threshold mode: fraction of the bytes of every matrix read by rows skipped (FFN and "
                                "attention), spread over layers and matrices by a held-out loss estimate; instead of "

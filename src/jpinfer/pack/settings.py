@@ -33,6 +33,10 @@ DEPENDS = {"calibration": (), "profile": ("calibration",), "thresholds": ("calib
 OBJECTIVES = ("mass", "latency")
 
 
+AUTO = "auto"  # a per-kind target the weights format decides (``PackSettings.threshold_targets``)
+AUTO_TARGET = 0.25
+
+
 @dataclasses.dataclass(frozen=True)
 class PackSettings:
     """Settings of ``jpinfer.prepare``. The defaults build the default model's pack in about
@@ -43,11 +47,19 @@ class PackSettings:
     ``n_tokens`` are profiled, keeping ``n_samples`` predictor samples per layer.
     sparsity: SwiGLU-like models' (no exact zeros) activity thresholds (what "active" means for the profile and the
     predictors), calibrated for this fraction of inactive neurons per layer.
-    threshold_sparsity / input_sparsity / attention_sparsity / allocation: the threshold mode's targets (None:
-    ``threshold_sparsity`` = ``sparsity`` on SwiGLU-like models, exact zeros on ReLU kinds; input and attention
-    off; attention: the inputs of the q|k|v and output products). model_wide_sparsity instead: the fraction of the
-    bytes of every matrix read by rows skipped, spread over layers and kinds (``profiler.sparsity.
-    model_wide_greedy``; greedy, held out like greedy allocation).
+    threshold_sparsity / input_sparsity / attention_sparsity / allocation: the threshold mode's targets
+    (``threshold_sparsity`` None: ``sparsity`` on SwiGLU-like models, exact zeros on ReLU kinds; input and
+    attention None: that kind off; attention: the inputs of the q|k|v and output products). Input and attention
+    default to "auto": a quarter of the inputs of every product skipped (``AUTO_TARGET``) where the weights are
+    float or int8, off for int4. Why: on the default model the quarter with half the neurons reads 0.75 of the
+    weight bytes at the perplexity of half the neurons alone (1.016x dense; the attention's quarter lowers it,
+    ``bench/results/model_wide.md``); in one process, 5 interleaved rounds (2-core Intel Xeon, 2026-12-06) it
+    decodes 1.25x dense float32 against 1.03x for half the neurons alone, int8 1.01x against 0.97x; but int4
+    reads the matrices it skips rows of as int8 copies (1 byte a weight against the 4-bit blocks' 0.625,
+    ``sparse.threshold_layout``): 0.86x dense int4 against 0.98x. model_wide_sparsity instead of the per-kind
+    targets (left at their defaults, which it replaces): the fraction of the bytes of every matrix read by rows
+    skipped, spread over layers and kinds (``profiler.sparsity.model_wide_greedy``; greedy, held out like greedy
+    allocation).
     ranks / predictor_budget / recall / strong_recall / max_epochs: predictor training
     (``jpinfer.train_predictors``; ranks None = adaptive widths under the budget, compared by proxy
     trainings on ``search_samples`` samples for ``search_epochs`` epochs).
@@ -66,8 +78,8 @@ class PackSettings:
     n_samples: int = 16384
     sparsity: float = 0.5
     threshold_sparsity: float | None = None
-    input_sparsity: float | None = None
-    attention_sparsity: float | None = None
+    input_sparsity: float | str | None = AUTO
+    attention_sparsity: float | str | None = AUTO
     model_wide_sparsity: float | None = None
     allocation: str = "uniform"
     ranks: int | None = None
@@ -96,11 +108,12 @@ class PackSettings:
         if not 0.0 <= self.sparsity < 1.0:
             raise JpinferError(f"sparsity is the fraction of inactive neurons: give 0 <= s < 1, got {self.sparsity!r}")
         try:
-            check_targets(self.threshold_sparsity if self.threshold_sparsity is not None else self.sparsity,
-                          self.input_sparsity, self.allocation, attention=self.attention_sparsity)
-            if self.model_wide_sparsity is not None:
-                check_model_wide(self.model_wide_sparsity,
-                                 (self.threshold_sparsity, self.input_sparsity, self.attention_sparsity))
+            targets = self._targets("float")
+            check_targets(targets["activation"], targets["input"], self.allocation, attention=targets["attention"])
+            if self.model_wide_sparsity is not None:  # it replaces the per-kind targets: none given beside it
+                given = (self.threshold_sparsity is not None, self.input_sparsity != AUTO,
+                         self.attention_sparsity != AUTO)
+                check_model_wide(self.model_wide_sparsity, tuple(True for g in given if g))
         except ValueError as e:
             raise JpinferError(f"threshold mode settings: {e}") from None
         if self.ranks is not None and (not isinstance(self.ranks, int) or self.ranks < 1):
@@ -127,27 +140,41 @@ class PackSettings:
             raise JpinferError(f"unknown pack settings {sorted(unknown)}; known: {', '.join(sorted(known))}")
         return cls(**data)
 
-    def threshold_targets(self, ffn_kind: str) -> dict[str, Any]:
-        """The threshold mode's targets for a model of ``ffn_kind`` (ReLU kinds skip exact zeros). "attention"
-        only when set: the record (and the thresholds stage's key) of a pack without it stays what it was."""
-        activation = 0.0 if ffn_kind not in SMOOTH_KINDS else (
-            self.sparsity if self.threshold_sparsity is None else self.threshold_sparsity)
+    def _targets(self, weights: str) -> dict[str, Any]:
+        """Activation (SwiGLU-like models), input and attention targets, "auto" resolved for ``weights``."""
+        def resolve(name: str) -> float | None:
+            value = getattr(self, name)
+            if isinstance(value, str):
+                if value != AUTO:
+                    raise ValueError(f"{name} is a fraction, None (off) or {AUTO!r}, got {value!r}")
+                return None if weights == "int4" else AUTO_TARGET
+            return value
+
+        return {"activation": self.sparsity if self.threshold_sparsity is None else self.threshold_sparsity,
+                "input": resolve("input_sparsity"), "attention": resolve("attention_sparsity")}
+
+    def threshold_targets(self, ffn_kind: str, weights: str) -> dict[str, Any]:
+        """The threshold mode's targets for a model of ``ffn_kind`` (ReLU kinds skip exact zeros) with ``weights``
+        ("float", "int8", "int4": what "auto" means). "attention" only when on: the record (and the thresholds
+        stage's key) of a pack without it stays what it was."""
         if self.model_wide_sparsity is not None:
             return {"model_wide": self.model_wide_sparsity}
-        attention = {} if self.attention_sparsity is None else {"attention": self.attention_sparsity}
-        return {"activation": activation, "input": self.input_sparsity, "allocation": self.allocation} | attention
+        targets = self._targets(weights)
+        activation = targets["activation"] if ffn_kind in SMOOTH_KINDS else 0.0
+        attention = {} if targets["attention"] is None else {"attention": targets["attention"]}
+        return {"activation": activation, "input": targets["input"], "allocation": self.allocation} | attention
 
 
-def stage_inputs(settings: PackSettings, ffn_kind: str, dtype: str) -> dict[str, dict[str, Any]]:
+def stage_inputs(settings: PackSettings, ffn_kind: str, dtype: str, weights: str) -> dict[str, dict[str, Any]]:
     """Per stage, the settings it reads (resolved: what the stage computes with) for a model of
-    ``ffn_kind`` loaded in ``dtype``."""
+    ``ffn_kind`` loaded in ``dtype`` with ``weights`` (its format)."""
     text = {"corpus": settings.corpus, "fields": list(settings.fields), "window": settings.window,
             "seed": settings.seed}
     return {
         "calibration": text | {"calibration_tokens": settings.calibration_tokens},
         "profile": text | {"n_tokens": settings.n_tokens, "n_samples": settings.n_samples,
                            "sparsity": settings.sparsity if ffn_kind in SMOOTH_KINDS else None},
-        "thresholds": settings.threshold_targets(ffn_kind),
+        "thresholds": settings.threshold_targets(ffn_kind, weights),
         "predictors": {"recall": settings.recall, "strong_recall": settings.strong_recall,
                        "max_epochs": settings.max_epochs} | (
             {"ranks": settings.ranks} if settings.ranks is not None else
@@ -158,9 +185,10 @@ def stage_inputs(settings: PackSettings, ffn_kind: str, dtype: str) -> dict[str,
     }
 
 
-def stage_keys(settings: PackSettings, ffn_kind: str, dtype: str, model_fingerprint: str) -> dict[str, str]:
+def stage_keys(settings: PackSettings, ffn_kind: str, dtype: str, weights: str, model_fingerprint: str
+               ) -> dict[str, str]:
     """Per stage, the digest of the model, its inputs, its version and the keys of the stages it reads."""
-    inputs = stage_inputs(settings, ffn_kind, dtype)
+    inputs = stage_inputs(settings, ffn_kind, dtype, weights)
     keys: dict[str, str] = {}
     for stage in STAGES:
         record = [stage, STAGE_VERSIONS[stage], model_fingerprint, inputs[stage], [keys[d] for d in DEPENDS[stage]]]

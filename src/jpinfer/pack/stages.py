@@ -24,6 +24,7 @@ from jpinfer import artifacts
 from jpinfer.activations import SMOOTH_KINDS
 from jpinfer.cache import CacheWarning, cache_dir
 from jpinfer.errors import JpinferError
+from jpinfer.models import quantized
 from jpinfer.models.identity import model_fingerprint, model_record
 from jpinfer.models.loading import LoadedModel, ModelArg, resolve_model
 from jpinfer.modes.placement import check_gpu_budget, choose_placement
@@ -88,7 +89,7 @@ def _profile(run: _Run) -> ActivationProfile:
 
 
 def _thresholds(run: _Run) -> Any:
-    targets = run.settings.threshold_targets(run.model.cfg.ffn_kind)
+    targets = run.settings.threshold_targets(run.model.cfg.ffn_kind, quantized.weights_format(run.model.weights))
     wide = targets.get("model_wide")
     attention = targets.get("attention")
     kinds = {"activation": targets.get("activation"), "input": targets.get("input"), "qkv": attention, "o": attention}
@@ -174,8 +175,8 @@ def prepare(model: ModelArg = None, out: str | os.PathLike | None = None, settin
     dtype = record["dtype"]
     path = (pathlib.Path(out).expanduser().absolute() if out is not None
             else default_pack_dir(cfg.name, record["weights"], fingerprint))
-    keys = stage_keys(settings, cfg.ffn_kind, dtype, fingerprint)
-    inputs = stage_inputs(settings, cfg.ffn_kind, dtype)
+    keys = stage_keys(settings, cfg.ffn_kind, dtype, record["weights"], fingerprint)
+    inputs = stage_inputs(settings, cfg.ffn_kind, dtype, record["weights"])
     manifest = _existing_manifest(path, loaded)
     run = _Run(loaded, path, settings, progress)
     reused = _reusable(run, manifest, keys)

@@ -217,7 +217,7 @@ def check_keys(path: pathlib.Path, manifest: dict[str, Any]) -> None:
     versions of this jpinfer (a stage changed since: its key differs)."""
     model = manifest["model"]
     keys = stage_keys(PackSettings.from_dict(manifest["settings"]), model["ffn_kind"], model["dtype"],
-                      model["fingerprint"])
+                      model["weights"], model["fingerprint"])
     stale = [s for s in STAGES if manifest["stages"][s]["key"] != keys[s]]
     if stale:
         raise PackError(f"{path}: stages {', '.join(stale)} were made by another version of jpinfer's pack stages: "
