@@ -1,7 +1,8 @@
 """Model-wide threshold sparsity on the default model: the FFN's kinds alone against the FFN's and the attention's
 (q|k|v and output products' inputs), uniform against the model-wide greedy allocation, at equal bytes read.
 
-Protocol (CPU, float32):
+Protocol (CPU; float32 weights, or ``--weights int8`` / ``int4``: that model's own thresholds; int4 reads the
+matrices it skips rows of as int8 copies of its 4-bit blocks, ``sparse.threshold_layout``, and the bytes say so):
 - calibration: histograms of |a|, |x| of the FFN input and of the attention products' inputs over
   ``--calibration-windows`` windows of 512 tokens of WikiText-2 *valid*; greedy allocations estimate each
   (layer, kind)'s loss increase on the next as many valid windows (never on test text);
@@ -12,8 +13,9 @@ Protocol (CPU, float32):
 - quality: WikiText-2 test perplexity (``--test-windows`` x 512 tokens) of exactly what the engine computes
   (``ffn.evaluate`` with the threshold mode's layer states, attention products included);
 - bytes: weight bytes a decode step reads, all weights but the embedding table (the tied head included), as a
-  fraction of dense: each matrix's bytes times the fraction of its rows kept, that fraction measured on the test
-  text (histograms of the test text read at each threshold, to their 1.6%-wide bins);
+  fraction of dense: a matrix read by rows counts the bytes of its by-rows form (float32 or int8) times the
+  fraction of its rows kept, that fraction measured on the test text (histograms of the test text read at each
+  threshold, to their 1.6%-wide bins), in place of its bytes as loaded;
 - speed: decode tok/s of dense and of the ``--speed`` points (default: per family, the fewest bytes within
   ``--ppl-bound`` x dense perplexity), ``--rounds`` interleaved rounds over
   ``--prompts`` ChatGPT prompts x ``--new-tokens`` (``bench.engines.speed_rounds``), medians of same-round ratios;
@@ -37,6 +39,7 @@ from jpinfer.bench.protocol import TEST_WINDOWS, load_average, machine, machine_
 from jpinfer.bench.results import publish
 from jpinfer.data import chatgpt_prompts
 from jpinfer.ffn import ThresholdRowsFFN, evaluate
+from jpinfer.models.params import nbytes
 from jpinfer.modes import build_engine
 from jpinfer.modes.engines import threshold_states
 from jpinfer.profiler import calibration, sparsity
@@ -65,14 +68,21 @@ def thresholds_for(family, spec, hists, model, heldout, sens) -> sparsity.Sparsi
     return sparsity.from_histograms(hists, targets, "uniform")
 
 
-def kept_bytes(th: sparsity.SparsityThresholds, test_hists, layer_bytes: dict[str, int], total: int) -> float:
-    """Bytes a decode step reads as a fraction of dense, the rows kept measured on the test text."""
-    skipped = 0.0
-    for kind, size in layer_bytes.items():
+MATRICES = {"activation": "w_down", "input": "w_gate_up", "qkv": "w_qkv", "o": "wo"}  # the matrix each kind reads
+
+
+def kept_bytes(th: sparsity.SparsityThresholds, test_hists, loaded_bytes: dict[str, list[int]],
+               row_bytes: dict[str, int], total: int) -> float:
+    """Bytes a decode step reads as a fraction of dense: per kind on, each layer's matrix as loaded
+    (``loaded_bytes``) replaced by its by-rows form (``row_bytes``) times the rows kept on the test text."""
+    read = float(total)
+    for kind, per_layer in loaded_bytes.items():
         values = getattr(th, kind)
         if values is not None:
-            skipped += size * sum(test_hists[kind].fraction_at_most(layer, float(t)) for layer, t in enumerate(values))
-    return (total - skipped) / total
+            for layer, t in enumerate(values):
+                kept = 1.0 - test_hists[kind].fraction_at_most(layer, float(t))
+                read += row_bytes[kind] * kept - per_layer[layer]
+    return read / total
 
 
 def figure(rows: list[dict], path: pathlib.Path, bound: float) -> None:
@@ -109,11 +119,12 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--weights", choices=("float", "int8", "int4"), default="float")
     parser.add_argument("--out", default=None, help="markdown file (a .json with the rows is written beside it)")
     args = parser.parse_args()
 
     load_before = load_average()
-    dense = jpinfer.load()
+    dense = jpinfer.load(weights=args.weights)
     cfg = dense.cfg
     n_cal = args.calibration_windows
     valid = calibration_windows(dense.tokenizer, n_cal)
@@ -127,17 +138,17 @@ def main() -> None:
         sens = {kind: calibration.sensitivity(dense, valid[n_cal:], hists[kind], progress=True)
                 for kind in sparsity.KINDS}
 
-    layer = dense.weights.layers[0]
-    itemsize = layer.w_down.dtype.itemsize
     sizes = sparsity.matrix_sizes(cfg)
-    layer_bytes = {kind: sizes[kind] * itemsize for kind in sparsity.KINDS}
+    loaded_bytes = {kind: [nbytes(getattr(layer, name)) for layer in dense.weights.layers]
+                    for kind, name in MATRICES.items()}
+    row_bytes = {kind: sizes[kind] * (4 if args.weights == "float" else 1) for kind in sparsity.KINDS}
     total = weights_read_per_token(dense)
     rows, chosen = [], {}
     for text, family, spec in points:
         th = thresholds_for(family, spec, hists, dense, valid[n_cal:], sens)
         ppl, _ = evaluate(dense, test, ThresholdRowsFFN(), threshold_states(dense.model, th), progress=True)
         rows.append(dict(point=text, family=family, describe=th.describe(), ppl=ppl, ppl_ratio=ppl / dense_ppl,
-                         bytes_ratio=kept_bytes(th, test_hists, layer_bytes, total),
+                         bytes_ratio=kept_bytes(th, test_hists, loaded_bytes, row_bytes, total),
                          layer_sparsity={k: [float(v) for v in s] for k, s in th.layer_sparsity.items()},
                          allocation=th.meta.get("allocation"), held_out_loss=th.meta.get("held_out_loss")))
         chosen[text] = th
@@ -164,12 +175,14 @@ def main() -> None:
                        speedup_range=[min(ratios), max(ratios)])
 
     lines = [
-        "# Model-wide threshold sparsity (FFN and attention) against the FFN alone, default model",
+        "# Model-wide threshold sparsity (FFN and attention) against the FFN alone, default model"
+        + ("" if args.weights == "float" else f", {args.weights} weights"),
         "",
         f"{machine_line(machine(load_before))} Load average {min(loads):.1f}-{max(loads):.1f} during the speed "
         f"rounds. Command: `python bench/model_wide.py --points {args.points} --calibration-windows {n_cal} "
         f"--test-windows {args.test_windows} --rounds {args.rounds} --prompts {args.prompts} --new-tokens "
-        f"{args.new_tokens}`",
+        f"{args.new_tokens}" + ("" if args.speed is None else f" --speed {args.speed}")
+        + ("" if args.weights == "float" else f" --weights {args.weights}") + "`",
         "",
         f"Dense: WikiText-2 test perplexity {dense_ppl:.2f} ({args.test_windows} x {WINDOW} tokens), decode "
         f"{speed['dense']:.1f} tok/s (median of {args.rounds} interleaved rounds). Thresholds calibrated on "
@@ -213,8 +226,8 @@ def main() -> None:
         figure(rows, pathlib.Path(args.out).with_suffix(".png"), args.ppl_bound)
         lines[2:2] = [f"![perplexity against bytes]({pathlib.Path(args.out).with_suffix('.png').name})", ""]
     publish("\n".join(lines) + "\n", args.out,
-            {"dense_ppl": dense_ppl, "dense_tok_s": speed["dense"], "rows": rows, "loads": loads,
-             "machine": machine(load_before)})
+            {"weights": args.weights, "dense_ppl": dense_ppl, "dense_tok_s": speed["dense"], "rows": rows,
+             "loads": loads, "machine": machine(load_before)})
 
 
 if __name__ == "__main__":

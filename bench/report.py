@@ -39,6 +39,9 @@ COMMANDS = {
     "first_run": "python bench/first_run.py --out bench/results/first_run.md",
     "accuracy_curves": "python bench/accuracy_curves.py --out bench/results/accuracy_curves.md",
     "model_wide": "python bench/model_wide.py --out bench/results/model_wide.md",
+    **{f"model_wide_{w}": f"python bench/model_wide.py --weights {w} --points ffn:0.5,all:0.5+0.25+0.25,"
+                          "all:0.5+0.3+0.3 --speed ffn:0.5,all:0.5+0.25+0.25,all:0.5+0.3+0.3 "
+                          f"--out bench/results/model_wide_{w}.md" for w in ("int8", "int4")},
     "serve": "python bench/serve.py --out bench/results/serve.md",
     "decode_speed": "python bench/decode_speed.py --out bench/results/decode_speed.md",
     "modelled_speed": "python bench/modelled_speed.py --out bench/results/modelled_speed.md",
@@ -315,12 +318,19 @@ def kernels() -> list[str]:
 
 
 def model_wide() -> list[str]:
-    """The threshold mode's FFN-only against model-wide (attention too) points, at the bytes of all weights."""
+    """The threshold mode's FFN-only against model-wide (attention too) points, at the bytes of all weights: float
+    weights, then int8 and int4 (whose matrices read by rows are int8 copies)."""
     out = ["### Model-wide threshold sparsity (the attention's products too)", ""]
-    data = load("model_wide")
+    for name, weights in (("model_wide", "Float32"), ("model_wide_int8", "Int8"), ("model_wide_int4", "Int4")):
+        out += [f"{weights} weights.", ""] + model_wide_run(name)
+    return out
+
+
+def model_wide_run(name: str) -> list[str]:
+    data = load(name)
     if data is None:
-        return out + missing(COMMANDS["model_wide"])
-    out += [f"{machine_line(data['machine'])} WikiText-2 test perplexity (dense {data['dense_ppl']:.2f}) against the "
+        return missing(COMMANDS[name])
+    out = [f"{machine_line(data['machine'])} WikiText-2 test perplexity (dense {data['dense_ppl']:.2f}) against the "
             "bytes of all weights a decode step reads (the tied head included), and decode speed of the points "
             "timed.", ""]
     rows = [[r["point"], r["describe"], f"{r['ppl_ratio']:.3f}", f"{r['bytes_ratio']:.3f}",
@@ -336,7 +346,7 @@ def model_wide() -> list[str]:
     if kept:
         out.append("- The allocation each greedy point kept (the least held-out loss of the Fisher one, the measured "
                    "one over kinds and uniform): " + "; ".join(kept) + ".")
-    return out + ["", source("model_wide"), ""]
+    return out + ["", source(name), ""]
 
 
 def serving() -> list[str]:

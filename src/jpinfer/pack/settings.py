@@ -53,10 +53,12 @@ class PackSettings:
     default to "auto": a quarter of the inputs of every product skipped (``AUTO_TARGET``) where the weights are
     float or int8, off for int4. Why: on the default model the quarter with half the neurons reads 0.75 of the
     weight bytes at the perplexity of half the neurons alone (1.016x dense; the attention's quarter lowers it,
-    ``bench/results/model_wide.md``); in one process, 5 interleaved rounds (2-core Intel Xeon, 2026-12-06) it
-    decodes 1.25x dense float32 against 1.03x for half the neurons alone, int8 1.01x against 0.97x; but int4
-    reads the matrices it skips rows of as int8 copies (1 byte a weight against the 4-bit blocks' 0.625,
-    ``sparse.threshold_layout``): 0.86x dense int4 against 0.98x. model_wide_sparsity instead of the per-kind
+    ``bench/results/model_wide.md``); the main bench's threshold row went from 1.01x to 1.24x dense float32
+    (``bench/results/bench.md``, 2-core Intel Xeon, 2026-12-06), int8 1.00x -> 1.03x (its model sits in that VM's
+    L3: the step is not bound by the weights' bytes); but int4 reads the matrices it skips rows of as int8 copies
+    (1 byte a weight against the 4-bit blocks' 0.5625): 1.065 of dense int4's bytes, 0.83x dense int4 against
+    0.96x for half the neurons alone (``bench/results/model_wide_int8.md``, ``model_wide_int4.md``, same day).
+    model_wide_sparsity instead of the per-kind
     targets (left at their defaults, which it replaces): the fraction of the bytes of every matrix read by rows
     skipped, spread over layers and kinds (``profiler.sparsity.model_wide_greedy``; greedy, held out like greedy
     allocation).
