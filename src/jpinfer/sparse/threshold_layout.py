@@ -26,7 +26,8 @@ re-blocking them along the other axis cost ~9% perplexity on the default model (
 with nothing skipped, a scratch run), the int8 copies 0.9% (1.0086x on 4 WikiText-2 windows, nothing
 skipped; their weights alone 0.2%, the rest is the int8 path's one activation scale per token). They
 take 1 byte a weight against the blocks' 0.625 (Q4_1): the threshold mode in int4 reads its FFN at
-int8's bytes. Attention, the head and a matrix a kind that is off reads densely stay as loaded.
+int8's bytes (so a pack's "auto" input and attention targets are off for int4: ``pack.PackSettings``). The
+attention's products without a threshold, the head and a matrix a kind that is off reads densely stay as loaded.
 """
 
 from __future__ import annotations
