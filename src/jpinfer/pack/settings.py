@@ -58,10 +58,9 @@ class PackSettings:
     L3: the step is not bound by the weights' bytes); but int4 reads the matrices it skips rows of as int8 copies
     (1 byte a weight against the 4-bit blocks' 0.5625): 1.065 of dense int4's bytes, 0.83x dense int4 against
     0.96x for half the neurons alone (``bench/results/model_wide_int8.md``, ``model_wide_int4.md``, same day).
-    model_wide_sparsity instead of the per-kind
-    targets (left at their defaults, which it replaces): the fraction of the bytes of every matrix read by rows
-    skipped, spread over layers and kinds (``profiler.sparsity.model_wide_greedy``; greedy, held out like greedy
-    allocation).
+    model_wide_sparsity instead of the per-kind targets (left at their defaults, which it replaces): the fraction
+    of the bytes of every matrix read by rows skipped, spread over layers and kinds (``profiler.sparsity.
+    model_wide_greedy``; greedy, held out like greedy allocation).
     ranks / predictor_budget / recall / strong_recall / max_epochs: predictor training
     (``jpinfer.train_predictors``; ranks None = adaptive widths under the budget, compared by proxy
     trainings on ``search_samples`` samples for ``search_epochs`` epochs).
@@ -112,10 +111,11 @@ class PackSettings:
         try:
             targets = self._targets("float")
             check_targets(targets["activation"], targets["input"], self.allocation, attention=targets["attention"])
-            if self.model_wide_sparsity is not None:  # it replaces the per-kind targets: none given beside it
-                given = (self.threshold_sparsity is not None, self.input_sparsity != AUTO,
-                         self.attention_sparsity != AUTO)
-                check_model_wide(self.model_wide_sparsity, tuple(True for g in given if g))
+            if self.model_wide_sparsity is not None:  # it replaces the per-kind targets: none moved off its default
+                default = {f.name: f.default for f in dataclasses.fields(self)}
+                moved = tuple(name for name in ("threshold_sparsity", "input_sparsity", "attention_sparsity")
+                              if getattr(self, name) != default[name])
+                check_model_wide(self.model_wide_sparsity, moved)
         except ValueError as e:
             raise JpinferError(f"threshold mode settings: {e}") from None
         if self.ranks is not None and (not isinstance(self.ranks, int) or self.ranks < 1):
