@@ -9,7 +9,8 @@ matrices it skips rows of as int8 copies of its 4-bit blocks, ``sparse.threshold
 - points (``--points``): ``ffn:A+I`` activation A and input I uniform (FFN only); ``all:A+I+Q`` the same plus
   attention Q uniform; ``ffn-greedy:T`` / ``all-greedy:T``: model-wide greedy over the FFN's kinds / over every
   kind, skipping the fraction T of those matrices' bytes (``profiler.sparsity.model_wide_greedy``: of the Fisher
-  allocation over (layer, kind), the measured one over kinds and uniform, the least held-out loss);
+  allocation over (layer, kind), the measured one over kinds and uniform, the least held-out loss); one more
+  ``+H`` on an ``all`` or greedy point: the head skips the fraction H of its inputs too (its quantile);
 - quality: WikiText-2 test perplexity (``--test-windows`` x 512 tokens) of exactly what the engine computes
   (``ffn.evaluate`` with the threshold mode's layer states, attention products included);
 - bytes: weight bytes a decode step reads, all weights but the embedding table (the tied head included), as a
@@ -47,24 +48,28 @@ from jpinfer.profiler import calibration, sparsity
 WINDOW = 512
 
 
-def parse(point: str) -> tuple[str, dict[str, float] | float]:
-    """'ffn:0.5+0.3' -> ('ffn', {'activation': 0.5, 'input': 0.3}); 'all:0.5+0.3+0.3' adds attention 0.3;
-    'all-greedy:0.4' -> ('all-greedy', 0.4)."""
+def parse(point: str) -> tuple[str, dict[str, float]]:
+    """'ffn:0.5+0.3' -> ('ffn', {'activation': 0.5, 'input': 0.3}); 'all:0.5+0.3+0.3' adds attention 0.3 (and
+    '+0.2' after it head 0.2); 'all-greedy:0.4' -> ('all-greedy', {'model_wide': 0.4}) ('all-greedy:0.4+0.2':
+    and head 0.2)."""
     family, values = point.split(":")
-    if family.endswith("greedy"):
-        return family, float(values)
     numbers = [float(v) for v in values.split("+")]
-    targets = dict(zip(("activation", "input", "attention"), numbers))
-    return family, targets
+    names = ("model_wide", sparsity.HEAD) if family.endswith("greedy") else ("activation", "input", "attention",
+                                                                             sparsity.HEAD)
+    if len(numbers) > len(names) or family == "ffn" and len(numbers) > 2:
+        raise SystemExit(f"point {point!r}: too many numbers (see --help)")
+    return family, dict(zip(names, numbers))
 
 
 def thresholds_for(family, spec, hists, model, heldout, sens) -> sparsity.SparsityThresholds:
+    head = spec.get(sparsity.HEAD)
     if family.endswith("greedy"):  # ffn-greedy: the same allocation over the FFN's kinds only
         kinds = sparsity.FFN_KINDS if family == "ffn-greedy" else sparsity.KINDS
-        return sparsity.model_wide_greedy(model, hists, spec, heldout, kinds=kinds,
+        wide = sparsity.model_wide_greedy(model, hists, spec["model_wide"], heldout, kinds=kinds,
                                           sensitivities={kind: sens[kind] for kind in kinds}, progress=True)
+        return sparsity.with_head(wide, hists, head)
     targets = {"activation": spec.get("activation"), "input": spec.get("input"),
-               "qkv": spec.get("attention"), "o": spec.get("attention")}
+               "qkv": spec.get("attention"), "o": spec.get("attention"), sparsity.HEAD: head}
     return sparsity.from_histograms(hists, targets, "uniform")
 
 
@@ -72,9 +77,10 @@ MATRICES = {"activation": "w_down", "input": "w_gate_up", "qkv": "w_qkv", "o": "
 
 
 def kept_bytes(th: sparsity.SparsityThresholds, test_hists, loaded_bytes: dict[str, list[int]],
-               row_bytes: dict[str, int], total: int) -> float:
+               row_bytes: dict[str, int], head_bytes: int, total: int) -> float:
     """Bytes a decode step reads as a fraction of dense: per kind on, each layer's matrix as loaded
-    (``loaded_bytes``) replaced by its by-rows form (``row_bytes``) times the rows kept on the test text."""
+    (``loaded_bytes``) replaced by its by-rows form (``row_bytes``) times the rows kept on the test text; the
+    head's ``head_bytes`` (read by input rows as loaded) times its rows kept."""
     read = float(total)
     for kind, per_layer in loaded_bytes.items():
         values = getattr(th, kind)
@@ -82,6 +88,8 @@ def kept_bytes(th: sparsity.SparsityThresholds, test_hists, loaded_bytes: dict[s
             for layer, t in enumerate(values):
                 kept = 1.0 - test_hists[kind].fraction_at_most(layer, float(t))
                 read += row_bytes[kind] * kept - per_layer[layer]
+    if th.head is not None:
+        read -= head_bytes * test_hists[sparsity.HEAD].fraction_at_most(0, th.head)
     return read / total
 
 
@@ -143,12 +151,16 @@ def main() -> None:
                     for kind, name in MATRICES.items()}
     row_bytes = {kind: sizes[kind] * (4 if args.weights == "float" else 1) for kind in sparsity.KINDS}
     total = weights_read_per_token(dense)
+    if args.weights != "float" and any(sparsity.HEAD in spec for _, _, spec in points):
+        raise SystemExit("head sparsity reads fewer rows of a float head only (int8 and int4 heads are read whole)")
     rows, chosen = [], {}
     for text, family, spec in points:
         th = thresholds_for(family, spec, hists, dense, valid[n_cal:], sens)
-        ppl, _ = evaluate(dense, test, ThresholdRowsFFN(), threshold_states(dense.model, th), progress=True)
+        ppl, _ = evaluate(dense, test, ThresholdRowsFFN(head_threshold=th.head), threshold_states(dense.model, th),
+                          progress=True)
         rows.append(dict(point=text, family=family, describe=th.describe(), ppl=ppl, ppl_ratio=ppl / dense_ppl,
-                         bytes_ratio=kept_bytes(th, test_hists, loaded_bytes, row_bytes, total),
+                         bytes_ratio=kept_bytes(th, test_hists, loaded_bytes, row_bytes,
+                                                nbytes(dense.weights.head), total),
                          layer_sparsity={k: [float(v) for v in s] for k, s in th.layer_sparsity.items()},
                          allocation=th.meta.get("allocation"), held_out_loss=th.meta.get("held_out_loss")))
         chosen[text] = th
@@ -216,12 +228,13 @@ def main() -> None:
     greedy = [r for r in rows if r["family"] == "all-greedy"]
     if greedy:
         shown = min((r for r in greedy if r in within), key=lambda r: r["bytes_ratio"], default=greedy[0])
+        per_layer = {k: v for k, v in shown["layer_sparsity"].items() if k != sparsity.HEAD}
         lines += ["", f"Where `{shown['point']}` put the sparsity (fraction of each matrix's rows skipped on the "
-                  "calibration text):", "", "| layer | " + " | ".join(shown["layer_sparsity"]) + " |",
-                  "|---|" + "---|" * len(shown["layer_sparsity"])]
+                  "calibration text):", "", "| layer | " + " | ".join(per_layer) + " |",
+                  "|---|" + "---|" * len(per_layer)]
         for i in range(cfg.n_layers):
-            lines.append(f"| {i} | " + " | ".join(f"{v[i]:.0%}" for v in shown["layer_sparsity"].values()) + " |")
-        lines.append("| mean | " + " | ".join(f"{np.mean(v):.0%}" for v in shown["layer_sparsity"].values()) + " |")
+            lines.append(f"| {i} | " + " | ".join(f"{v[i]:.0%}" for v in per_layer.values()) + " |")
+        lines.append("| mean | " + " | ".join(f"{np.mean(v):.0%}" for v in per_layer.values()) + " |")
     if args.out:
         figure(rows, pathlib.Path(args.out).with_suffix(".png"), args.ppl_bound)
         lines[2:2] = [f"![perplexity against bytes]({pathlib.Path(args.out).with_suffix('.png').name})", ""]

@@ -17,7 +17,7 @@ from jpinfer.bench.gpu_suite import part_note
 from jpinfer.bench.protocol import AGREEMENT_LABELS, AGREEMENT_MEANINGS, machine_line, prefix_agreement
 from jpinfer.bench.results import format_cell as fmt
 from jpinfer.bench.results import markdown_table as table
-from jpinfer.pack.settings import AUTO, AUTO_TARGET
+from jpinfer.pack.settings import AUTO, AUTO_TARGET, HEAD_AUTO_TARGET
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
@@ -39,6 +39,10 @@ COMMANDS = {
     "first_run": "python bench/first_run.py --out bench/results/first_run.md",
     "accuracy_curves": "python bench/accuracy_curves.py --out bench/results/accuracy_curves.md",
     "model_wide": "python bench/model_wide.py --out bench/results/model_wide.md",
+    "model_wide_head": "python bench/model_wide.py --points ffn:0.5+0.25,all:0.5+0.25+0.25,all:0.5+0.25+0.25+0.1,"
+                       "all:0.5+0.25+0.25+0.2,all:0.5+0.25+0.25+0.3,all:0.5+0.3+0.3,all:0.5+0.3+0.3+0.2,"
+                       "all-greedy:0.35,all-greedy:0.35+0.2 --speed all:0.5+0.25+0.25,all:0.5+0.25+0.25+0.2,"
+                       "all:0.5+0.25+0.25+0.3,all-greedy:0.35+0.2 --out bench/results/model_wide_head.md",
     **{f"model_wide_{w}": f"python bench/model_wide.py --weights {w} --points ffn:0.5,all:0.5+0.25+0.25,"
                           "all:0.5+0.3+0.3 --speed ffn:0.5,all:0.5+0.25+0.25,all:0.5+0.3+0.3 "
                           f"--out bench/results/model_wide_{w}.md" for w in ("int8", "int4")},
@@ -71,14 +75,16 @@ def source(name: str) -> str:
 
 def threshold_targets(settings: dict[str, Any]) -> str:
     """The threshold mode's targets in a pack's recorded settings, e.g. 'activation 50%, input auto (25% for float
-    and int8 weights), attention auto (...) (uniform)'."""
-    if settings.get("model_wide_sparsity") is not None:
-        return f"model-wide {settings['model_wide_sparsity']:.0%} (greedy)"
+    and int8 weights), attention auto (...), head auto (20% for float weights, ...) (uniform)'."""
     auto = f"{AUTO} ({AUTO_TARGET:.0%} for float and int8 weights, off for int4)"
-    target = lambda v: "off" if v is None else auto if v == AUTO else f"{v:.0%}"
+    head_auto = f"{AUTO} ({HEAD_AUTO_TARGET:.0%} for float weights, off for int8 and int4)"
+    target = lambda v, auto=auto: "off" if v is None else auto if v == AUTO else f"{v:.0%}"
+    head = f"head {target(settings.get('head_sparsity'), head_auto)}"
+    if settings.get("model_wide_sparsity") is not None:
+        return f"model-wide {settings['model_wide_sparsity']:.0%}, {head} (greedy)"
     activation = settings["sparsity"] if settings.get("threshold_sparsity") is None else settings["threshold_sparsity"]
     return (f"activation {target(activation)}, input {target(settings.get('input_sparsity'))}, attention "
-            f"{target(settings.get('attention_sparsity'))} ({settings.get('allocation', 'uniform')})")
+            f"{target(settings.get('attention_sparsity'))}, {head} ({settings.get('allocation', 'uniform')})")
 
 
 def setup() -> list[str]:
@@ -319,10 +325,12 @@ def kernels() -> list[str]:
 
 def model_wide() -> list[str]:
     """The threshold mode's FFN-only against model-wide (attention too) points, at the bytes of all weights: float
-    weights, then int8 and int4 (whose matrices read by rows are int8 copies)."""
+    weights, with the head's inputs too, then int8 and int4 (whose matrices read by rows are int8 copies)."""
     out = ["### Model-wide threshold sparsity (the attention's products too)", ""]
-    for name, weights in (("model_wide", "Float32"), ("model_wide_int8", "Int8"), ("model_wide_int4", "Int4")):
-        out += [f"{weights} weights.", ""] + model_wide_run(name)
+    for name, label in (("model_wide", "Float32 weights"),
+                        ("model_wide_head", "Float32 weights, the head's inputs too (a last +H: the head skips H)"),
+                        ("model_wide_int8", "Int8 weights"), ("model_wide_int4", "Int4 weights")):
+        out += [f"{label}.", ""] + model_wide_run(name)
     return out
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from jpinfer import ActivationProfile
 from jpinfer.cli import COMMANDS, main
-from jpinfer.pack.settings import AUTO_TARGET
+from jpinfer.pack.settings import AUTO_TARGET, HEAD_AUTO_TARGET
 
 
 @pytest.mark.parametrize(
@@ -61,12 +61,15 @@ def test_bad_arguments_exit_with_a_message(argv, message, capsys):
 
 
 @pytest.mark.parametrize("argv, weights, targets", [
-    ([], "float", {"input": AUTO_TARGET, "attention": AUTO_TARGET}),  # auto: a quarter of every product's inputs
-    ([], "int8", {"input": AUTO_TARGET, "attention": AUTO_TARGET}),
+    # auto: a quarter of every product's inputs, and a fifth of the head's where the head is float
+    ([], "float", {"input": AUTO_TARGET, "attention": AUTO_TARGET, "head": HEAD_AUTO_TARGET}),
+    ([], "int8", {"input": AUTO_TARGET, "attention": AUTO_TARGET}),  # a quantized head is read whole
     ([], "int4", {"input": None}),  # auto: off (the rows would be int8 copies of the 4-bit blocks)
-    (["--input-sparsity", "off", "--attention-sparsity", "0.1"], "float", {"input": None, "attention": 0.1}),
+    (["--input-sparsity", "off", "--attention-sparsity", "0.1", "--head-sparsity", "off"], "float",
+     {"input": None, "attention": 0.1}),
     (["--attention-sparsity", "OFF", "--input-sparsity", "0.3"], "int4", {"input": 0.3}),
-    (["--input-sparsity", "auto", "--attention-sparsity", "0.2"], "int4", {"input": None, "attention": 0.2}),
+    (["--input-sparsity", "auto", "--attention-sparsity", "0.2", "--head-sparsity", "0.1"], "int4",
+     {"input": None, "attention": 0.2, "head": 0.1}),
 ])
 def test_prepare_reads_per_kind_targets_auto_or_off(argv, weights, targets):
     import argparse
@@ -77,7 +80,8 @@ def test_prepare_reads_per_kind_targets_auto_or_off(argv, weights, targets):
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = parser.parse_args(argv)
-    settings = PackSettings(input_sparsity=args.input_sparsity, attention_sparsity=args.attention_sparsity)
+    settings = PackSettings(input_sparsity=args.input_sparsity, attention_sparsity=args.attention_sparsity,
+                            head_sparsity=args.head_sparsity)
     assert settings.threshold_targets("swiglu", weights) == {
         "activation": settings.sparsity, "allocation": settings.allocation} | targets
 

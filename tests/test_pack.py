@@ -77,7 +77,7 @@ def targets_of(settings: PackSettings, ffn_kind: str, weights: str = "float") ->
     """The threshold mode's targets per kind (those on) that ``settings`` ask of a model of ``ffn_kind``."""
     asked = settings.threshold_targets(ffn_kind, weights)
     targets = {"activation": asked["activation"], "input": asked["input"], "qkv": asked.get("attention"),
-               "o": asked.get("attention")}
+               "o": asked.get("attention"), "head": asked.get("head")}
     return {kind: target for kind, target in targets.items() if target is not None}
 
 
@@ -116,6 +116,8 @@ def test_prepare_again_reuses_every_stage(made, model, pack_dir):
     ({"threshold_sparsity": 0.3}, ("thresholds",)),
     ({"input_sparsity": 0.2}, ("thresholds",)),
     ({"attention_sparsity": 0.2}, ("thresholds",)),
+    ({"head_sparsity": 0.3}, ("thresholds",)),
+    ({"head_sparsity": None}, ("thresholds",)),
     ({"model_wide_sparsity": 0.3}, ("thresholds",)),
     ({"n_samples": 256}, ("profile", "predictors", "placement")),
     ({"sparsity": 0.6}, ("profile", "thresholds", "predictors", "placement")),  # thresholds follow sparsity
@@ -129,6 +131,19 @@ def test_a_changed_setting_redoes_exactly_what_depends_on_it(made, model, pack_d
     assert {s for s in STAGES if after[s] != before[s]} <= set(stages)  # the others kept their entries
     assert {s: after[s] for s in STAGES if s not in stages} == {s: before[s] for s in STAGES if s not in stages}
     assert Pack.load(pack_dir, model).settings == dataclasses.replace(made.settings, **change)
+
+
+def test_a_calibration_without_the_heads_histogram_is_taken_again(made, model, pack_dir, monkeypatch):
+    """A pack whose calibration was written before the head's histogram existed: for a head target the thresholds
+    stage takes the histograms again (not stored: the calibration's key, and the stages after it, stay valid)."""
+    load = stages_module.LOADERS["calibration"]
+    monkeypatch.setitem(stages_module.LOADERS, "calibration",
+                        lambda path: {kind: h for kind, h in load(path).items() if kind != "head"})
+    pack = prepare(model, pack_dir, dataclasses.replace(made.settings, head_sparsity=0.3), progress=False)
+    assert pack.ran == ("thresholds",)
+    expected = jpinfer.profiler.uniform(made.calibration_histograms()["head"], 0.3).thresholds[0]
+    assert pack.thresholds.head == float(expected)  # the same windows, the same counts: the same threshold
+    assert made.thresholds.head is not None  # "auto": on for float weights
 
 
 def test_another_dtype_redoes_only_the_placement(made, pack_dir):

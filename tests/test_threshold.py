@@ -256,7 +256,7 @@ def test_greedy_calibration_averages_the_target_per_kind():
         calibrate_sparsity(dense, windows(), input=0.4, method="greedy")
     with pytest.raises(ValueError, match="0 <= s < 1"):
         calibrate_sparsity(dense, windows(), input=1.0)
-    with pytest.raises(ValueError, match="activation=, input= and/or attention="):
+    with pytest.raises(ValueError, match="activation=, input=, attention= and/or head="):
         calibrate_sparsity(dense, windows())
     with pytest.raises(ValueError, match="activation=0.0"):
         calibrate_sparsity(tiny_engine("relu"), windows(), activation=0.5)
@@ -368,17 +368,18 @@ def test_bad_threshold_mode_arguments_are_clear_errors():
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])
 def test_hybrid_threshold_on_two_devices_equals_one_device(kinds, arch):
     """Hot neurons on device 0, cold on device 1, each part applying the thresholds: the parts add up to the
-    one-device threshold FFN (a layer wholly hot, one wholly cold, and a split one); model-wide, the attention on
-    device 0 applies its own. gemma2: a GeGLU model whose layers normalise their FFN's output (the two parts'
+    one-device threshold FFN (a layer wholly hot, one wholly cold, and a split one); model-wide, the attention and the
+    head on device 0 apply their own. gemma2: a GeGLU model whose layers normalise their FFN's output (the two parts'
     sum), with a window in one layer."""
     dense = tiny_engine("swiglu", n_layers=3) if arch == "llama" else tiny_engine("geglu", n_layers=3, **GEMMA2_LIKE)
     cfg = dense.cfg
     th = calibrate_sparsity(dense, windows(4, 16, seed=8), activation=0.5 if kinds != "input" else None,
                             input=0.3 if kinds != "activation" else None,
-                            attention=0.3 if kinds == "model-wide" else None)
+                            **(dict(attention=0.3, head=0.3) if kinds == "model-wide" else {}))
     one = build_engine(dense.model, "threshold", thresholds=th)
     masks = [np.ones(cfg.d_ff, bool), np.zeros(cfg.d_ff, bool), np.random.default_rng(2).random(cfg.d_ff) < 0.5]
     two = build_engine(dense.model, "hybrid", thresholds=th, placement=masks)
     assert two.ffn.impl.cold[2].d_ff + two.ffn.state[2].hot.d_ff == cfg.d_ff
     assert all((layer.w_qkv is None) == (kinds == "model-wide") for layer in two.weights.layers)
+    assert two.ffn.impl.head_threshold == one.ffn.impl.head_threshold == th.head  # None but model-wide
     assert_decodes_alike(two, one, 24, 10)

@@ -11,6 +11,7 @@ the same entries zeroed. Aux, per token: FFN input dimensions and neurons kept.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 
@@ -34,13 +35,18 @@ class ThresholdLayer:
 @dataclasses.dataclass(frozen=True)
 class ThresholdRowsFFN:
     """Static ``ffn_impl``: the layer's ``ThresholdLayer`` state applied to x (and to the attention's
-    products, ``project``)."""
+    products, ``project``); ``head_threshold``: the head skips its inputs of magnitude at most it (None: dense
+    head; ``transformer.logits``). Static, as one value serves the whole model: a new one compiles anew."""
 
     backend: str = "auto"
+    head_threshold: float | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in ROWS_BACKENDS:
             raise JpinferError(f"backend must be one of {ROWS_BACKENDS}, got {self.backend!r}")
+        if self.head_threshold is not None and not (math.isfinite(self.head_threshold) and self.head_threshold >= 0):
+            raise JpinferError(f"head_threshold must be a finite number >= 0 (or None: dense head), "
+                               f"got {self.head_threshold!r}")
 
     def __call__(self, i: int, layer: Layer, x: jax.Array, state: ThresholdLayer) -> tuple[jax.Array, dict]:
         return threshold_ffn(state.ffn, x, backend=self.backend)

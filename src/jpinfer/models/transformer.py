@@ -15,6 +15,8 @@ The attention's two products have the same seam: an ``ffn_impl`` that also defin
 x the normalised attention input, y (..., q_dim + 2 kv_dim) with ``b_qkv``) and the output product
 ("o", x the attention's output (..., q_dim), y (..., d_model) with ``bo``) with the layer's state;
 without it they are the decoder's ``linear`` (the threshold mode's input sparsity on q|k|v and o).
+An ``ffn_impl`` with a ``head_threshold`` (a static float) skips the head's inputs of magnitude at most it
+(``logits``).
 """
 
 from __future__ import annotations
@@ -482,30 +484,47 @@ def forward(
     return norm(weights.final_norm, h, cfg), cache, aux
 
 
-def logits(weights: Weights, h: jax.Array, cfg: ModelConfig) -> jax.Array:
+def head_threshold(ffn_impl: FfnImpl | None) -> float | None:
+    """The head's input threshold under ``ffn_impl`` (its static ``head_threshold``; None: the dense head)."""
+    return getattr(ffn_impl, "head_threshold", None)
+
+
+def logits(weights: Weights, h: jax.Array, cfg: ModelConfig, input_threshold: float | None = None) -> jax.Array:
     """Float32 logits from final hidden states: h @ head, head (d, vocab) (see params.Weights), or
-    a quantized head's (vocab, d) rows (``quantized.matmul``); soft-capped with ``logit_softcap``."""
+    a quantized head's (vocab, d) rows (``quantized.matmul``); soft-capped with ``logit_softcap``.
+
+    ``input_threshold``: the entries of h of magnitude at most it are skipped (the threshold mode's head input
+    sparsity): the native kernel reads only the kept rows of the input-major head, every other path computes
+    the same values with those entries zeroed (a quantized head reads all its rows)."""
+    if input_threshold is not None:
+        h_kept = jnp.where(jnp.abs(h) > input_threshold, h, jnp.zeros_like(h))
+        h_kept = jnp.where(jnp.isnan(h), h, h_kept)  # a NaN stays visible, as the native path keeps it
+    else:
+        h_kept = h
     if quantized.is_quantized(weights.head):
-        return _softcap(quantized.matmul(h, weights.head), cfg.logit_softcap)
+        return _softcap(quantized.matmul(h_kept, weights.head), cfg.logit_softcap)
     xla = lambda h, head: jnp.dot(h, head, preferred_element_type=jnp.float32)
     if not _decode_sized(h, weights.head):
-        return _softcap(xla(h, weights.head), cfg.logit_softcap)
+        return _softcap(xla(h_kept, weights.head), cfg.logit_softcap)
+    threshold = -jnp.inf if input_threshold is None else input_threshold
 
-    def native(h, head):  # the (d, vocab) head is input-major: the rows product over every row, each read once
+    def native(h, head):  # the (d, vocab) head is input-major: the rows product over the kept rows, each read once
         flat = h.reshape(-1, h.shape[-1])
         # up to 8 tokens a call (the kernel's pieces keep their outputs in L1): the default model's head took
         # 3.3-3.5 ms for 8 tokens in one call against 5.2-6.2 in two calls of 4 (2-core Zen 5 VM, 2026-12-05)
-        y = native_kernels.threshold_rows_product(head, flat, -jnp.inf)[0]
+        y = native_kernels.threshold_rows_product(head, flat, jnp.float32(threshold))[0]
         y = jnp.where(jnp.isnan(flat).any(-1, keepdims=True), jnp.nan, y)  # a NaN input is no row to skip
         return y.reshape(*h.shape[:-1], -1)
 
-    return _softcap(jax.lax.platform_dependent(h, weights.head, cpu=native, default=xla), cfg.logit_softcap)
+    default = lambda h, head: xla(h_kept, head)
+    return _softcap(jax.lax.platform_dependent(h, weights.head, cpu=native, default=default), cfg.logit_softcap)
 
 
-def next_token_nll(weights: Weights, h: jax.Array, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:
+def next_token_nll(weights: Weights, h: jax.Array, tokens: jax.Array, cfg: ModelConfig,
+                   head_input_threshold: float | None = None) -> jax.Array:
     """(B, T - 1) float32 negative log-likelihood of each next token given the final hidden states h (B, T, d)
-    of ``tokens`` (B, T)."""
-    lg = logits(weights, h[:, :-1], cfg)
+    of ``tokens`` (B, T); ``head_input_threshold`` as ``logits``' ``input_threshold``."""
+    lg = logits(weights, h[:, :-1], cfg, head_input_threshold)
     return jax.nn.logsumexp(lg, -1) - jnp.take_along_axis(lg, tokens[:, 1:, None], -1)[..., 0]
 
 
@@ -530,7 +549,7 @@ def prefill(
     h, cache, _ = forward(weights, tokens, cache, cfg, ffn_impl, ffn_state, attend, n_valid)
     last = jax.lax.dynamic_index_in_dim(h, n_valid - 1, axis=1, keepdims=False)
     cache = dataclasses.replace(cache, length=start + n_valid)
-    return logits(weights, last, cfg), cache
+    return logits(weights, last, cfg, head_threshold(ffn_impl)), cache
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "ffn_impl", "attend"), donate_argnames=("cache",))
@@ -546,7 +565,7 @@ def decode_step(
     """One decoding step for tokens (B,); returns logits (B, V) and the advanced cache.
     ``attend`` as in ``forward`` (at least ``cache.length + 1``)."""
     h, cache, _ = forward(weights, token[:, None], cache, cfg, ffn_impl, ffn_state, attend)
-    return logits(weights, h[:, 0], cfg), cache
+    return logits(weights, h[:, 0], cfg, head_threshold(ffn_impl)), cache
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "ffn_impl"))
@@ -560,4 +579,4 @@ def score(
     """Logits (B, T, V) for every position of full sequences (perplexity, parity tests)."""
     cache = KVCache.create(cfg, tokens.shape[0], tokens.shape[1], weights.dtype)
     h, _, _ = forward(weights, tokens, cache, cfg, ffn_impl, ffn_state)
-    return logits(weights, h, cfg)
+    return logits(weights, h, cfg, head_threshold(ffn_impl))

@@ -154,7 +154,7 @@ class _Thresholded(Mode):
         thresholds = inputs.thresholds
         if thresholds is None or isinstance(thresholds, str):
             thresholds = profile.sparsity_thresholds()
-        if thresholds.n_layers != model.cfg.n_layers:
+        if not thresholds.fits(model.cfg.n_layers):
             raise JpinferError(f"got thresholds for {thresholds.n_layers} layers; the model has {model.cfg.n_layers}")
         return thresholds, profile
 

@@ -52,7 +52,7 @@ def sparse_engine(model: LoadedModel, predictors: Predictors, capacity: tuple[in
 
 
 def _check_layers(model: LoadedModel, thresholds: SparsityThresholds) -> None:
-    if thresholds.n_layers != model.cfg.n_layers:
+    if not thresholds.fits(model.cfg.n_layers):
         raise JpinferError(f"got thresholds for {thresholds.n_layers} layers; the model has {model.cfg.n_layers}")
 
 
@@ -96,7 +96,8 @@ def threshold_engine(model: LoadedModel, thresholds: SparsityThresholds, backend
     their threshold-sparsity layout."""
     weights = dataclasses.replace(model.weights, layers=[_attention_part(layer, thresholds)
                                                          for layer in model.weights.layers])
-    strategy = FfnStrategy(ThresholdRowsFFN(backend), threshold_states(model, thresholds), "threshold")
+    strategy = FfnStrategy(ThresholdRowsFFN(backend, thresholds.head), threshold_states(model, thresholds),
+                           "threshold")
     return Engine(LoadedModel(model.cfg, weights, model.tokenizer, model.source), strategy)
 
 
@@ -114,7 +115,7 @@ def hybrid_engine(model: LoadedModel, predictors: Predictors | None, hot_masks: 
     """Hot neurons (``hot_masks[layer]``, boolean (d_ff,)) on the accelerator, the rest on the host
     in ``host_dtype`` (default ``host_dtype_for``). The predictor picks each part's neurons, or, with
     ``thresholds`` instead (and no predictors or capacity), each part applies the threshold mode's FFN
-    thresholds, and the attention (on the accelerator) its "qkv" and "o" thresholds."""
+    thresholds, and the attention and the head (on the accelerator) their "qkv", "o" and "head" thresholds."""
     accelerator, host = devices or default_devices()
     host_dtype = host_dtype_for(model.weights.dtype, host) if host_dtype is None else host_dtype
     cfg = model.cfg
@@ -142,5 +143,6 @@ def hybrid_engine(model: LoadedModel, predictors: Predictors | None, hot_masks: 
     top = jax.device_put(dataclasses.replace(model.weights, layers=[]), accelerator)
     weights = dataclasses.replace(top, layers=layers)
     cold = ColdParts(colds, host)
-    strategy = FfnStrategy(HybridFFN(capacity or tuple(sizes), weakref.ref(cold)), parts, "hybrid", held=cold)
+    head = None if thresholds is None else thresholds.head
+    strategy = FfnStrategy(HybridFFN(capacity or tuple(sizes), weakref.ref(cold), head), parts, "hybrid", held=cold)
     return Engine(LoadedModel(cfg, weights, model.tokenizer, model.source), strategy)

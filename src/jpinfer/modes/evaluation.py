@@ -41,7 +41,8 @@ def decode_equivalent(engine: Engine, dense: LoadedModel, activity_thresholds: n
         parts = engine.ffn.state
         if parts[0].predictor is None:  # threshold sparsity split by the placement
             states = [_threshold_state(layer, part, cfg) for layer, part in zip(dense.weights.layers, parts)]
-            return dense, FfnStrategy(ThresholdRowsFFN(), states, "threshold (hybrid)")
+            impl = ThresholdRowsFFN(head_threshold=engine.ffn.impl.head_threshold)
+            return dense, FfnStrategy(impl, states, "threshold (hybrid)")
         hot = [np.isin(np.arange(cfg.d_ff), np.asarray(part.hot_ids)) for part in parts]
         states = mask_states([part.predictor for part in parts], activity, hot)
         # a part's K of its whole size clips nothing: None skips the selection (exact, and fast)

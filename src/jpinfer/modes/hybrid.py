@@ -104,10 +104,12 @@ class HybridFFN:
     cold part (``cold[layer]``, on the host device) through a host callback.
 
     ``capacity`` per layer: (hot K, cold K), each at most its part's size; 0 for an empty part. Compared by
-    identity: one engine's steps compile once per attention length."""
+    identity: one engine's steps compile once per attention length. ``head_threshold``: the threshold mode's on
+    the head's inputs (``transformer.logits``; None: dense head)."""
 
     capacity: tuple[tuple[int, int], ...]
     held: weakref.ref  # to the engine's ColdParts
+    head_threshold: float | None = None
 
     @property
     def cold(self) -> tuple[NeuronFFN | ThresholdLayout, ...]:

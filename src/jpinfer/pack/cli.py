@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from jpinfer.cli_args import add_model_arguments
-from jpinfer.pack.settings import AUTO, AUTO_TARGET, OBJECTIVES, PackSettings
+from jpinfer.pack.settings import AUTO, AUTO_TARGET, HEAD_AUTO_TARGET, OBJECTIVES, PackSettings
 
 DEFAULTS = PackSettings()
 
@@ -53,6 +53,10 @@ def add_arguments(p: argparse.ArgumentParser, command: str = "prepare") -> None:
                           help="threshold mode: fraction of the bytes of every matrix read by rows skipped (FFN and "
                                "attention), spread over layers and matrices by a held-out loss estimate; instead of "
                                "the per-kind fractions")
+    sparsity.add_argument("--head-sparsity", type=target, default=DEFAULTS.head_sparsity,
+                          help="threshold mode: fraction of the head's inputs skipped, or off (default auto: "
+                               f"{HEAD_AUTO_TARGET} with float weights, off with int8 and int4, whose heads are read "
+                               "whole)")
     sparsity.add_argument("--allocation", choices=("uniform", "greedy"), default=DEFAULTS.allocation,
                           help="threshold mode: the same fraction in every layer, or greedy (held-out loss estimate)")
     predictors = p.add_argument_group("predictors")
@@ -91,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
         calibration_tokens=args.calibration_tokens, n_tokens=args.n_tokens, n_samples=args.samples,
         sparsity=args.sparsity, threshold_sparsity=args.threshold_sparsity, input_sparsity=args.input_sparsity,
         attention_sparsity=args.attention_sparsity, model_wide_sparsity=args.model_wide_sparsity,
+        head_sparsity=args.head_sparsity,
         allocation=args.allocation, ranks=args.rank, search_samples=args.search_samples,
         search_epochs=args.search_epochs, predictor_budget=args.predictor_budget, recall=args.recall,
         strong_recall=args.strong_recall, max_epochs=args.epochs, gpu_budget=args.gpu_budget,

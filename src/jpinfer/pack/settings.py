@@ -35,6 +35,7 @@ OBJECTIVES = ("mass", "latency")
 
 AUTO = "auto"  # a per-kind target the weights format decides (``PackSettings.threshold_targets``)
 AUTO_TARGET = 0.25
+HEAD_AUTO_TARGET = 0.2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +59,13 @@ class PackSettings:
     L3: the step is not bound by the weights' bytes); but int4 reads the matrices it skips rows of as int8 copies
     (1 byte a weight against the 4-bit blocks' 0.5625): 1.065 of dense int4's bytes, 0.83x dense int4 against
     0.96x for half the neurons alone (``bench/results/model_wide_int8.md``, ``model_wide_int4.md``, same day).
+    head_sparsity: the fraction of the head's inputs skipped (None: off); "auto" (default): ``HEAD_AUTO_TARGET``
+    with float weights, off with int8 and int4, whose heads stay quantized and read whole (a skipped input saves
+    nothing there). Why 0.2: the head is a fifth of the default model's weight bytes; beside the quarters above,
+    a fifth of its inputs takes the bytes read from 0.750 to 0.708 of dense at 1.026x perplexity (1.016x without),
+    a tenth 0.729 at 1.017x, three tenths 0.687 at 1.051x, past the 1.05x the threshold mode is held to
+    (``bench/results/model_wide_head.md``, 2-core Intel Xeon, 2026-12-06); the main bench's threshold row decoded at
+    1.35x dense float32 with it (``bench/results/bench.md``, same day, 14:34 UTC).
     model_wide_sparsity instead of the per-kind targets (left at their defaults, which it replaces): the fraction
     of the bytes of every matrix read by rows skipped, spread over layers and kinds (``profiler.sparsity.
     model_wide_greedy``; greedy, held out like greedy allocation).
@@ -82,6 +90,7 @@ class PackSettings:
     input_sparsity: float | str | None = AUTO
     attention_sparsity: float | str | None = AUTO
     model_wide_sparsity: float | None = None
+    head_sparsity: float | str | None = AUTO
     allocation: str = "uniform"
     ranks: int | None = None
     search_samples: int = 8192
@@ -110,7 +119,8 @@ class PackSettings:
             raise JpinferError(f"sparsity is the fraction of inactive neurons: give 0 <= s < 1, got {self.sparsity!r}")
         try:
             targets = self._targets("float")
-            check_targets(targets["activation"], targets["input"], self.allocation, attention=targets["attention"])
+            check_targets(targets["activation"], targets["input"], self.allocation, attention=targets["attention"],
+                          head=targets["head"])
             if self.model_wide_sparsity is not None:  # it replaces the per-kind targets: none moved off its default
                 default = {f.name: f.default for f in dataclasses.fields(self)}
                 moved = tuple(name for name in ("threshold_sparsity", "input_sparsity", "attention_sparsity")
@@ -143,28 +153,31 @@ class PackSettings:
         return cls(**data)
 
     def _targets(self, weights: str) -> dict[str, Any]:
-        """Activation (SwiGLU-like models), input and attention targets, "auto" resolved for ``weights``."""
-        def resolve(name: str) -> float | None:
+        """Activation (SwiGLU-like models), input, attention and head targets, "auto" resolved for ``weights``."""
+        def resolve(name: str, auto: float | None) -> float | None:
             value = getattr(self, name)
             if isinstance(value, str):
                 if value != AUTO:
                     raise ValueError(f"{name} is a fraction, None (off) or {AUTO!r}, got {value!r}")
-                return None if weights == "int4" else AUTO_TARGET
+                return auto
             return value
 
+        rows = None if weights == "int4" else AUTO_TARGET
         return {"activation": self.sparsity if self.threshold_sparsity is None else self.threshold_sparsity,
-                "input": resolve("input_sparsity"), "attention": resolve("attention_sparsity")}
+                "input": resolve("input_sparsity", rows), "attention": resolve("attention_sparsity", rows),
+                "head": resolve("head_sparsity", HEAD_AUTO_TARGET if weights == "float" else None)}
 
     def threshold_targets(self, ffn_kind: str, weights: str) -> dict[str, Any]:
         """The threshold mode's targets for a model of ``ffn_kind`` (ReLU kinds skip exact zeros) with ``weights``
-        ("float", "int8", "int4": what "auto" means). "attention" only when on: the record (and the thresholds
-        stage's key) of a pack without it stays what it was."""
-        if self.model_wide_sparsity is not None:
-            return {"model_wide": self.model_wide_sparsity}
+        ("float", "int8", "int4": what "auto" means). "attention" and "head" only when on: the record (and the
+        thresholds stage's key) of a pack without them stays what it was."""
         targets = self._targets(weights)
+        head = {} if targets["head"] is None else {"head": targets["head"]}
+        if self.model_wide_sparsity is not None:
+            return {"model_wide": self.model_wide_sparsity} | head
         activation = targets["activation"] if ffn_kind in SMOOTH_KINDS else 0.0
         attention = {} if targets["attention"] is None else {"attention": targets["attention"]}
-        return {"activation": activation, "input": targets["input"], "allocation": self.allocation} | attention
+        return {"activation": activation, "input": targets["input"], "allocation": self.allocation} | attention | head
 
 
 def stage_inputs(settings: PackSettings, ffn_kind: str, dtype: str, weights: str) -> dict[str, dict[str, Any]]:

@@ -34,8 +34,8 @@ from jpinfer.pack.store import FILES, Pack, PackError, PackMismatchError
 from jpinfer.predictor import SearchConfig, TrainConfig, train_predictors
 from jpinfer.predictor.store import Predictors
 from jpinfer.profiler import ActivationProfile, Corpus, SamplesError, profile, token_windows, uniform
-from jpinfer.profiler.calibration import ATTENTION
-from jpinfer.profiler.sparsity import from_histograms, greedy_thresholds, histograms, model_wide_greedy
+from jpinfer.profiler.calibration import ATTENTION, HEAD
+from jpinfer.profiler.sparsity import from_histograms, greedy_thresholds, histograms, model_wide_greedy, with_head
 from jpinfer.solver import Placement, measure_hardware, preset
 
 LOADERS: dict[str, Callable[[pathlib.Path], Any]] = {
@@ -91,13 +91,15 @@ def _profile(run: _Run) -> ActivationProfile:
 def _thresholds(run: _Run) -> Any:
     targets = run.settings.threshold_targets(run.model.cfg.ffn_kind, quantized.weights_format(run.model.weights))
     wide = targets.get("model_wide")
-    attention = targets.get("attention")
-    kinds = {"activation": targets.get("activation"), "input": targets.get("input"), "qkv": attention, "o": attention}
-    greedy = wide is not None or targets["allocation"] == "greedy"
+    attention, head = targets.get("attention"), targets.get("head")
+    kinds = {"activation": targets.get("activation"), "input": targets.get("input"), "qkv": attention, "o": attention,
+             HEAD: head}
+    greedy = wide is not None or targets.get("allocation") == "greedy"
     hists = run.result("calibration")
-    # a calibration written before the attention's histograms existed: take them again (not stored: the stage's
-    # key, and so the profile and predictors made after it, stay valid)
-    rehistogram = (attention is not None or wide is not None) and not set(ATTENTION) <= set(hists)
+    # a calibration written before the attention's or the head's histograms existed: take them again (not stored:
+    # the stage's key, and so the profile and predictors made after it, stay valid)
+    rehistogram = ((attention is not None or wide is not None) and not set(ATTENTION) <= set(hists)
+                   or head is not None and HEAD not in hists)
     if rehistogram or greedy:
         tokens, n = run.calibration_windows()  # tokenized once for both
     if rehistogram:
@@ -106,7 +108,8 @@ def _thresholds(run: _Run) -> Any:
         raise JpinferError(f"greedy allocation holds out {n} windows after the {n} it calibrates on; the corpus "
                            f"gave {len(tokens)}: use a longer corpus or fewer calibration_tokens")
     if wide is not None:
-        thresholds = model_wide_greedy(run.model, hists, wide, tokens[n:2 * n], progress=run.progress)
+        thresholds = with_head(model_wide_greedy(run.model, hists, wide, tokens[n:2 * n], progress=run.progress),
+                               hists, head)
     elif greedy:
         thresholds = greedy_thresholds(run.model, hists, kinds, tokens[n:2 * n], progress=run.progress)
     else:

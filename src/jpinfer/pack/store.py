@@ -4,7 +4,8 @@
                           kind, dtype, source: ``models.identity.model_record``),
                           the settings, and per finished stage its key, inputs, files (size and digest),
                           seconds; ``complete`` once every stage is in; a checksum of itself
-    DIR/calibration.npz   calibration histograms (|a| by neuron, |x| by FFN and attention-product input dimension)
+    DIR/calibration.npz   calibration histograms (|a| by neuron, |x| by FFN and attention-product input dimension,
+                          and of the head's inputs)
     DIR/profile.npz       the ActivationProfile (its own whole-file digest)
     DIR/thresholds.json   the threshold mode's SparsityThresholds
     DIR/predictors/       the Predictors (orbax checkpoint + verified metadata)
@@ -33,7 +34,7 @@ from jpinfer.models.loading import ModelArg, resolve_model
 from jpinfer.pack.settings import STAGES, PackSettings, stage_keys
 from jpinfer.predictor.store import Predictors
 from jpinfer.profiler import ActivationProfile, SparsityThresholds
-from jpinfer.profiler.calibration import ATTENTION, INPUT, ScoreHistogram
+from jpinfer.profiler.calibration import ATTENTION, HEAD, INPUT, ScoreHistogram
 from jpinfer.solver import Placement
 
 FORMAT = "jpinfer-pack"
@@ -115,11 +116,11 @@ def save_histograms(path: pathlib.Path, hists: dict[str, ScoreHistogram]) -> Non
 
 def load_histograms(path: pathlib.Path) -> dict[str, ScoreHistogram]:
     """The calibration stage's histograms (the file was verified against the manifest first; one written before
-    the attention's histograms existed has "activation" and "input" only)."""
+    the attention's histograms existed has "activation" and "input" only, before the head's no "head")."""
     with np.load(path, allow_pickle=False) as f:
         n = int(f["n_tokens"])
         hists = {"activation": ScoreHistogram(f["activation"], str(f["score"]), n)}
-        return hists | {kind: ScoreHistogram(f[kind], kind, n) for kind in (INPUT, *ATTENTION) if kind in f.files}
+        return hists | {kind: ScoreHistogram(f[kind], kind, n) for kind in (INPUT, *ATTENTION, HEAD) if kind in f.files}
 
 
 def read_thresholds(path: pathlib.Path) -> SparsityThresholds:

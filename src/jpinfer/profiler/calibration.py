@@ -133,6 +133,7 @@ class Sensitivity:
 INPUT = "input"  # the histogram of the FFN input magnitudes |x_j| (input sparsity), beside a neuron score's
 QKV, O = "qkv", "o"  # of the inputs of the attention's q|k|v and output products
 ATTENTION = (QKV, O)
+HEAD = "head"  # of the head's inputs (the final hidden states): one row, as one head serves every layer
 
 
 class _Pending(dict):
@@ -154,7 +155,7 @@ def _count(v: jax.Array, valid: jax.Array) -> jax.Array:
 @dataclasses.dataclass(frozen=True)
 class _HistogramFFN:
     """Dense model that also histograms each layer's neuron scores, its FFN input magnitudes |x_j| and
-    the input magnitudes of its attention's two products."""
+    the input magnitudes of its attention's two products, and (``final``) those of the head's inputs."""
 
     cfg: ModelConfig
     score: str
@@ -171,6 +172,9 @@ class _HistogramFFN:
         attention = [self.pending.pop((i, name)) for name in ATTENTION]
         return transformer.ffn_down(layer, a), jnp.stack([_count(s, valid), _count(jnp.abs(x), valid), *attention])
 
+    def final(self, h: jax.Array, valid: jax.Array) -> jax.Array:
+        return _count(jnp.abs(h), valid)
+
 
 def _check_sparsity(sparsity: float) -> float:
     if not 0.0 <= sparsity < 1.0:
@@ -181,18 +185,23 @@ def _check_sparsity(sparsity: float) -> float:
 def histograms(
     model: ModelArg, windows: Any, *, score: Score = "product", batch_size: int = 4, progress: bool = False
 ) -> tuple[ScoreHistogram, ...]:
-    """Histograms of every layer's neuron scores, of its FFN input magnitudes (score ``INPUT``) and of the
-    input magnitudes of its attention's q|k|v and output products (``QKV``, ``O``) over token windows, from
-    one dense pass."""
+    """Histograms of every layer's neuron scores, of its FFN input magnitudes (score ``INPUT``), of the
+    input magnitudes of its attention's q|k|v and output products (``QKV``, ``O``) and of the head's input
+    magnitudes (``HEAD``, one row) over token windows, from one dense pass."""
     loaded = resolve_model(model)
     check_score(score, loaded.cfg)
     tokens = passes.as_tokens(windows, loaded.cfg.vocab_size)
-    counts = np.zeros((4, loaded.cfg.n_layers, N_BINS), np.int64)
-    thresholds = np.zeros(loaded.cfg.n_layers, np.float32)
+    n_layers = loaded.cfg.n_layers
+    counts = np.zeros((4, n_layers, N_BINS), np.int64)
+    head = np.zeros((1, N_BINS), np.int64)
+    thresholds = np.zeros(n_layers, np.float32)
     collector = _HistogramFFN(loaded.cfg, score)
     for _, _, aux in passes.run(loaded, tokens, collector, thresholds, batch_size, progress, "calibrating"):
-        counts += np.stack(aux, axis=1)
-    return tuple(ScoreHistogram(c, name, int(tokens.size)) for c, name in zip(counts, (score, INPUT, QKV, O)))
+        counts += np.stack(aux[:n_layers], axis=1)
+        head[0] += aux[n_layers]
+    n = int(tokens.size)
+    return (*(ScoreHistogram(c, name, n) for c, name in zip(counts, (score, INPUT, QKV, O))),
+            ScoreHistogram(head, HEAD, n))
 
 
 def score_histogram(

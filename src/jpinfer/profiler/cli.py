@@ -34,6 +34,8 @@ def add_arguments(p: argparse.ArgumentParser, command: str = "profile") -> None:
                    help="threshold mode: instead of the per-kind fractions, calibrate thresholds skipping this "
                         "fraction of the bytes of every matrix read by rows (FFN and attention), spread over layers "
                         "and matrices where a held-out loss estimate says it hurts least")
+    p.add_argument("--head-sparsity", type=float, default=None,
+                   help="threshold mode: also calibrate a threshold skipping this fraction of the head's inputs")
     p.add_argument("--allocation", choices=("uniform", "greedy"), default="uniform",
                    help="threshold mode: the same fraction in every layer (default), or greedy: spent where a "
                         "held-out loss estimate says it hurts least")
@@ -50,16 +52,17 @@ def run(args: argparse.Namespace) -> int:
     from jpinfer.profiler import profile
     from jpinfer.profiler.sparsity import check_targets
 
-    targets = (args.activation_sparsity, args.input_sparsity, args.attention_sparsity)
+    targets = (args.activation_sparsity, args.input_sparsity, args.attention_sparsity, args.head_sparsity)
     if any(t is not None for t in targets) and args.model_wide_sparsity is None:  # fail before the model loads
         check_targets(args.activation_sparsity, args.input_sparsity, args.allocation,
-                      attention=args.attention_sparsity)
+                      attention=args.attention_sparsity, head=args.head_sparsity)
     engine = load(args.model, dtype=args.dtype, weights=args.weights)
     prof = profile(
         engine, args.corpus, fields=args.fields, n_tokens=args.n_tokens, window=args.window, seed=args.seed,
         sparsity=args.sparsity, n_samples=args.samples, activation_sparsity=args.activation_sparsity,
         input_sparsity=args.input_sparsity, attention_sparsity=args.attention_sparsity,
-        model_wide_sparsity=args.model_wide_sparsity, allocation=args.allocation, batch_size=args.batch_size,
+        model_wide_sparsity=args.model_wide_sparsity, head_sparsity=args.head_sparsity, allocation=args.allocation,
+        batch_size=args.batch_size,
         progress=args.progress,
     )
     path = prof.save(args.out)

@@ -24,7 +24,7 @@ from jpinfer.models.params import Layer
 from jpinfer.profiler import calibration, passes, samples
 from jpinfer.profiler.activity import Score, activation_and_score, check_score
 from jpinfer.profiler.corpus import Corpus, TokenWindows, token_windows
-from jpinfer.profiler.sparsity import KINDS, calibrate_sparsity, check_model_wide, check_targets
+from jpinfer.profiler.sparsity import HEAD, KINDS, calibrate_sparsity, check_model_wide, check_targets
 from jpinfer.profiler.stats import ActivationProfile
 
 DEFAULT_CORPUS = "wikitext2-valid"
@@ -102,6 +102,7 @@ def profile(
     input_sparsity: float | None = None,
     attention_sparsity: float | None = None,
     model_wide_sparsity: float | None = None,
+    head_sparsity: float | None = None,
     allocation: str = "uniform",
     batch_size: int = 4,
     progress: bool = True,
@@ -117,22 +118,26 @@ def profile(
     ``activation_sparsity`` / ``input_sparsity`` / ``attention_sparsity`` (fractions skipped; attention: the
     inputs of its q|k|v and output products), or ``model_wide_sparsity`` instead (that fraction of the bytes of
     every matrix read by rows, spread over layers and kinds: ``profiler.sparsity.model_wide_greedy``;
-    held out like greedy allocation), also calibrate the threshold
+    held out like greedy allocation), and ``head_sparsity`` (of the head's inputs), also calibrate the threshold
     mode's thresholds (``calibrate_sparsity``, ``allocation`` uniform or greedy) on the first
     ``calibration_tokens`` (greedy: held out on the next as many) and store them with the profile.
     """
     per_kind = (activation_sparsity, input_sparsity, attention_sparsity)
-    threshold_mode = any(t is not None for t in (*per_kind, model_wide_sparsity))
+    threshold_mode = any(t is not None for t in (*per_kind, model_wide_sparsity, head_sparsity))
     if model_wide_sparsity is not None:  # before the model loads and the pass runs
         check_model_wide(model_wide_sparsity, per_kind)
+        if head_sparsity is not None:
+            check_targets(None, None, "uniform", head=head_sparsity)
         allocation = "greedy"  # held out the same way
     elif threshold_mode:
-        check_targets(activation_sparsity, input_sparsity, allocation, attention=attention_sparsity)
+        check_targets(activation_sparsity, input_sparsity, allocation, attention=attention_sparsity,
+                      head=head_sparsity)
     loaded = resolve_model(model)
     cfg = loaded.cfg
     check_score(score, cfg)
     if threshold_mode and model_wide_sparsity is None:
-        check_targets(activation_sparsity, input_sparsity, allocation, cfg.ffn_kind, attention=attention_sparsity)
+        check_targets(activation_sparsity, input_sparsity, allocation, cfg.ffn_kind, attention=attention_sparsity,
+                      head=head_sparsity)
     windows = _windows(loaded, corpus, fields, n_tokens, window, seed, bos)
     tokens = windows.tokens
     fingerprint = model_fingerprint(cfg, loaded.weights)
@@ -184,10 +189,10 @@ def profile(
     if threshold_mode:
         shared = None  # the threshold mode's activation histogram is of score "product"
         if score == "product":
-            shared = dict(zip(KINDS, hists if hists is not None else take_hists()))
+            shared = dict(zip((*KINDS, HEAD), hists if hists is not None else take_hists()))
         mode_thresholds = calibrate_sparsity(
             loaded, tokens[:n], activation=activation_sparsity, input=input_sparsity, attention=attention_sparsity,
-            model_wide=model_wide_sparsity, method=allocation,
+            model_wide=model_wide_sparsity, head=head_sparsity, method=allocation,
             heldout=tokens[n : 2 * n] if allocation == "greedy" else None, batch_size=batch_size, progress=progress,
             hists=shared)
     t3 = time.perf_counter()

@@ -56,10 +56,12 @@ def as_tokens(windows: TokenWindows | np.ndarray, vocab_size: int) -> np.ndarray
 
 @functools.partial(jax.jit, static_argnames=("cfg", "collector"))
 def collect(weights, tokens: jax.Array, state: LayerState, cfg, collector) -> list[Any]:
-    """One batch through the model with ``collector`` as the FFN; returns its per-layer aux."""
+    """One batch through the model with ``collector`` as the FFN; returns its per-layer aux, and after them, for
+    a collector with a ``final(h, valid)``, its statistic of the final hidden states (the head's inputs)."""
     cache = transformer.KVCache.create(cfg, tokens.shape[0], tokens.shape[1], weights.dtype)
-    _, _, aux = transformer.forward(weights, tokens, cache, cfg, collector, state)
-    return aux
+    h, _, aux = transformer.forward(weights, tokens, cache, cfg, collector, state)
+    final = getattr(collector, "final", None)
+    return aux if final is None else [*aux, final(h, state.valid)]
 
 
 def batches(tokens: np.ndarray, batch_size: int) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
@@ -123,7 +125,7 @@ def _nll_sum(weights, tokens, valid, ffn_state, cfg, ffn_impl):
     sums over the valid windows' tokens (every aux leaf is (B, T))."""
     cache = transformer.KVCache.create(cfg, tokens.shape[0], tokens.shape[1], weights.dtype)
     h, _, aux = transformer.forward(weights, tokens, cache, cfg, ffn_impl, ffn_state)
-    nll = transformer.next_token_nll(weights, h, tokens, cfg)
+    nll = transformer.next_token_nll(weights, h, tokens, cfg, transformer.head_threshold(ffn_impl))
     aux_sums = jax.tree_util.tree_map(lambda a: jnp.sum(a * valid[:, None], dtype=jnp.float32), aux)
     return jnp.sum(nll.sum(-1) * valid), aux_sums
 

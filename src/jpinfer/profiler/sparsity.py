@@ -5,7 +5,8 @@
 the neurons at or under it), one on |x_j| (input sparsity: gate and up skip the FFN input dimensions at
 or under it) and, model-wide (TEAL's form, Liu et al. 2024), one on the attention's q|k|v input ("qkv")
 and one on its output product's input ("o"), each calibrated for a target fraction skipped on
-calibration windows. Allocation:
+calibration windows; and one threshold on the head's input (``head``: the final hidden states, one head for
+the whole model, so always the target's quantile). Allocation:
 
 - ``uniform``: every layer skips the target fraction (its quantile, from one histogram pass);
 - ``greedy`` (``greedy_thresholds``): layers skip different fractions averaging the target, spent where a Fisher
@@ -42,7 +43,8 @@ from jpinfer.profiler import calibration, passes
 METHODS: tuple[str, ...] = ("uniform", "greedy")
 FFN_KINDS: tuple[str, ...] = ("activation", "input")
 ATTENTION_KINDS: tuple[str, ...] = ("qkv", "o")  # the inputs of the attention's two products
-KINDS: tuple[str, ...] = FFN_KINDS + ATTENTION_KINDS
+KINDS: tuple[str, ...] = FFN_KINDS + ATTENTION_KINDS  # per layer
+HEAD = calibration.HEAD  # one threshold, on the head's input
 MODEL_WIDE = "model-wide"  # the target key of ``model_wide_thresholds``
 
 
@@ -51,9 +53,10 @@ class SparsityThresholds:
     """Per-layer thresholds (float32 (n_layers,)) of the threshold mode; None for a kind that is off.
 
     ``activation``: on |a_i| (neurons); ``input``: on |x_j| (FFN input dimensions); ``qkv`` and ``o``: on
-    the inputs of the attention's q|k|v and output products; an entry is
-    skipped when its magnitude is at most the threshold. ``layer_sparsity`` holds, per kind, the
-    fraction each layer skips on the calibration windows; ``target`` the asked mean fraction.
+    the inputs of the attention's q|k|v and output products; ``head``: one float32 threshold on the head's
+    input (the final hidden states); an entry is skipped when its magnitude is at most the threshold.
+    ``layer_sparsity`` holds, per kind, the fraction each layer skips on the calibration windows (the head's:
+    one entry); ``target`` the asked mean fraction.
     """
 
     activation: np.ndarray | None
@@ -64,28 +67,38 @@ class SparsityThresholds:
     meta: dict[str, Any] = dataclasses.field(default_factory=dict)
     qkv: np.ndarray | None = None
     o: np.ndarray | None = None
+    head: float | None = None
 
     def __post_init__(self) -> None:
         given = [getattr(self, kind) for kind in KINDS if getattr(self, kind) is not None]
-        if not given:
-            raise ValueError(f"threshold sparsity needs thresholds of at least one kind ({', '.join(KINDS)})")
-        if len({len(v) for v in given}) != 1:
+        if not given and self.head is None:
+            raise ValueError(f"threshold sparsity needs thresholds of at least one kind ({', '.join(KINDS)}, {HEAD})")
+        if len({len(v) for v in given}) > 1:
             raise ValueError("every kind's thresholds must have one entry per layer")
         for kind in KINDS:
             values = getattr(self, kind)
             if values is not None and (not np.all(np.isfinite(values)) or np.any(np.asarray(values) < 0)):
                 raise ValueError(f"{kind} thresholds must be finite and >= 0")
+        if self.head is not None and not (np.isfinite(self.head) and self.head >= 0):
+            raise ValueError(f"the head's threshold must be finite and >= 0, got {self.head!r}")
 
     @property
-    def n_layers(self) -> int:
-        return len(next(getattr(self, kind) for kind in KINDS if getattr(self, kind) is not None))
+    def n_layers(self) -> int | None:
+        """Layers the per-layer thresholds are for (None: the head's threshold only)."""
+        return next((len(getattr(self, kind)) for kind in KINDS if getattr(self, kind) is not None), None)
+
+    def fits(self, n_layers: int) -> bool:
+        """Whether these thresholds serve a model of ``n_layers`` layers (the head's alone serve any)."""
+        return self.n_layers in (None, n_layers)
 
     def describe(self) -> str:
-        """e.g. 'activation 50% + input 30% + qkv 30% + o 30% (uniform)', 'model-wide 40% over activation, input,
-        qkv, o (greedy)'."""
-        kinds = [kind for kind in KINDS if getattr(self, kind) is not None]
+        """e.g. 'activation 50% + input 30% + qkv 30% + o 30% + head 10% (uniform)', 'model-wide 40% over
+        activation, input, qkv, o (greedy)'."""
+        kinds = [kind for kind in (*KINDS, HEAD) if getattr(self, kind) is not None]
         if MODEL_WIDE in self.target:
-            return f"{MODEL_WIDE} {self.target[MODEL_WIDE]:.0%} over {', '.join(kinds)} ({self.method})"
+            head = f" + {HEAD} {self.target[HEAD]:.0%}" if HEAD in self.target else ""
+            return (f"{MODEL_WIDE} {self.target[MODEL_WIDE]:.0%} over {', '.join(k for k in kinds if k != HEAD)}"
+                    f"{head} ({self.method})")
         parts = [f"{kind} {self.target[kind]:.0%}" if kind in self.target else kind for kind in kinds]
         return f"{' + '.join(parts)} ({self.method})"
 
@@ -93,16 +106,17 @@ class SparsityThresholds:
         """JSON-ready; float32 thresholds survive the round trip exactly (a double holds every float32)."""
         as_list = lambda v: None if v is None else [float(t) for t in np.asarray(v, np.float32)]
         return {kind: as_list(getattr(self, kind)) for kind in KINDS} | {
+            HEAD: None if self.head is None else float(np.float32(self.head)),
             "target": dict(self.target), "layer_sparsity": {k: as_list(v) for k, v in self.layer_sparsity.items()},
             "method": self.method, "meta": self.meta}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "SparsityThresholds":
-        """``to_dict``'s record (one written before the attention kinds existed has none of them)."""
+        """``to_dict``'s record (one written before the attention kinds or the head's existed has none of them)."""
         as_array = lambda v: None if v is None else np.asarray(v, np.float32)
         return cls(as_array(data["activation"]), as_array(data["input"]), dict(data["target"]),
                    {k: as_array(v) for k, v in data["layer_sparsity"].items()}, data["method"], data.get("meta", {}),
-                   as_array(data.get("qkv")), as_array(data.get("o")))
+                   as_array(data.get("qkv")), as_array(data.get("o")), data.get(HEAD))
 
 
 def _check_target(kind: str, value: float | None) -> float | None:
@@ -114,17 +128,20 @@ def _check_target(kind: str, value: float | None) -> float | None:
 
 
 def check_targets(activation: float | None, input: float | None, method: str, ffn_kind: str | None = None, *,
-                  attention: float | None = None) -> dict[str, float | None]:
+                  attention: float | None = None, head: float | None = None) -> dict[str, float | None]:
     """The targets per kind, checked (callers check before a model loads or a pass runs; with the
     model's ``ffn_kind`` also that an activation target suits it). ``attention`` is the fraction of the
-    inputs of both attention products ("qkv" and "o") skipped."""
+    inputs of both attention products ("qkv" and "o") skipped, ``head`` of the head's inputs."""
     attention = _check_target("attention", attention)
     targets = {"activation": _check_target("activation", activation), "input": _check_target("input", input),
-               "qkv": attention, "o": attention}
+               "qkv": attention, "o": attention, HEAD: _check_target(HEAD, head)}
     if all(v is None for v in targets.values()):
-        raise ValueError("give activation=, input= and/or attention= (fractions to skip)")
+        raise ValueError("give activation=, input=, attention= and/or head= (fractions to skip)")
     if method not in METHODS:
         raise ValueError(f"unknown allocation method {method!r}; choose one of {', '.join(METHODS)}")
+    if method == "greedy" and all(targets[kind] is None for kind in KINDS):
+        raise ValueError("greedy allocation spreads per-layer kinds over layers: give activation=, input= and/or "
+                         "attention= with it (the head's one threshold has nothing to allocate)")
     if ffn_kind not in (None, *SMOOTH_KINDS) and targets["activation"]:
         raise ValueError(f"{ffn_kind} neurons are exactly zero when inactive: give activation=0.0 "
                          "(threshold 0 skips exactly those), not a fraction to calibrate")
@@ -138,20 +155,43 @@ def from_histograms(
     sensitivities: dict[str, calibration.Sensitivity] | None = None,
 ) -> SparsityThresholds:
     """Thresholds for ``targets`` (per kind, None: off) from the kinds' histograms (``histograms``:
-    "activation" of |a| by score "product", "input", "qkv" and "o" of their products' |x|); ``greedy``
-    reads each kind's ``sensitivities`` (``calibration.sensitivity`` on held-out windows)."""
+    "activation" of |a| by score "product", "input", "qkv" and "o" of their products' |x|, "head" of the head's);
+    ``greedy`` reads each per-layer kind's ``sensitivities`` (``calibration.sensitivity`` on held-out windows)."""
     thresholds, fractions = dict.fromkeys(KINDS), {}
     for kind, target in targets.items():
-        if target is None:
+        if target is None or kind == HEAD:
             continue
         if method == "uniform":
             cal = calibration.uniform(hists[kind], target)
         else:
             cal = calibration.greedy(hists[kind], sensitivities[kind], target)
         thresholds[kind], fractions[kind] = cal.thresholds, cal.layer_sparsity
+    head = _head_part(hists, targets.get(HEAD))
     return SparsityThresholds(thresholds["activation"], thresholds["input"],
-                              {k: v for k, v in targets.items() if v is not None}, fractions, method,
-                              {"calibration_tokens": hists["input"].n_tokens}, thresholds["qkv"], thresholds["o"])
+                              {k: v for k, v in targets.items() if v is not None}, fractions | head["layer_sparsity"],
+                              method, {"calibration_tokens": hists["input"].n_tokens}, thresholds["qkv"],
+                              thresholds["o"], head[HEAD])
+
+
+def _head_part(hists: dict[str, calibration.ScoreHistogram], target: float | None) -> dict[str, Any]:
+    """The head's threshold for ``target`` (its quantile: one head, nothing to allocate) and its fraction skipped
+    on the calibration windows; None and nothing for no target."""
+    if target is None:
+        return {HEAD: None, "layer_sparsity": {}}
+    if HEAD not in hists:
+        raise ValueError("head sparsity needs the head's input histogram: take the histograms again (histograms())")
+    cal = calibration.uniform(hists[HEAD], target)
+    return {HEAD: float(cal.thresholds[0]), "layer_sparsity": {HEAD: cal.layer_sparsity}}
+
+
+def with_head(thresholds: SparsityThresholds, hists: dict[str, calibration.ScoreHistogram], target: float | None
+              ) -> SparsityThresholds:
+    """``thresholds`` with the head skipping the fraction ``target`` of its inputs (None: as they are)."""
+    if target is None:
+        return thresholds
+    head = _head_part(hists, target)
+    return dataclasses.replace(thresholds, head=head[HEAD], target=thresholds.target | {HEAD: target},
+                               layer_sparsity=thresholds.layer_sparsity | head["layer_sparsity"])
 
 
 def matrix_sizes(cfg: ModelConfig) -> dict[str, int]:
@@ -215,7 +255,7 @@ def greedy_thresholds(model: ModelArg, hists: dict[str, calibration.ScoreHistogr
     costs are taken alone): so never worse than uniform on those windows."""
     loaded = resolve_model(model)
     sensitivities = {kind: calibration.sensitivity(loaded, heldout, hists[kind], progress=progress)
-                     for kind, target in targets.items() if target is not None}
+                     for kind, target in targets.items() if target is not None and kind != HEAD}
     candidates = {"fisher": from_histograms(hists, targets, "greedy", sensitivities),
                   "uniform": from_histograms(hists, targets, "uniform")}
     return measured_choice(loaded, heldout, candidates, progress=progress)
@@ -280,8 +320,8 @@ def model_wide_greedy(model: ModelArg, hists: dict[str, calibration.ScoreHistogr
 
 def histograms(model: ModelArg, windows: Any, *, batch_size: int = 4, progress: bool = False
                ) -> dict[str, calibration.ScoreHistogram]:
-    """Per kind (``KINDS``) the histogram ``from_histograms`` reads, from one dense pass."""
-    return dict(zip(KINDS, calibration.histograms(model, windows, batch_size=batch_size, progress=progress)))
+    """Per kind (``KINDS`` and ``HEAD``) the histogram ``from_histograms`` reads, from one dense pass."""
+    return dict(zip((*KINDS, HEAD), calibration.histograms(model, windows, batch_size=batch_size, progress=progress)))
 
 
 def calibrate_sparsity(
@@ -292,6 +332,7 @@ def calibrate_sparsity(
     input: float | None = None,
     attention: float | None = None,
     model_wide: float | None = None,
+    head: float | None = None,
     method: str = "uniform",
     heldout: Any = None,
     batch_size: int = 4,
@@ -305,15 +346,16 @@ def calibrate_sparsity(
     ``method="greedy"`` also needs ``heldout`` windows (other text than the calibration's and the
     test's), on which it estimates each layer's loss increase per level. ``model_wide`` instead of the
     per-kind targets: that fraction of the bytes of every matrix read by rows, spread over layers and kinds
-    by the same held-out estimates (``model_wide_thresholds``; needs ``heldout``)."""
+    by the same held-out estimates (``model_wide_thresholds``; needs ``heldout``). ``head``: the fraction of the
+    head's inputs skipped (with per-kind or model-wide targets, or alone; its quantile, whatever the method)."""
     if model_wide is not None:
-        return _calibrate_model_wide(model, windows, model_wide, (activation, input, attention), heldout,
+        return _calibrate_model_wide(model, windows, model_wide, (activation, input, attention), head, heldout,
                                      batch_size, progress, hists)
-    check_targets(activation, input, method, attention=attention)
+    check_targets(activation, input, method, attention=attention, head=head)
     if method == "greedy" and heldout is None:
         raise ValueError("method='greedy' measures the loss on held-out text: pass heldout= token windows")
     loaded = resolve_model(model)
-    targets = check_targets(activation, input, method, loaded.cfg.ffn_kind, attention=attention)
+    targets = check_targets(activation, input, method, loaded.cfg.ffn_kind, attention=attention, head=head)
     if hists is None:
         hists = histograms(loaded, windows, batch_size=batch_size, progress=progress)
     if method == "greedy":
@@ -328,13 +370,14 @@ def check_model_wide(target: float, per_kind: tuple[float | None, ...]) -> float
     return _check_target(MODEL_WIDE, target)
 
 
-def _calibrate_model_wide(model: ModelArg, windows: Any, target: float, per_kind: tuple, heldout: Any,
-                          batch_size: int, progress: bool, hists: dict[str, calibration.ScoreHistogram] | None
-                          ) -> SparsityThresholds:
+def _calibrate_model_wide(model: ModelArg, windows: Any, target: float, per_kind: tuple, head: float | None,
+                          heldout: Any, batch_size: int, progress: bool,
+                          hists: dict[str, calibration.ScoreHistogram] | None) -> SparsityThresholds:
     check_model_wide(target, per_kind)
+    _check_target(HEAD, head)
     if heldout is None:
         raise ValueError("model_wide= measures the loss on held-out text: pass heldout= token windows")
     loaded = resolve_model(model)
     if hists is None:
         hists = histograms(loaded, windows, batch_size=batch_size, progress=progress)
-    return model_wide_greedy(loaded, hists, target, heldout, progress=progress)
+    return with_head(model_wide_greedy(loaded, hists, target, heldout, progress=progress), hists, head)

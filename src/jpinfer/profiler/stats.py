@@ -165,7 +165,7 @@ class ActivationProfile:
     def with_sparsity_thresholds(self, thresholds: SparsityThresholds) -> "ActivationProfile":
         """A copy carrying the threshold mode's thresholds (``profiler.calibrate_sparsity``) in its
         metadata, saved with it."""
-        if thresholds.n_layers != self.n_layers:
+        if not thresholds.fits(self.n_layers):
             raise ValueError(f"got thresholds for {thresholds.n_layers} layers; this profile has {self.n_layers}")
         return dataclasses.replace(self, meta=self.meta | {"sparsity_thresholds": thresholds.to_dict()})
 

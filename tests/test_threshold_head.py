@@ -1,0 +1,121 @@
+"""The threshold mode's head input sparsity: the head skips its inputs (the final hidden states) of magnitude at
+most its threshold. Against float64 references that zero the same inputs, on the native kernel's path (1 to 8
+tokens) and XLA's (more); its calibration, storage and the pack's setting. Tolerances: tests/tolerances.py."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_modes import PROMPT, forced_logits
+from test_threshold import windows
+
+from jpinfer.errors import JpinferError
+from jpinfer.ffn import ThresholdRowsFFN
+from jpinfer.models import transformer
+from jpinfer.modes import build_engine
+from jpinfer.pack.settings import PackSettings, stage_keys
+from jpinfer.profiler import SparsityThresholds, calibrate_sparsity, profile
+
+from profiler_fixtures import thresholds_in_gaps, tiny_engine
+from tolerances import DECODER_ATOL, KERNEL_ATOL, KERNEL_RTOL, SPARSITY_ATOL
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("JPINFER_CACHE", str(tmp_path / "cache"))
+
+
+def final_states(engine, tokens: np.ndarray) -> np.ndarray:
+    """The dense model's final hidden states (the head's inputs) over ``tokens`` (n, T), float64 (n, T, d)."""
+    cfg = engine.cfg
+    cache = transformer.KVCache.create(cfg, len(tokens), tokens.shape[1])
+    return np.asarray(transformer.forward(engine.weights, jnp.asarray(tokens, jnp.int32), cache, cfg)[0], np.float64)
+
+
+def head_only(threshold: float) -> SparsityThresholds:
+    return SparsityThresholds(None, None, {}, {}, "given", head=threshold)
+
+
+logits = jax.jit(transformer.logits, static_argnames=("cfg", "input_threshold"))
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 8, 12])  # up to 8: the native kernel (with the library); 12: XLA
+def test_head_logits_equal_float64_zeroing_the_same_inputs(tokens):
+    engine = tiny_engine("swiglu")
+    h = final_states(engine, windows(2, 16, seed=2)).reshape(-1, engine.cfg.d_model)[:tokens]
+    thr = float(thresholds_in_gaps([np.abs(h)], 0.3)[0])  # in a wide gap: float32 keeps the same inputs
+    head = np.asarray(engine.weights.head, np.float64)  # (d, vocab)
+    expected = np.where(np.abs(h) > thr, h, 0.0) @ head
+    h32 = jnp.asarray(h, jnp.float32)
+    # d = 32 products a logit: the sparse FFN's bound (KERNEL_RTOL's note) covers them
+    np.testing.assert_allclose(np.asarray(logits(engine.weights, h32, engine.cfg, thr)), expected,
+                               rtol=KERNEL_RTOL, atol=KERNEL_ATOL)
+    assert np.abs(expected - h @ head).max() > 100 * KERNEL_ATOL  # the zeroing matters
+    np.testing.assert_array_equal(np.asarray(logits(engine.weights, h32, engine.cfg, None)),
+                                  np.asarray(logits(engine.weights, h32, engine.cfg)))  # None: the dense head
+    with_nan = h32.at[0, 0].set(jnp.nan)  # a NaN input is no input to skip: its token's logits are NaN
+    got = np.asarray(logits(engine.weights, with_nan, engine.cfg, thr))
+    assert np.isnan(got[0]).all() and np.isfinite(got[1:]).all()
+
+
+def test_head_threshold_decodes_like_the_zeroed_float64_reference():
+    """Only the head skips: every decode step's logits are the dense model's final states with the same entries
+    zeroed, times the head in float64."""
+    dense = tiny_engine("swiglu")
+    forced = [4, 8, 15, 16, 23, 2, 7, 3]
+    h = final_states(dense, np.asarray([PROMPT + forced]))[0, len(PROMPT):]  # the states after each forced token
+    thr = float(thresholds_in_gaps([np.abs(final_states(dense, windows(2, 16, seed=4)))], 0.4)[0])
+    engine = build_engine(dense.model, "threshold", thresholds=head_only(thr))
+    assert engine.ffn.impl.head_threshold == thr
+    head = np.asarray(dense.weights.head, np.float64)
+    expected = np.where(np.abs(h) > thr, h, 0.0) @ head
+    assert np.abs(expected - h @ head).max() > 100 * DECODER_ATOL  # the zeroing matters
+    np.testing.assert_allclose(forced_logits(engine, PROMPT, forced), expected, rtol=0, atol=DECODER_ATOL)
+    # every state met sits >= 1e-4 (relative) from the threshold, ~1000x float32's rounding of these values
+    # (the decode steps and the one-pass reference differ by DECODER_ATOL): both keep the same inputs
+    assert np.min(np.abs(np.abs(h) / thr - 1)) > 1e-4
+
+
+@pytest.mark.parametrize("target", [0.2, 0.5])
+def test_head_calibration_skips_the_target_fraction_and_travels_with_the_profile(target):
+    dense = tiny_engine("swiglu")
+    tokens = windows(8, 32, seed=3)
+    th = calibrate_sparsity(dense, tokens, head=target)
+    assert th.target == {"head": target} and th.n_layers is None and th.activation is None
+    assert (np.abs(final_states(dense, tokens)) <= th.head).mean() == pytest.approx(target, abs=SPARSITY_ATOL)
+    assert th.layer_sparsity["head"][0] == pytest.approx(target, abs=SPARSITY_ATOL)
+    with_ffn = calibrate_sparsity(dense, tokens, activation=0.4, head=target)
+    assert with_ffn.head == th.head and with_ffn.describe() == f"activation 40% + head {target:.0%} (uniform)"
+    prof = profile(dense, tokens, activation_sparsity=0.4, head_sparsity=target, progress=False)
+    assert prof.sparsity_thresholds().head == th.head  # the profile calibrates on the same windows here
+    back = SparsityThresholds.from_dict(th.to_dict())
+    assert back.head == th.head and back.describe() == th.describe()  # float32 through JSON: exact
+    older = {k: v for k, v in with_ffn.to_dict().items() if k != "head"}  # written before the head's threshold
+    assert SparsityThresholds.from_dict(older).head is None
+    wide = calibrate_sparsity(dense, tokens, model_wide=0.3, head=target, heldout=windows(4, 32, seed=5))
+    assert wide.head == th.head and wide.describe().endswith(f"+ head {target:.0%} (greedy)")
+
+
+def test_bad_head_settings_are_clear_errors():
+    dense = tiny_engine("swiglu")
+    with pytest.raises(ValueError, match="head sparsity is the fraction skipped"):
+        calibrate_sparsity(dense, windows(), head=1.5)
+    with pytest.raises(ValueError, match="greedy allocation spreads per-layer kinds"):
+        calibrate_sparsity(dense, windows(), head=0.2, method="greedy", heldout=windows(seed=2))
+    with pytest.raises(ValueError, match="head's threshold must be finite"):
+        head_only(float("nan"))
+    with pytest.raises(JpinferError, match="head_threshold must be a finite number"):
+        ThresholdRowsFFN(head_threshold=-1.0)
+    with pytest.raises(JpinferError, match="head sparsity is the fraction skipped"):
+        PackSettings(head_sparsity=1.0)
+
+
+def test_pack_head_sparsity_keeps_the_other_stages():
+    """Changing the head's target re-runs a pack's thresholds stage only; "auto" is on for float weights and off
+    for quantized ones (their heads are read whole)."""
+    keys = lambda s, weights="float": stage_keys(s, "swiglu", "float32", weights, "f" * 16)
+    auto, off = keys(PackSettings()), keys(PackSettings(head_sparsity=None))
+    other = keys(PackSettings(head_sparsity=0.3))
+    assert len({auto["thresholds"], off["thresholds"], other["thresholds"]}) == 3
+    assert all(auto[stage] == off[stage] == other[stage] for stage in auto if stage != "thresholds")
+    assert keys(PackSettings(), "int8") == keys(PackSettings(head_sparsity=None), "int8")
