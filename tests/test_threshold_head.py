@@ -100,6 +100,10 @@ def test_bad_head_settings_are_clear_errors():
     dense = tiny_engine("swiglu")
     with pytest.raises(ValueError, match="head sparsity is the fraction skipped"):
         calibrate_sparsity(dense, windows(), head=1.5)
+    with pytest.raises(ValueError, match="head sparsity is the fraction skipped"):  # beside a model-wide target
+        calibrate_sparsity(dense, windows(), model_wide=0.3, head=-0.1, heldout=windows(seed=2))
+    with pytest.raises(ValueError, match="head sparsity is the fraction skipped"):  # before the model loads
+        profile("/nonexistent/m.gguf", windows(), model_wide_sparsity=0.3, head_sparsity=2.0, progress=False)
     with pytest.raises(ValueError, match="greedy allocation spreads per-layer kinds"):
         calibrate_sparsity(dense, windows(), head=0.2, method="greedy", heldout=windows(seed=2))
     with pytest.raises(ValueError, match="head's threshold must be finite"):

@@ -125,9 +125,7 @@ def profile(
     per_kind = (activation_sparsity, input_sparsity, attention_sparsity)
     threshold_mode = any(t is not None for t in (*per_kind, model_wide_sparsity, head_sparsity))
     if model_wide_sparsity is not None:  # before the model loads and the pass runs
-        check_model_wide(model_wide_sparsity, per_kind)
-        if head_sparsity is not None:
-            check_targets(None, None, "uniform", head=head_sparsity)
+        check_model_wide(model_wide_sparsity, per_kind, head_sparsity)
         allocation = "greedy"  # held out the same way
     elif threshold_mode:
         check_targets(activation_sparsity, input_sparsity, allocation, attention=attention_sparsity,

@@ -166,22 +166,23 @@ def from_histograms(
         else:
             cal = calibration.greedy(hists[kind], sensitivities[kind], target)
         thresholds[kind], fractions[kind] = cal.thresholds, cal.layer_sparsity
-    head = _head_part(hists, targets.get(HEAD))
+    head, head_fraction = _head_part(hists, targets.get(HEAD))
     return SparsityThresholds(thresholds["activation"], thresholds["input"],
-                              {k: v for k, v in targets.items() if v is not None}, fractions | head["layer_sparsity"],
+                              {k: v for k, v in targets.items() if v is not None}, fractions | head_fraction,
                               method, {"calibration_tokens": hists["input"].n_tokens}, thresholds["qkv"],
-                              thresholds["o"], head[HEAD])
+                              thresholds["o"], head)
 
 
-def _head_part(hists: dict[str, calibration.ScoreHistogram], target: float | None) -> dict[str, Any]:
-    """The head's threshold for ``target`` (its quantile: one head, nothing to allocate) and its fraction skipped
-    on the calibration windows; None and nothing for no target."""
+def _head_part(hists: dict[str, calibration.ScoreHistogram], target: float | None
+               ) -> tuple[float | None, dict[str, np.ndarray]]:
+    """(the head's threshold for ``target``: its quantile, one head, nothing to allocate; ``layer_sparsity``'s
+    entry for it, the fraction skipped on the calibration windows); (None, {}) for no target."""
     if target is None:
-        return {HEAD: None, "layer_sparsity": {}}
+        return None, {}
     if HEAD not in hists:
         raise ValueError("head sparsity needs the head's input histogram: take the histograms again (histograms())")
     cal = calibration.uniform(hists[HEAD], target)
-    return {HEAD: float(cal.thresholds[0]), "layer_sparsity": {HEAD: cal.layer_sparsity}}
+    return float(cal.thresholds[0]), {HEAD: cal.layer_sparsity}
 
 
 def with_head(thresholds: SparsityThresholds, hists: dict[str, calibration.ScoreHistogram], target: float | None
@@ -189,9 +190,9 @@ def with_head(thresholds: SparsityThresholds, hists: dict[str, calibration.Score
     """``thresholds`` with the head skipping the fraction ``target`` of its inputs (None: as they are)."""
     if target is None:
         return thresholds
-    head = _head_part(hists, target)
-    return dataclasses.replace(thresholds, head=head[HEAD], target=thresholds.target | {HEAD: target},
-                               layer_sparsity=thresholds.layer_sparsity | head["layer_sparsity"])
+    head, head_fraction = _head_part(hists, target)
+    return dataclasses.replace(thresholds, head=head, target=thresholds.target | {HEAD: target},
+                               layer_sparsity=thresholds.layer_sparsity | head_fraction)
 
 
 def matrix_sizes(cfg: ModelConfig) -> dict[str, int]:
@@ -363,18 +364,19 @@ def calibrate_sparsity(
     return from_histograms(hists, targets, method)
 
 
-def check_model_wide(target: float, per_kind: tuple[float | None, ...]) -> float:
-    """A model-wide target, checked: a fraction, given without ``per_kind`` targets (it spreads over every kind)."""
+def check_model_wide(target: float, per_kind: tuple[float | None, ...], head: float | None = None) -> float:
+    """A model-wide target, checked: a fraction, given without ``per_kind`` targets (it spreads over every kind);
+    and the ``head``'s target that may go with it."""
     if any(t is not None for t in per_kind):
         raise ValueError("a model-wide target spreads over every kind: give it without the per-kind targets")
+    _check_target(HEAD, head)
     return _check_target(MODEL_WIDE, target)
 
 
 def _calibrate_model_wide(model: ModelArg, windows: Any, target: float, per_kind: tuple, head: float | None,
                           heldout: Any, batch_size: int, progress: bool,
                           hists: dict[str, calibration.ScoreHistogram] | None) -> SparsityThresholds:
-    check_model_wide(target, per_kind)
-    _check_target(HEAD, head)
+    check_model_wide(target, per_kind, head)
     if heldout is None:
         raise ValueError("model_wide= measures the loss on held-out text: pass heldout= token windows")
     loaded = resolve_model(model)
