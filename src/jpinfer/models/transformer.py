@@ -41,10 +41,11 @@ FfnImpl = Callable[[int, Layer, jax.Array, Any], tuple[jax.Array, Any]]
 Projection = Callable[[str, jax.Array], jax.Array]
 
 # Steps of more than ONE_SOFTMAX_TOKENS tokens run blocked_attention (QUERY_BLOCK queries, KEY_BLOCK keys a
-# block). Up to 512 (the perplexity, profiling and SmoothQuant calibration windows) the one softmax stays:
-# those results, and what the cache keeps of them (channel peaks, profiles), stay bit for bit what they were
-# (the blocked form sums in another order, and a rounding-level change in the int8 migration flipped a greedy
-# answer of the int8 threshold mode); at 512 tokens the blocks saved only ~10%.
+# block), or its native form on the CPU (``cached_attention``). Up to 512 (the perplexity, profiling and
+# SmoothQuant calibration windows) the one softmax stays: those results, and what the cache keeps of them
+# (channel peaks, profiles), stay bit for bit what they were (the blocked form sums in another order, and a
+# rounding-level change in the int8 migration flipped a greedy answer of the int8 threshold mode); at 512
+# tokens the blocks saved only ~10%.
 ONE_SOFTMAX_TOKENS = 512
 QUERY_BLOCK = 256
 KEY_BLOCK = 512
@@ -149,16 +150,45 @@ def cached_attention(
 
     On the CPU, for decode-sized steps (T <= 8, float32, head_dim a multiple of 8) with the native
     kernels: one call that reads the cache in place up to the last position (``native.kernels.
-    cached_attention``, soft cap included). XLA otherwise: it reads the
+    cached_attention``, soft cap included); for prompts of more than ``ONE_SOFTMAX_TOKENS`` tokens at one
+    position row (float32, head_dim a multiple of 16) the native tiled kernel (``native.kernels.
+    prefill_attention``, ``blocked_attention``'s derivatives). XLA otherwise: it reads the
     first ``attend`` slots (static; None = all), which must hold every position so far. XLA:CPU copied
     those slots before its products, which with the softmax cost 1.4 of the default model's 8.7 ms int8
     decode step (docs/architecture.md).
     """
     xla = functools.partial(xla_cached_attention, cfg=cfg, attend=attend, window=window)
-    if not (native_kernels.cached_attention_fits(q, cache_k, cache_v) and native_available()):
+    if native_kernels.cached_attention_fits(q, cache_k, cache_v) and native_available():
+        native = functools.partial(native_kernels.cached_attention, window=window, softcap=cfg.attn_softcap)
+    elif (q.shape[1] > ONE_SOFTMAX_TOKENS and positions.ndim == 1
+          and native_kernels.prefill_attention_fits(q, cache_k, cache_v) and native_available()):
+        native = functools.partial(_native_prefill_attention, cfg, window)
+    else:
         return xla(q, cache_k, cache_v, positions)
-    native = functools.partial(native_kernels.cached_attention, window=window, softcap=cfg.attn_softcap)
     return jax.lax.platform_dependent(q, cache_k, cache_v, positions, cpu=native, default=xla)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _native_prefill_attention(cfg: ModelConfig, window: int | None, q: jax.Array, cache_k: jax.Array,
+                              cache_v: jax.Array, positions: jax.Array) -> jax.Array:
+    """``native.kernels.prefill_attention`` (the attention of prompts longer than ``ONE_SOFTMAX_TOKENS`` on the
+    CPU: 2.1-3.8x faster than ``blocked_attention`` at 600-4096 tokens of the default model's heads, 2-core
+    Intel Xeon VM, 2026-12-06, bench/results/prefill_attention.md) with the derivatives of ``blocked_attention``,
+    the same function (the threshold calibration differentiates through long windows)."""
+    return native_kernels.prefill_attention(q, cache_k, cache_v, positions, window=window, softcap=cfg.attn_softcap)
+
+
+def _native_prefill_forward(cfg, window, q, cache_k, cache_v, positions):
+    return _native_prefill_attention(cfg, window, q, cache_k, cache_v, positions), (q, cache_k, cache_v, positions)
+
+
+def _native_prefill_backward(cfg, window, operands, grad):
+    q, cache_k, cache_v, positions = operands
+    xla = lambda q, k, v: blocked_attention(q, k, v, positions, cfg, window=window)
+    return (*jax.vjp(xla, q, cache_k, cache_v)[1](grad), None)
+
+
+_native_prefill_attention.defvjp(_native_prefill_forward, _native_prefill_backward)
 
 
 def xla_cached_attention(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array, positions: jax.Array, *,

@@ -497,13 +497,24 @@ def q4_matvec(m: Q4Matrix, x, *, native: bool | None = None) -> jax.Array:
 
 # ---------------------------------------------------------------- attention over a KV cache
 
+def _attention_operands(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array) -> bool:
+    """float32 q (B, T >= 1, H, hd) and caches of one shape (B, KV, S, hd), H a multiple of KV."""
+    return (q.ndim == 4 and cache_k.ndim == 4 and cache_v.shape == cache_k.shape
+            and q.dtype == cache_k.dtype == cache_v.dtype == jnp.float32 and q.shape[1] >= 1
+            and q.shape[3] == cache_k.shape[3] and q.shape[0] == cache_k.shape[0]
+            and q.shape[2] % cache_k.shape[1] == 0)
+
+
 def cached_attention_fits(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array) -> bool:
     """Whether ``cached_attention`` takes these operands: float32 q (B, T <= 8, H, hd) and caches of one
     shape (B, KV, S, hd), hd a multiple of 8, H a multiple of KV."""
-    return (q.ndim == 4 and cache_k.ndim == 4 and cache_v.shape == cache_k.shape
-            and q.dtype == cache_k.dtype == cache_v.dtype == jnp.float32
-            and 1 <= q.shape[1] <= MAX_TOKENS and q.shape[3] % 8 == 0 and q.shape[3] == cache_k.shape[3]
-            and q.shape[0] == cache_k.shape[0] and q.shape[2] % cache_k.shape[1] == 0)
+    return _attention_operands(q, cache_k, cache_v) and q.shape[1] <= MAX_TOKENS and q.shape[3] % 8 == 0
+
+
+def prefill_attention_fits(q: jax.Array, cache_k: jax.Array, cache_v: jax.Array) -> bool:
+    """Whether ``prefill_attention`` takes these operands: float32 q (B, T, H, hd) and caches of one shape
+    (B, KV, S, hd), hd a multiple of 16, H a multiple of KV."""
+    return _attention_operands(q, cache_k, cache_v) and q.shape[3] % 16 == 0
 
 
 def cached_attention(q, cache_k, cache_v, positions, *, window: int | None = None,
@@ -525,23 +536,45 @@ def cached_attention(q, cache_k, cache_v, positions, *, window: int | None = Non
         raise ValueError(f"cached_attention takes float32 q (B, T <= {MAX_TOKENS}, H, hd) and caches (B, KV, S, hd), "
                          f"hd a multiple of 8 and H of KV; got q {q.dtype} {tuple(q.shape)}, caches "
                          f"{cache_k.dtype} {tuple(cache_k.shape)} and {cache_v.dtype} {tuple(cache_v.shape)}")
+    return _attention_call("jpinfer_cached_attention", q, cache_k, cache_v, positions, (q.shape[1:2], q.shape[:2]),
+                           window, softcap)
+
+
+def prefill_attention(q, cache_k, cache_v, positions, *, window: int | None = None,
+                      softcap: float | None = None) -> jax.Array:
+    """``cached_attention`` for a prompt: any number T of new tokens at one position row (T,) shared by
+    the batch, hd a multiple of 16. Computed in tiles of tokens against tiles of keys with a running
+    softmax (csrc/prefill_attention.cc), never holding a (T, S) score matrix; a token's result does not
+    depend on the other tokens of the call. Slots after the last position and before the first key tile
+    a token sees are never read (inside a tile, slots a token does not see are read and weighted by zero).
+    Native only (RuntimeError without the library); its XLA form is ``models.transformer.blocked_attention``."""
+    _use_native(True)
+    q, cache_k, cache_v = jnp.asarray(q), jnp.asarray(cache_k), jnp.asarray(cache_v)
+    if not prefill_attention_fits(q, cache_k, cache_v):
+        raise ValueError(f"prefill_attention takes float32 q (B, T, H, hd) and caches (B, KV, S, hd), hd a multiple "
+                         f"of 16 and H of KV; got q {q.dtype} {tuple(q.shape)}, caches {cache_k.dtype} "
+                         f"{tuple(cache_k.shape)} and {cache_v.dtype} {tuple(cache_v.shape)}")
+    return _attention_call("jpinfer_prefill_attention", q, cache_k, cache_v, positions, (q.shape[1:2],), window,
+                           softcap)
+
+
+def _attention_call(target: str, q, cache_k, cache_v, positions, position_shapes, window, softcap) -> jax.Array:
     positions = jnp.asarray(positions)
-    if positions.shape not in ((q.shape[1],), q.shape[:2]) or not jnp.issubdtype(positions.dtype, jnp.integer):
-        raise ValueError(f"positions must be integers ({q.shape[1]},) or {tuple(q.shape[:2])}, got {positions.dtype} "
-                         f"{tuple(positions.shape)}")
+    if positions.shape not in position_shapes or not jnp.issubdtype(positions.dtype, jnp.integer):
+        shapes = " or ".join(str(tuple(shape)) for shape in position_shapes)
+        raise ValueError(f"positions must be integers {shapes}, got {positions.dtype} {tuple(positions.shape)}")
     if window is not None and window < 1:
         raise ValueError(f"window must be a positive number of slots or None, got {window}")
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be a positive number or None, got {softcap}")
-    call = jax.ffi.ffi_call("jpinfer_cached_attention", jax.ShapeDtypeStruct(q.shape, jnp.float32),
-                            vmap_method="sequential")
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32), vmap_method="sequential")
     return call(q, cache_k, cache_v, positions.astype(jnp.int32), scale=np.float32(q.shape[3] ** -0.5),
                 softcap=np.float32(softcap or 0.0), window=np.int64(window or 0))
 
 
 __all__ = [
-    "MAX_TOKENS", "KINDS", "cached_attention", "cached_attention_fits", "sparse_ffn", "sparse_ffn_int8",
-    "xla_sparse_ffn_int8", "sparse_activations",
-    "listed_rows_sum", "threshold_rows_product", "threshold_rows_product_int8", "float_matvec", "int8_matvec",
-    "q4_matvec",
+    "MAX_TOKENS", "KINDS", "sparse_ffn", "xla_sparse_ffn_int8", "sparse_ffn_int8", "xla_sparse_ffn_q4", "sparse_ffn_q4",
+    "sparse_activations", "listed_rows_sum", "threshold_rows_product", "threshold_rows_product_int8", "select_over",
+    "float_matvec", "int8_matvec", "q4_matvec", "cached_attention_fits", "prefill_attention_fits", "cached_attention",
+    "prefill_attention",
 ]

@@ -25,8 +25,8 @@ import warnings
 import jax
 
 # 4: jpinfer_cached_attention, 5: FFN kind geglu, 6: gelu, 7: the attention's softcap, 8: its per-sequence
-# positions, 9: jpinfer_float_matvec, 12: jpinfer_select_over
-ABI_VERSION = 12
+# positions, 9: jpinfer_float_matvec, 12: jpinfer_select_over, 13: jpinfer_prefill_attention
+ABI_VERSION = 13
 # (csrc/info.cc jpinfer_native_abi_version)
 LIBRARY_STEM = "_jpinfer_native"  # setup.py's extension jpinfer.native._jpinfer_native
 
@@ -45,6 +45,7 @@ TARGETS = (
     "jpinfer_q4_0_matvec",
     "jpinfer_q4_1_matvec",
     "jpinfer_cached_attention",
+    "jpinfer_prefill_attention",
     "jpinfer_select_over",
 )
 

@@ -23,6 +23,7 @@
 // a sequence's pieces end at its own last position and blocks it cannot see are skipped, so its output
 // does not depend on the other sequences of the batch either.
 #include "float_rows.h"
+#include "vec.h"
 
 namespace jpn {
 namespace {
@@ -36,26 +37,6 @@ constexpr int64_t kBlock = 256;
 thread_local std::vector<float> tl_scores;
 thread_local std::vector<float> tl_queries;
 thread_local std::vector<float> tl_partial;
-
-// e^x for 8 lanes, x <= 0 (scores minus their maximum), Cephes' single-precision method: x = n ln2 + r
-// with |r| <= ln2 / 2 (ln2 in two parts, exact n * C1), a degree-6 polynomial for e^r, 2^n through the
-// exponent bits. Relative error ~2 ulp; inputs below -87.3 give ~1e-38 instead of a denormal or 0.
-inline __m256 ExpNonPositive(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3365447504f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-}
 
 // acc[0 .. 8 NV) = sum over s in [lo, hi) of p[s] * v[s * hd ...]: the columns in registers, rows in order.
 template <int NV>
