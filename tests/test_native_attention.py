@@ -115,31 +115,37 @@ def test_inside_scan_and_bit_identical_for_any_thread_count():
         assert np.all(np.abs(one[i] - ref) <= bound)
 
 
-@pytest.mark.parametrize("bad", ["q_rank", "cache_shape", "dtype", "head_dim", "tokens", "positions", "window",
-                                 "softcap"])
-def test_bad_operands_are_refused_clearly(bad):
+@pytest.mark.parametrize("kernel, bad", [
+    *((kernel, bad) for kernel in ("cached", "prefill")
+      for bad in ("q_rank", "cache_shape", "dtype", "head_dim", "positions", "window", "softcap")),
+    ("cached", "tokens")])
+def test_bad_operands_are_refused_clearly(kernel, bad):
+    """Each kernel refuses what it does not take with a ValueError: the cached kernel 1-8 tokens, head dim a
+    multiple of 8, positions (T,) or (B, T); the prefill kernel any T, head dim a multiple of 16, one row (T,)."""
     rng = np.random.default_rng(6)
-    q, k, v = _operands(rng, 1, 1, 4, 2, 32, 16)
-    positions, window, softcap = np.int32([5]), None, None
+    T = 1 if kernel == "cached" else 20
+    q, k, v = _operands(rng, 1, T, 4, 2, 32, 16)
+    positions, window, softcap = np.arange(5, 5 + T, dtype=np.int32), None, None
     if bad == "q_rank":
         q = q[0]
     elif bad == "cache_shape":
         v = v[:, :, :16]
     elif bad == "dtype":
         k = k.astype(np.float16)
-    elif bad == "head_dim":
-        q, k, v = q[..., :12], k[..., :12], v[..., :12]
+    elif bad == "head_dim":  # a multiple of 4 for the cached kernel; of 8, not 16, for the prefill one
+        q, k, v = _operands(rng, 1, T, 4, 2, 32, 12 if kernel == "cached" else 24)
     elif bad == "tokens":
         q = np.repeat(q, 9, axis=1)
         positions = np.arange(9, dtype=np.int32)
-    elif bad == "positions":
-        positions = np.int32([5, 6])
+    elif bad == "positions":  # the prefill kernel takes no row per sequence
+        positions = np.arange(T + 1, dtype=np.int32) if kernel == "cached" else positions[None]
     elif bad == "softcap":
-        softcap = 0.0
+        softcap = 0.0 if kernel == "cached" else -1.0
     else:
         window = 0
+    call = K.cached_attention if kernel == "cached" else K.prefill_attention
     with pytest.raises(ValueError):
-        K.cached_attention(q, k, v, positions, window=window, softcap=softcap)
+        call(q, k, v, positions, window=window, softcap=softcap)
 
 
 @pytest.mark.parametrize("sliding_window", [None, 24])
@@ -241,29 +247,6 @@ def test_prefill_inside_scan_and_bit_identical_for_any_thread_count():
     np.testing.assert_array_equal(run(), one)
     ref, bound = prefill_reference(q, k, v, np.arange(800, 1000), None)
     assert np.all(np.abs(one[2] - ref) <= bound)
-
-
-@pytest.mark.parametrize("bad", ["q_rank", "cache_shape", "dtype", "head_dim", "positions", "window", "softcap"])
-def test_prefill_bad_operands_are_refused_clearly(bad):
-    rng = np.random.default_rng(14)
-    q, k, v = _operands(rng, 1, 20, 4, 2, 32, 16)
-    positions, window, softcap = np.arange(20, dtype=np.int32), None, None
-    if bad == "q_rank":
-        q = q[0]
-    elif bad == "cache_shape":
-        v = v[:, :, :16]
-    elif bad == "dtype":
-        k = k.astype(np.float16)
-    elif bad == "head_dim":  # a multiple of 8, not of 16
-        q, k, v = _operands(rng, 1, 20, 4, 2, 32, 24)
-    elif bad == "positions":  # one row per sequence is the cached attention's, not a prompt's
-        positions = positions[None]
-    elif bad == "softcap":
-        softcap = -1.0
-    else:
-        window = 0
-    with pytest.raises(ValueError):
-        K.prefill_attention(q, k, v, positions, window=window, softcap=softcap)
 
 
 def _long_prompt_model(sliding_window=None):
