@@ -20,7 +20,11 @@ machine hits all of them; the table shows medians over rounds):
      dim 64, one token, 30 layers chained, each reading a 3.5 MB weight matrix first as a decode step
      does, so the caches come from memory): the native kernel (jpinfer.models.transformer.cached_attention
      on the CPU) against the model's XLA form (xla_cached_attention, over the engine's attention length),
-     at 128, 1024 and 4096 positions; per layer, the chain without attention subtracted.
+     at 128, 1024 and 4096 positions; per layer, the chain without attention subtracted;
+  6. the attention of a prompt (prefill) at the same shape, 600, 1024 and 4096 tokens from position 0: the
+     native tiled kernel (transformer.cached_attention on the CPU past ONE_SOFTMAX_TOKENS) against
+     transformer.blocked_attention, one layer's call, GFLOP/s of the causal products (4 hd flops per
+     visible query-key pair and query head).
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ from jpinfer.native import kernels as K
 from jpinfer.native import library
 from jpinfer.quant import int8, q4
 from jpinfer.runtime.generation import attend_length
+
+SECTIONS = ["ffn_7b", "ffn_default", "quantized", "threshold", "attention", "prefill_attention"]
 
 
 def interleaved_medians(calls: dict, rounds: int) -> dict[str, float]:
@@ -257,6 +263,28 @@ def attention_section(positions_list, layers: int, rounds: int, seed: int) -> di
     return res
 
 
+def prefill_attention_section(tokens_list, rounds: int, seed: int) -> dict:
+    cfg = ModelConfig(vocab_size=64, d_model=576, n_layers=1, n_heads=9, n_kv_heads=3, head_dim=64, d_ff=1536,
+                      max_position=8192, eos_token_ids=())
+    heads, kv_heads, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    keys = jax.random.split(jax.random.PRNGKey(seed), 3)
+    res = {"shape": {"heads": heads, "kv_heads": kv_heads, "head_dim": hd}, "rows": []}
+    for t in tokens_list:
+        q = normal(keys[0], (1, t, heads, hd), 1.0)
+        k, v = (normal(keys[i], (1, kv_heads, t, hd), 1.0) for i in (1, 2))
+        positions = jnp.arange(t, dtype=jnp.int32)
+        native = jax.jit(lambda q, k, v: transformer.cached_attention(q, k, v, positions, cfg, window=None))
+        assert "jpinfer_prefill_attention" in native.lower(q, k, v).as_text()
+        xla = jax.jit(lambda q, k, v: transformer.blocked_attention(q, k, v, positions, cfg, window=None))
+        times = interleaved_medians({"native": lambda: native(q, k, v), "xla": lambda: xla(q, k, v)}, rounds)
+        flops = 4 * hd * heads * t * (t + 1) / 2
+        err = float(jnp.abs(native(q, k, v) - xla(q, k, v)).max())
+        res["rows"].append({"tokens": t, "native_ms": times["native"] * 1e3, "xla_ms": times["xla"] * 1e3,
+                            "speedup": times["xla"] / times["native"], "native_gflops": flops / times["native"] / 1e9,
+                            "xla_gflops": flops / times["xla"] / 1e9, "max_abs_diff": err})
+    return res
+
+
 def markdown(meta: dict, sections: dict) -> str:
     lines = ["# Native CPU kernels vs XLA:CPU", "",
              f"{protocol.machine_line(meta['machine'])} Library features {', '.join(meta['native_features'])}; "
@@ -318,6 +346,19 @@ def markdown(meta: dict, sections: dict) -> str:
             lines.append(f"| {r['positions']} | {r['attend']} | {r['native_us']:.1f} | {r['xla_us']:.1f} | "
                          f"{r['speedup']:.2f}x | {r['native_gbs']:.1f} |")
         lines.append("")
+    sec = sections.get("prefill_attention")
+    if sec:
+        sh = sec["shape"]
+        lines += [f"## Attention of a prompt ({sh['heads']} query heads on {sh['kv_heads']} kv heads, head dim "
+                  f"{sh['head_dim']}, positions from 0, one layer)", "",
+                  "GFLOP/s: 4 x head dim flops per visible (query, key) pair and query head. Max abs diff: native "
+                  "against XLA's blocked attention (outputs of size ~0.1-1).", "",
+                  "| tokens | native ms | XLA blocked ms | speedup | native GFLOP/s | XLA GFLOP/s | max abs diff |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in sec["rows"]:
+            lines.append(f"| {r['tokens']} | {r['native_ms']:.2f} | {r['xla_ms']:.2f} | {r['speedup']:.2f}x | "
+                         f"{r['native_gflops']:.0f} | {r['xla_gflops']:.0f} | {r['max_abs_diff']:.1e} |")
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -326,11 +367,11 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--layers", type=int, default=3, help="distinct 7B layers chained (each 541 MB of rows)")
     p.add_argument("--out", default="bench/results/native_kernels")
-    p.add_argument("--only", nargs="*", choices=["ffn_7b", "ffn_default", "quantized", "threshold", "attention"])
+    p.add_argument("--only", nargs="*", choices=SECTIONS)
     args = p.parse_args(argv)
     if not library.native_available():
         sys.exit(f"native kernels unavailable: {library.unavailable_reason()}")
-    only = set(args.only or ["ffn_7b", "ffn_default", "quantized", "threshold", "attention"])
+    only = set(args.only or SECTIONS)
     load_before = protocol.load_average()
     meta = {"command": " ".join([os.path.relpath(sys.executable)] + sys.argv),
             "native_features": library.features()["compiled"], "rounds": args.rounds}
@@ -349,6 +390,8 @@ def main(argv=None) -> None:
         sections["threshold"] = threshold_section(4096, 11008, args.rounds, 3)
     if "attention" in only:
         sections["attention"] = attention_section((127, 1023, 4095), 30, args.rounds * 3, 4)
+    if "prefill_attention" in only:
+        sections["prefill_attention"] = prefill_attention_section((600, 1024, 4096), args.rounds, 5)
     meta["machine"] = protocol.machine(load_before)
     meta["seconds"] = round(time.perf_counter() - start, 1)
     text = markdown(meta, sections)
