@@ -152,6 +152,17 @@ def test_bad_prompts_are_value_errors(tiny):
         engine.generate("abc", chat=True)
 
 
+def test_the_smallest_prompt_bucket_fits_the_native_products():
+    """Prompts of up to MIN_PROMPT_BUCKET tokens run the native products (1 to MAX_TOKENS tokens a call), and a
+    bucket is a power of two: the first token of a short prompt then comes from them, not from XLA's GEMM."""
+    from jpinfer.native.kernels import MAX_TOKENS
+    from jpinfer.runtime.generation import prompt_bucket
+
+    assert MIN_PROMPT_BUCKET <= MAX_TOKENS and MIN_PROMPT_BUCKET & (MIN_PROMPT_BUCKET - 1) == 0
+    assert [prompt_bucket(n) for n in (1, MIN_PROMPT_BUCKET, MIN_PROMPT_BUCKET + 1)] == [
+        MIN_PROMPT_BUCKET, MIN_PROMPT_BUCKET, 2 * MIN_PROMPT_BUCKET]
+
+
 def test_cache_capacity_holds_the_positions_with_bounded_waste():
     for tokens in range(1, 3 * CACHE_ROUNDING):
         slots = cache_capacity(tokens, 4096)

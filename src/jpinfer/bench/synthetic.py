@@ -45,11 +45,11 @@ from jpinfer.modes.engines import hybrid_engine, sparse_engine
 from jpinfer.predictor.mlp import PredictorWeights
 from jpinfer.predictor.store import Predictors
 from jpinfer.runtime.engine import Engine
-from jpinfer.runtime.generation import MIN_PROMPT_BUCKET, generation_shapes
+from jpinfer.runtime.generation import generation_shapes
 from jpinfer.solver import synthetic_frequencies
 from jpinfer.solver.baselines import greedy
 
-PROMPT_TOKENS = MIN_PROMPT_BUCKET  # a whole prompt bucket: no padding
+PROMPT_TOKENS = 16  # a power of two: a whole prompt bucket, no padding
 # random sequences x tokens whose FFN inputs calibrate the predictors: hidden states within a sequence are alike,
 # so many short sequences; the last HELD_OUT of them only count the selected neurons
 CALIBRATION, HELD_OUT = (16, 64), 4

@@ -11,7 +11,11 @@ from typing import Callable
 from jpinfer.config import ModelConfig
 from jpinfer.runtime.sampling import Sampler
 
-MIN_PROMPT_BUCKET = 16
+# The smallest prompt bucket: the native kernels' largest step (``native.kernels.MAX_TOKENS``), so a prompt of up to 8
+# tokens runs their products, not XLA's: a 7-token prompt's first token took 72 ms in a bucket of 16 and 46 in one of
+# 8 with float32 weights, 39 and 17 ms with int8 (default model, 2-core Zen 4 VM, 2026-12-06, medians of 7
+# alternated runs, idle).
+MIN_PROMPT_BUCKET = 8
 CACHE_ROUNDING = 256  # cache capacities: powers of two up to it, then its multiples
 MIN_ATTEND = 128  # each rung is one more compilation of the step; below 128 slots attention is cheap
 
