@@ -172,8 +172,8 @@ ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
   int64_t used = 0;
   for (int64_t bt = 0; bt < sh.B * sh.T; ++bt) {
     const int64_t p = positions.typed_data()[shared ? bt % sh.T : bt];
-    hi[bt] = Clamp(p + 1, 0, sh.S);
-    lo[bt] = window > 0 ? Clamp(p - window + 1, 0, hi[bt]) : 0;
+    const SlotRange seen = VisibleSlots(p, sh.S, window);
+    lo[bt] = seen.lo, hi[bt] = seen.hi;
     used_by[bt / sh.T] = std::max(used_by[bt / sh.T], hi[bt]);
     used = std::max(used, hi[bt]);
   }

@@ -59,6 +59,16 @@ int MaxThreads();
 
 inline int64_t Clamp(int64_t v, int64_t lo, int64_t hi) { return v < lo ? lo : (v > hi ? hi : v); }
 
+// The cache slots [lo, hi) a token at position p sees in a cache of S slots, the attention kernels' one mask
+// (attention.cc, prefill_attention.cc): s <= p, and s > p - window when window > 0 (sliding window).
+struct SlotRange {
+  int64_t lo, hi;
+};
+inline SlotRange VisibleSlots(int64_t p, int64_t S, int64_t window) {
+  const int64_t hi = Clamp(p + 1, 0, S);
+  return {window > 0 ? Clamp(p - window + 1, 0, hi) : 0, hi};
+}
+
 // f(std::integral_constant<int, n>{}) for a run-time count n in [1, N] (nothing outside it): the kernels take
 // their row and token counts as template arguments (accumulators in registers, unrolled loops), and this
 // is the one place a run-time count becomes one.

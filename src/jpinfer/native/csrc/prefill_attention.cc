@@ -44,55 +44,33 @@ constexpr int64_t kQueryRows = 64;
 
 thread_local std::vector<float> tl_queries, tl_outputs, tl_scores, tl_stats, tl_keys_t;
 
-// scores[r][0 .. kKeyTile) = queries[r] . keys_t[:, s] for the R (<= kRowBlock) rows at queries (hd each).
-template <int R>
-inline void ScoreRows(const float* queries, const float* keys_t, int64_t hd, float* scores) {
+// Both products of a piece, one register block: c[r][0 .. kKeyVecs * kLanes) = (c[r] if kAccumulate) + sum over
+// i < n, in order, of a[r][i] * b[i][0 ..], for R (<= kRowBlock) rows of a, a row's entry broadcast against the
+// vectors of b's row (no horizontal sums); the strides are a row's. The scores: a the queries (n = hd), b a key
+// tile transposed (hd, kKeyTile); the output: a the probabilities (n the tile's slots), b the values from column c0.
+template <int R, bool kAccumulate>
+inline void BroadcastProduct(const float* a, int64_t a_stride, const float* b, int64_t b_stride, int64_t n, float* c,
+                             int64_t c_stride) {
   Vec acc[R][kKeyVecs];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-    for (int j = 0; j < kKeyVecs; ++j) acc[r][j] = VZero();
-  for (int64_t c = 0; c < hd; ++c) {
-    Vec k[kKeyVecs];
+    for (int j = 0; j < kKeyVecs; ++j) acc[r][j] = kAccumulate ? VLoad(c + r * c_stride + j * kLanes) : VZero();
+  for (int64_t i = 0; i < n; ++i) {
+    Vec bv[kKeyVecs];
 #pragma GCC unroll 4
-    for (int j = 0; j < kKeyVecs; ++j) k[j] = VLoad(keys_t + c * kKeyTile + j * kLanes);
+    for (int j = 0; j < kKeyVecs; ++j) bv[j] = VLoad(b + i * b_stride + j * kLanes);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const Vec qv = VSet(queries[r * hd + c]);
+      const Vec av = VSet(a[r * a_stride + i]);
 #pragma GCC unroll 4
-      for (int j = 0; j < kKeyVecs; ++j) acc[r][j] = VFma(qv, k[j], acc[r][j]);
+      for (int j = 0; j < kKeyVecs; ++j) acc[r][j] = VFma(av, bv[j], acc[r][j]);
     }
   }
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-    for (int j = 0; j < kKeyVecs; ++j) VStore(scores + r * kKeyTile + j * kLanes, acc[r][j]);
-}
-
-// out[r][c0 .. c0 + kKeyVecs * kLanes) += sum over s < n of probs[r][s] * values[s][c0 ...], R rows, in slot order.
-template <int R>
-inline void AddWeightedValues(const float* probs, const float* values, int64_t hd, int64_t n, int64_t c0,
-                              float* out) {
-  Vec acc[R][kKeyVecs];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int j = 0; j < kKeyVecs; ++j) acc[r][j] = VLoad(out + r * hd + c0 + j * kLanes);
-  for (int64_t s = 0; s < n; ++s) {
-    Vec v[kKeyVecs];
-#pragma GCC unroll 4
-    for (int j = 0; j < kKeyVecs; ++j) v[j] = VLoad(values + s * hd + c0 + j * kLanes);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const Vec p = VSet(probs[r * kKeyTile + s]);
-#pragma GCC unroll 4
-      for (int j = 0; j < kKeyVecs; ++j) acc[r][j] = VFma(p, v[j], acc[r][j]);
-    }
-  }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int j = 0; j < kKeyVecs; ++j) VStore(out + r * hd + c0 + j * kLanes, acc[r][j]);
+    for (int j = 0; j < kKeyVecs; ++j) VStore(c + r * c_stride + j * kLanes, acc[r][j]);
 }
 
 // out[r] += probs[r] x values for the last hd % (kKeyVecs * kLanes) columns, one vector at a time.
@@ -139,7 +117,8 @@ void Piece(const Shape& sh, const float* q, const float* keys_t, const float* v,
     const float* tile_keys_t = keys_t + s0 * hd;  // tile s0 / kKeyTile
     for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock)
       WithCount<kRowBlock>(std::min<int64_t>(kRowBlock, rows - r0), [&](auto R) {
-        ScoreRows<decltype(R)::value>(queries + r0 * hd, tile_keys_t, hd, scores + r0 * kKeyTile);
+        BroadcastProduct<decltype(R)::value, false>(queries + r0 * hd, hd, tile_keys_t, kKeyTile, hd,
+                                                    scores + r0 * kKeyTile, kKeyTile);
       });
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t t = t0 + r / G;
@@ -179,7 +158,8 @@ void Piece(const Shape& sh, const float* q, const float* keys_t, const float* v,
       const int64_t rn = std::min<int64_t>(kRowBlock, rows - r0);
       for (int64_t c0 = 0; c0 < full_cols; c0 += kKeyVecs * kLanes)
         WithCount<kRowBlock>(rn, [&](auto R) {
-          AddWeightedValues<decltype(R)::value>(scores + r0 * kKeyTile, tile_values, hd, n, c0, outputs + r0 * hd);
+          BroadcastProduct<decltype(R)::value, true>(scores + r0 * kKeyTile, kKeyTile, tile_values + c0, hd, n,
+                                                     outputs + r0 * hd + c0, hd);
         });
       if (full_cols < hd)
         AddWeightedValuesTail(scores + r0 * kKeyTile, tile_values, hd, n, rn, full_cols, outputs + r0 * hd);
@@ -215,8 +195,8 @@ ffi::Error PrefillAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, f
   int64_t used = 0;
   for (int64_t t = 0; t < sh.T; ++t) {
     const int64_t p = positions.typed_data()[t];
-    hi[t] = Clamp(p + 1, 0, sh.S);
-    lo[t] = window > 0 ? Clamp(p - window + 1, 0, hi[t]) : 0;
+    const SlotRange seen = VisibleSlots(p, sh.S, window);
+    lo[t] = seen.lo, hi[t] = seen.hi;
     used = std::max(used, hi[t]);
   }
   const float *qp = q.typed_data(), *kp = cache_k.typed_data(), *vp = cache_v.typed_data();
