@@ -121,16 +121,25 @@ def test_kernel_tiles_that_do_not_divide_the_list_or_d(variant):
 
 @pytest.mark.parametrize("kind", FFN_KINDS)
 def test_all_rows_equals_float64_reference_over_every_neuron_and_over_a_part(kind):
-    """The prefill form: every row of a layout, one token or several; a compact part (hot + cold)."""
+    """The prefill form: every row of a layout, one token or several (up to 8: the native kernels over the full list
+    on the CPU; 12: the XLA products), with a list per token (``keep``: a batch's sequences); a compact part (hot +
+    cold)."""
     rng = np.random.default_rng(7 + FFN_KINDS.index(kind))
     w = _weights(kind)
     ffn = _layout(kind, w)
     every = np.arange(N)
-    for x in (rng.standard_normal(D), rng.standard_normal((5, D))):
+    for x in (rng.standard_normal(D), rng.standard_normal((5, D)), rng.standard_normal((12, D))):
         got = all_rows_ffn(ffn, jnp.asarray(x, jnp.float32))
         assert got.shape == x.shape and got.dtype == jnp.float32
         np.testing.assert_allclose(np.asarray(got), _reference(kind, w, x, every, N), rtol=KERNEL_RTOL,
                                    atol=KERNEL_ATOL)
+        if x.ndim == 2:
+            keep = rng.random((len(x), N)) < 0.4
+            got = np.asarray(all_rows_ffn(ffn, jnp.asarray(x, jnp.float32), jnp.asarray(keep)))
+            for t in range(len(x)):
+                kept = np.flatnonzero(keep[t])
+                np.testing.assert_allclose(got[t], _reference(kind, w, x[t], kept, len(kept)), rtol=KERNEL_RTOL,
+                                           atol=KERNEL_ATOL)
     x = rng.standard_normal((5, D))
     hot_ids = rng.permutation(N)[:40]
     hot, _ = ffn.subset(hot_ids)

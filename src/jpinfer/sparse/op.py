@@ -133,16 +133,19 @@ def _routed_ffn(ffn: NeuronFFN, x: jax.Array, ids: jax.Array, count: jax.Array, 
     if ffn.quantized:
         return _quantized_ffn(ffn, x, ids, count, backend, weights)
 
-    def halves(native: bool):
-        def run(rows, b_up, x, ids, count, weights):
-            act = native_kernels.sparse_activations(rows, x, ids, count, kind=ffn.kind, b_up=b_up, native=native)
-            return native_kernels.listed_rows_sum(rows, act * weights, ids, count, native=native)
-        return run
-
     args = (ffn.rows, ffn.b_up, x, ids, count, weights)
+    halves = lambda native: lambda *a: _weighted_halves(*a, kind=ffn.kind, native=native)
     if backend == "auto" and native_serves(ffn.rows):
         return jax.lax.platform_dependent(*args, cpu=halves(True), default=halves(False))
     return halves(False)(*args)
+
+
+def _weighted_halves(rows: jax.Array, b_up: jax.Array | None, x: jax.Array, ids: jax.Array, count: jax.Array,
+                     weights: jax.Array, *, kind: str, native: bool) -> jax.Array:
+    """A float list's FFN with each listed activation times ``weights`` (T, K), float32 (T, d) without b_down: the
+    listed activations, then the down rows weighted by them (the fused float kernels take no weights)."""
+    act = native_kernels.sparse_activations(rows, x, ids, count, kind=kind, b_up=b_up, native=native)
+    return native_kernels.listed_rows_sum(rows, act * weights, ids, count, native=native)
 
 
 def _quantized_ffn(ffn: NeuronFFN, x: jax.Array, ids: jax.Array, count: jax.Array, backend: str,
@@ -205,11 +208,13 @@ def all_rows_ffn(ffn: NeuronFFN, x: jax.Array, keep: jax.Array | None = None) ->
     (2.8 vs 2.5 ms), while an einsum over the (n, R, d) array's gate/up slice took twice as
     long (5.0 ms) (docs/architecture.md, "Engine modes").
 
-    Int8 bundles run the dense int8 FFN's products (``quant.int8.product``: W8A8, the XLA form) on
-    their column blocks. An int4 model's records run, for up to ``native.kernels.MAX_TOKENS`` tokens (a decode
-    step's batch), as ``sparse_ffn`` over the full list with ``keep`` as 0/1 weights (one pass over the records,
-    natively on the CPU), and for more tokens (a prompt) as the dense 4-bit product (``models.quantized.matmul``)
-    over the matrix they hold, copied out of them for the call, then the int8 down slots.
+    Up to ``native.kernels.MAX_TOKENS`` tokens (a decode step's batch, a short prompt) run as ``sparse_ffn`` over the
+    full list with ``keep`` as 0/1 weights: natively on the CPU (float32 and int8 bundles; one pass over the rows,
+    as the dense model's native products for so few tokens), and an int4 model's records on every platform. More
+    tokens, or float / int8 bundles off the CPU, run the XLA products above; int8 bundles the dense int8 FFN's
+    (``quant.int8.product``: W8A8) on their column blocks, an int4 model's records (more than 8 tokens) the dense
+    4-bit product (``models.quantized.matmul``) over the matrix they hold, copied out of them for the call, then the
+    int8 down slots.
 
     ``keep`` (T, n) boolean zeroes each token's other neurons' activations: the FFN over a list per token
     (a batch of sequences, each with its own predicted neurons), reading every row once. With experts each
@@ -219,17 +224,48 @@ def all_rows_ffn(ffn: NeuronFFN, x: jax.Array, keep: jax.Array | None = None) ->
     """
     if x.ndim not in (1, 2) or x.shape[-1] != ffn.d_model:
         raise ValueError(f"x must be (d_model,) or (T, d_model) with d_model={ffn.d_model}, got {x.shape}")
+    n, d = ffn.n_neurons, ffn.d_model
+    x2 = x.reshape(-1, d).astype(jnp.float32 if ffn.quantized else ffn.rows.dtype)
+    keep = None if keep is None else keep.reshape(-1, n)
+    routing = None if ffn.router is None else ffn.routing(x.reshape(-1, d))
+    if 0 < n and x2.shape[0] <= native_kernels.MAX_TOKENS and (ffn.gate_up is not None or _native_serves_bundles(ffn)):
+        weights = None if keep is None else keep.astype(jnp.float32)
+        if routing is not None:
+            weights = routing if weights is None else weights * routing
+        args = (ffn, x2, weights)
+        if ffn.gate_up is not None:
+            y = _full_list(*args)
+        else:
+            y = jax.lax.platform_dependent(*args, cpu=_full_list, default=lambda ffn, x2, weights: _xla_all_rows(
+                ffn, x2, keep, routing))
+    else:
+        y = _xla_all_rows(ffn, x2, keep, routing)
+    return _with_b_down(ffn, y).astype(x.dtype).reshape(x.shape)
+
+
+def _native_serves_bundles(ffn: NeuronFFN) -> bool:
+    """Whether the native CPU kernels serve this layout's bundles: float32 (``native_serves``) or int8 ones, the
+    library loaded."""
+    return native_serves(ffn.rows) or (ffn.quantized and native_available())
+
+
+def _full_list(ffn: NeuronFFN, x: jax.Array, weights: jax.Array | None) -> jax.Array:
+    """``ffn`` over every one of its neurons for up to 8 tokens, float32 (T, d) without b_down: the sparse op over
+    the full list, ``weights`` (T, n) (or None) on the activations; the native kernels (a 4-bit model's records:
+    their own platform choice, ``_quantized_ffn``)."""
+    every, n = jnp.arange(ffn.n_neurons, dtype=jnp.int32), jnp.int32(ffn.n_neurons)
+    if ffn.quantized:
+        return _quantized_ffn(ffn, x, every, n, "auto", weights)
+    if weights is None:
+        return native_kernels.sparse_ffn(ffn.rows, x, every, n, kind=ffn.kind, b_up=ffn.b_up, native=True)
+    return _weighted_halves(ffn.rows, ffn.b_up, x, every, n, weights, kind=ffn.kind, native=True)
+
+
+def _xla_all_rows(ffn: NeuronFFN, x2: jax.Array, keep: jax.Array | None, routing: jax.Array | None) -> jax.Array:
+    """``all_rows_ffn``'s dense products in XLA, float32 (T, d) without b_down (its docstring)."""
     n, n_rows, d = ffn.rows.shape
     flat = ffn.rows.reshape(n, n_rows * d)
     n_proj = n_rows - 1 if ffn.gate_up is None else ffn.gate_up.slots
-    x2 = x.reshape(-1, d).astype(jnp.float32 if ffn.quantized else flat.dtype)
-    if ffn.gate_up is not None and x2.shape[0] <= native_kernels.MAX_TOKENS:
-        weights = None if keep is None else keep.reshape(-1, n).astype(jnp.float32)
-        if ffn.router is not None:
-            routing = ffn.routing(x.reshape(-1, d))
-            weights = routing if weights is None else weights * routing
-        y = _quantized_ffn(ffn, x2, jnp.arange(n, dtype=jnp.int32), jnp.int32(n), "auto", weights)
-        return _with_b_down(ffn, y).astype(x.dtype).reshape(x.shape)
     # each block is copied out of the bundles once the layer's tokens exist (``ordering.after``: XLA otherwise
     # copied every layer's at the start of a prompt's step and held them all, 4.4 GB for a 7B int8 model)
     block = lambda j: after(flat[:, j * d : (j + 1) * d], x2)
@@ -250,10 +286,9 @@ def all_rows_ffn(ffn: NeuronFFN, x: jax.Array, keep: jax.Array | None = None) ->
     if ffn.b_up is not None:
         up = up + ffn.b_up.astype(jnp.float32)
     act = activate(ffn.kind, project(0) if n_proj == 2 else None, up)
-    if ffn.router is not None:
-        act = act * ffn.routing(x.reshape(-1, d))
-    y = down(act if keep is None else jnp.where(keep.reshape(act.shape), act, 0))
-    return _with_b_down(ffn, y).astype(x.dtype).reshape(x.shape)
+    if routing is not None:
+        act = act * routing
+    return down(act if keep is None else jnp.where(keep, act, 0))
 
 
 def _with_b_down(ffn: NeuronFFN, y: jax.Array) -> jax.Array:
