@@ -134,10 +134,11 @@ def _routed_ffn(ffn: NeuronFFN, x: jax.Array, ids: jax.Array, count: jax.Array, 
         return _quantized_ffn(ffn, x, ids, count, backend, weights)
 
     args = (ffn.rows, ffn.b_up, x, ids, count, weights)
-    halves = lambda native: lambda *a: _weighted_halves(*a, kind=ffn.kind, native=native)
+    halves = functools.partial(_weighted_halves, kind=ffn.kind)
     if backend == "auto" and native_serves(ffn.rows):
-        return jax.lax.platform_dependent(*args, cpu=halves(True), default=halves(False))
-    return halves(False)(*args)
+        return jax.lax.platform_dependent(*args, cpu=functools.partial(halves, native=True),
+                                          default=functools.partial(halves, native=False))
+    return halves(*args, native=False)
 
 
 def _weighted_halves(rows: jax.Array, b_up: jax.Array | None, x: jax.Array, ids: jax.Array, count: jax.Array,
@@ -228,18 +229,15 @@ def all_rows_ffn(ffn: NeuronFFN, x: jax.Array, keep: jax.Array | None = None) ->
     x2 = x.reshape(-1, d).astype(jnp.float32 if ffn.quantized else ffn.rows.dtype)
     keep = None if keep is None else keep.reshape(-1, n)
     routing = None if ffn.router is None else ffn.routing(x.reshape(-1, d))
-    if 0 < n and x2.shape[0] <= native_kernels.MAX_TOKENS and (ffn.gate_up is not None or _native_serves_bundles(ffn)):
-        weights = None if keep is None else keep.astype(jnp.float32)
-        if routing is not None:
-            weights = routing if weights is None else weights * routing
-        args = (ffn, x2, weights)
-        if ffn.gate_up is not None:
-            y = _full_list(*args)
-        else:
-            y = jax.lax.platform_dependent(*args, cpu=_full_list, default=lambda ffn, x2, weights: _xla_all_rows(
-                ffn, x2, keep, routing))
+    args = (ffn, x2, keep, routing)
+    if x2.shape[0] > native_kernels.MAX_TOKENS:
+        y = _xla_all_rows(*args)
+    elif ffn.gate_up is not None:  # an int4 model's records: the sparse op on every platform
+        y = _full_list(*args)
+    elif n > 0 and _native_serves_bundles(ffn):
+        y = jax.lax.platform_dependent(*args, cpu=_full_list, default=_xla_all_rows)
     else:
-        y = _xla_all_rows(ffn, x2, keep, routing)
+        y = _xla_all_rows(*args)
     return _with_b_down(ffn, y).astype(x.dtype).reshape(x.shape)
 
 
@@ -249,10 +247,13 @@ def _native_serves_bundles(ffn: NeuronFFN) -> bool:
     return native_serves(ffn.rows) or (ffn.quantized and native_available())
 
 
-def _full_list(ffn: NeuronFFN, x: jax.Array, weights: jax.Array | None) -> jax.Array:
+def _full_list(ffn: NeuronFFN, x: jax.Array, keep: jax.Array | None, routing: jax.Array | None) -> jax.Array:
     """``ffn`` over every one of its neurons for up to 8 tokens, float32 (T, d) without b_down: the sparse op over
-    the full list, ``weights`` (T, n) (or None) on the activations; the native kernels (a 4-bit model's records:
-    their own platform choice, ``_quantized_ffn``)."""
+    the full list, ``keep`` (T, n) as 0/1 weights on the activations, times ``routing`` with experts; the native
+    kernels (a 4-bit model's records: their own platform choice, ``_quantized_ffn``)."""
+    weights = None if keep is None else keep.astype(jnp.float32)
+    if routing is not None:
+        weights = routing if weights is None else weights * routing
     every, n = jnp.arange(ffn.n_neurons, dtype=jnp.int32), jnp.int32(ffn.n_neurons)
     if ffn.quantized:
         return _quantized_ffn(ffn, x, every, n, "auto", weights)
