@@ -64,7 +64,7 @@ inline void DotsN(int p, const float* const* rows, const float* x, int64_t T, in
   WithCount<8>(p, [&](auto P) { Dots<decltype(P)::value>(rows, x, T, d, out, next); });
 }
 
-// y[t * ldy + j] += sum_b w[t * B + b] * rows[b][j] for j in [j0, j1), B rows (B <= 4), T tokens.
+// y[t * ldy + j] += sum_b w[t * B + b] * rows[b][j] for j in [j0, j1), B rows (B <= 8), T tokens.
 // Per element the sum is y = fma(w_0, r_0, y); y = fma(w_1, r_1, y); ... in the vector body and the
 // scalar tail alike, so an element's value does not depend on where a column split falls.
 // The B row vectors are loaded once per 8 columns and used by every token.
@@ -99,9 +99,12 @@ inline void AddRows(const float* const* rows, const float* w, int64_t T, int64_t
   }
 }
 
+// AddRows for a count b <= kMaxRows known at run time (kMaxRows: the callers' row arrays' size, so no
+// instantiation reads past them).
+template <int kMaxRows>
 inline void AddRowsN(int b, const float* const* rows, const float* w, int64_t T, int64_t j0, int64_t j1, float* y,
                      int64_t ldy, const float* const* next = nullptr, int n_next = 0) {
-  WithCount<8>(b, [&](auto B) { AddRows<decltype(B)::value>(rows, w, T, j0, j1, y, ldy, next, n_next); });
+  WithCount<kMaxRows>(b, [&](auto B) { AddRows<decltype(B)::value>(rows, w, T, j0, j1, y, ldy, next, n_next); });
 }
 
 // y (T x d) = sum of parts[p] (T x d each), p = 0 .. parts-1 added in order into y (which holds

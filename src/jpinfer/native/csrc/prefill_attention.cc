@@ -55,22 +55,23 @@ inline void BroadcastProduct(const float* a, int64_t a_stride, const float* b, i
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-    for (int j = 0; j < kKeyVecs; ++j) acc[r][j] = kAccumulate ? VLoad(c + r * c_stride + j * kLanes) : VZero();
+    for (int j = 0; j < kKeyVecs; ++j)
+      acc[r][j] = kAccumulate ? Wide::Load(c + r * c_stride + j * kLanes) : Wide::Zero();
   for (int64_t i = 0; i < n; ++i) {
     Vec bv[kKeyVecs];
 #pragma GCC unroll 4
-    for (int j = 0; j < kKeyVecs; ++j) bv[j] = VLoad(b + i * b_stride + j * kLanes);
+    for (int j = 0; j < kKeyVecs; ++j) bv[j] = Wide::Load(b + i * b_stride + j * kLanes);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const Vec av = VSet(a[r * a_stride + i]);
+      const Vec av = Wide::Set(a[r * a_stride + i]);
 #pragma GCC unroll 4
-      for (int j = 0; j < kKeyVecs; ++j) acc[r][j] = VFma(av, bv[j], acc[r][j]);
+      for (int j = 0; j < kKeyVecs; ++j) acc[r][j] = Wide::Fma(av, bv[j], acc[r][j]);
     }
   }
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-    for (int j = 0; j < kKeyVecs; ++j) VStore(c + r * c_stride + j * kLanes, acc[r][j]);
+    for (int j = 0; j < kKeyVecs; ++j) Wide::Store(c + r * c_stride + j * kLanes, acc[r][j]);
 }
 
 // out[r] += probs[r] x values for the last hd % (kKeyVecs * kLanes) columns, one vector at a time.
@@ -78,9 +79,10 @@ inline void AddWeightedValuesTail(const float* probs, const float* values, int64
                                   int64_t c0, float* out) {
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t c = c0; c < hd; c += kLanes) {
-      Vec acc = VLoad(out + r * hd + c);
-      for (int64_t s = 0; s < n; ++s) acc = VFma(VSet(probs[r * kKeyTile + s]), VLoad(values + s * hd + c), acc);
-      VStore(out + r * hd + c, acc);
+      Vec acc = Wide::Load(out + r * hd + c);
+      for (int64_t s = 0; s < n; ++s)
+        acc = Wide::Fma(Wide::Set(probs[r * kKeyTile + s]), Wide::Load(values + s * hd + c), acc);
+      Wide::Store(out + r * hd + c, acc);
     }
 }
 
@@ -132,26 +134,27 @@ void Piece(const Shape& sh, const float* q, const float* keys_t, const float* v,
         for (int64_t s = a; s < z; ++s) row[s] = softcap * std::tanh(row[s] / softcap);
       std::fill(row, row + a, -INFINITY);
       std::fill(row + z, row + kKeyTile, -INFINITY);
-      Vec m = VLoad(row);
-      for (int64_t j = 1; j < kKeyVecs; ++j) m = VMax(m, VLoad(row + j * kLanes));
-      const float tile_max = VMaxLanes(m);
+      Vec m = Wide::Load(row);
+      for (int64_t j = 1; j < kKeyVecs; ++j) m = Wide::Max(m, Wide::Load(row + j * kLanes));
+      const float tile_max = MaxLanes(m);
       const float new_max = std::max(run_max[r], tile_max);
-      const Vec mv = VSet(new_max);
-      Vec sum = VZero();
+      const Vec mv = Wide::Set(new_max);
+      Vec sum = Wide::Zero();
       for (int64_t j = 0; j < kKeyVecs; ++j) {
-        const Vec s = VLoad(row + j * kLanes);
-        const Vec e = VZeroWhereMinusInf(ExpNonPositive(VSub(s, mv)), s);
-        VStore(row + j * kLanes, e);
-        sum = VAdd(sum, e);
+        const Vec s = Wide::Load(row + j * kLanes);
+        const Vec e = Wide::ZeroWhereMinusInf(ExpNonPositive(Wide::Sub(s, mv)), s);
+        Wide::Store(row + j * kLanes, e);
+        sum = Wide::Add(sum, e);
       }
       if (new_max != run_max[r]) {  // earlier tiles' weights were against a smaller maximum
         const float rescale = std::exp(run_max[r] - new_max);  // 0 before the first visible tile
         run_sum[r] *= rescale;
         float* out = outputs + r * hd;
-        for (int64_t c = 0; c < hd; c += kLanes) VStore(out + c, VMul(VLoad(out + c), VSet(rescale)));
+        const Vec scale = Wide::Set(rescale);
+        for (int64_t c = 0; c < hd; c += kLanes) Wide::Store(out + c, Wide::Mul(Wide::Load(out + c), scale));
       }
       run_max[r] = new_max;
-      run_sum[r] += VSumLanes(sum);
+      run_sum[r] += Wide::SumLanes(sum);
     }
     const float* tile_values = values + s0 * hd;
     for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {

@@ -145,7 +145,7 @@ ffi::Error SparseFfnImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::
       const float* next_down[4];
       for (int b = 0; b < B; ++b) down[b] = f.Row(block[b], f.R - 1);
       for (int b = 0; b < nb; ++b) next_down[b] = f.Row(next[b], f.R - 1);
-      AddRowsN(B, down, act, f.T, 0, f.d, out, f.d, next_down, nb);
+      AddRowsN<4>(B, down, act, f.T, 0, f.d, out, f.d, next_down, nb);
     });
   });
   return ffi::Error::Success();
@@ -198,7 +198,7 @@ ffi::Error ListedRowsSumImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> m, ffi:
       for (int b = 0; b < B; ++b) r[b] = M + (block[b] * S + slot) * d;
       for (int64_t t = 0; t < T; ++t)
         for (int b = 0; b < B; ++b) wb[t * B + b] = W[t * K + pos[b]];
-      AddRowsN(B, r, wb, T, 0, d, out, d, rn, nb);
+      AddRowsN<4>(B, r, wb, T, 0, d, out, d, rn, nb);
     });
   });
   return ffi::Error::Success();

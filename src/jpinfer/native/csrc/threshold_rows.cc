@@ -125,7 +125,7 @@ ffi::Error ThresholdRowsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> m, ffi:
       const float* rn[8];
       const int nb = int(std::clamp<int64_t>(k1 - k - pass, 0, pass));
       for (int b = 0; b < nb; ++b) rn[b] = W + kept[k + pass + b] * cols;
-      AddRowsN(B, r, wb, T, j0, j1, out, cols, rn, nb);
+      AddRowsN<8>(B, r, wb, T, j0, j1, out, cols, rn, nb);
     }
   };
   if (cols <= kRowSplitCols) {
