@@ -84,6 +84,14 @@ def _f32(a, name: str, shape: tuple[int, ...] | None = None) -> jax.Array:
     return a
 
 
+def _int8_matrix(values, layout: str) -> jax.Array:
+    """``values`` as an int8 2-D array, whose axes ``layout`` names for the error message, e.g. "(out, in)"."""
+    values = jnp.asarray(values)
+    if values.dtype != jnp.int8 or values.ndim != 2:
+        raise ValueError(f"values must be an int8 {layout} matrix, got {values.dtype} {tuple(values.shape)}")
+    return values
+
+
 def _scalar(value, name: str) -> jax.Array:
     """``value`` as a float32 scalar (a ValueError for anything with more than one entry)."""
     value = jnp.asarray(value, jnp.float32)
@@ -386,9 +394,7 @@ def threshold_rows_product_int8(values, scales, x, threshold, *, native: bool | 
     kept rows are summed exactly in int32, and y = acc * (token scale * column scale): the integers and
     formula of jpinfer.sparse.threshold_layout's int8 path for one token, and of its masked product for several
     (quantizing the masked x gives the same integers: its peak is x's when anything is kept)."""
-    values = jnp.asarray(values)
-    if values.dtype != jnp.int8 or values.ndim != 2:
-        raise ValueError(f"values must be an int8 (N, M) matrix, got {values.dtype} {tuple(values.shape)}")
+    values = _int8_matrix(values, "(N, M)")
     N, M = values.shape
     scales = _f32(scales, "scales", (M,))
     x2, flat = _tokens(x, N)
@@ -460,9 +466,7 @@ def int8_matvec(values, scales, x, *, native: bool | None = None) -> jax.Array:
     float32 scale per row (``quant.int8.Int8Matrix`` with scale_axis 0); x quantized per token
     inside (``quant.int8.quantize_tokens``); exact int32 sums; y = acc * (token scale * row scale), the
     formula of ``quant.int8.product``. Values of -128 are allowed (the symmetric quantizer never makes them)."""
-    values = jnp.asarray(values)
-    if values.dtype != jnp.int8 or values.ndim != 2:
-        raise ValueError(f"values must be an int8 (out, in) matrix, got {values.dtype} {tuple(values.shape)}")
+    values = _int8_matrix(values, "(out, in)")
     out, inp = values.shape
     scales = _f32(scales, "scales", (out,))
     x2, flat = _tokens(x, inp)
