@@ -290,6 +290,18 @@ inline void AddRowsInt8(const int8_t* const* rows, const int16_t* q, int64_t T, 
       for (int b = 0; b < kSumRows; ++b) acc[t * cols + j] += int32_t(q[t * kSumRows + b]) * int32_t(rows[b][j]);
 }
 
+// How far ahead in the list ScaledRowsSum's passes prefetch rows (AddRowsInt8's `next`), in bytes of rows: the
+// next pass's rows, what a pass prefetched before, are only 4.6 KiB ahead on the default model's (1536, 576) int8
+// down rows, too close for the memory's latency; 12 KiB makes that three passes (two on q|k|v's (576, 960), one on
+// the (576, 3072) gate/up, as before). Tried on a 2-core Zen 4 VM (2026-12-07; one token, 30 chained random
+// matrices): in alternated processes 12 KiB took the down rows to 0.77-0.79x the time (every row kept, half
+// kept), 16 KiB 0.82x, 32 KiB 1.0-1.1x; no software prefetch made every case 1.5-2x slower. Then both libraries
+// in one process (the old one under another FFI name, its own matrices, 21 rounds alternated, medians of the
+// same-round ratios, in two runs; the same bits): down 0.81-0.88x kept whole, 0.91-0.95x half kept; the output
+// product (576, 576) 0.92-0.93x / 0.94-0.99x; q|k|v 0.91-0.98x / 0.97-1.01x; gate/up, the same code, 1.02-1.04x
+// (the noise); eight tokens 0.96-0.98x for the narrow ones.
+constexpr int64_t kRowsPrefetchBytes = 12288;
+
 // Y[t * cols + j] = (sum over k < m of q[k * T + t] * row(k)[j]) * (token_scale[t] * col_scale[j]): m listed
 // int8 rows of `cols` entries weighted by int8 values (held in int16), summed exactly in int32, kSumRows rows
 // a pass (AddRowsInt8), then scaled. Split over the rows, not the columns: integer sums are exact,
@@ -305,6 +317,8 @@ inline void ScaledRowsSum(ffi::ThreadPool& pool, int64_t m, int64_t T, int64_t c
   const int64_t pieces = std::min<int64_t>(Workers(pool), CeilDiv(m, 16));
   const int64_t len = RoundUp(CeilDiv(m, pieces), kSumRows);
   int32_t* acc = Scratch(parts, size_t(pieces * T * cols));
+  // the pass whose rows a pass prefetches: the first at least kRowsPrefetchBytes ahead
+  const int64_t ahead = kSumRows * std::max<int64_t>(1, CeilDiv(kRowsPrefetchBytes, kSumRows * cols));
   ParallelFor(pool, pieces, m * cols, [&](int64_t i) {
     int32_t* part = acc + i * T * cols;
     std::fill(part, part + T * cols, 0);
@@ -318,8 +332,8 @@ inline void ScaledRowsSum(ffi::ThreadPool& pool, int64_t m, int64_t T, int64_t c
         for (int64_t t = 0; t < T; ++t) qb[t * kSumRows + b] = b < B ? q[(k + b) * T + t] : 0;
       }
       const int8_t* rn[kSumRows];
-      const int nb = int(std::clamp<int64_t>(k1 - k - kSumRows, 0, kSumRows));
-      for (int b = 0; b < nb; ++b) rn[b] = row(k + kSumRows + b);
+      const int nb = int(std::clamp<int64_t>(k1 - k - ahead, 0, kSumRows));
+      for (int b = 0; b < nb; ++b) rn[b] = row(k + ahead + b);
       AddRowsInt8(r, qb, T, cols, part, rn, nb);
     }
   });
