@@ -108,8 +108,8 @@ constexpr int Int8RowsPerPass(int64_t T) { return T <= 2 ? 4 : (T <= 4 ? 2 : 1);
 constexpr int64_t kStreamPrefetchBytes = 8192;
 
 // s[r * T + t] = sum_j w[r][j] * q_t[j], exact in int32, for RB rows and T tokens (RB * T <= 8 keeps
-// the accumulators in registers): q from QuantizeTokens (chunk-major; VNNI: shifted). next: RB rows the
-// caller reads after these; the same bytes of them are prefetched while these stream.
+// the accumulators in registers): q from QuantizeTokens (chunk-major; VNNI: shifted). next: RB addresses whose
+// bytes at the rows' offsets are prefetched while these stream (the caller's choice of distance).
 template <int RB, int T>
 inline void Int8Dots(const int8_t* const* w, const int8_t* const* next, const int8_t* q, int64_t in, int32_t* s) {
   const int64_t full = in & ~int64_t(31);
