@@ -299,8 +299,10 @@ inline void AddRowsInt8(const int8_t* const* rows, const int16_t* q, int64_t T, 
 // in one process (the old one under another FFI name, its own matrices, 21 rounds alternated, medians of the
 // same-round ratios, in two runs; the same bits): down 0.81-0.88x kept whole, 0.91-0.95x half kept; the output
 // product (576, 576) 0.92-0.93x / 0.94-0.99x; q|k|v 0.91-0.98x / 0.97-1.01x; gate/up, the same code, 1.02-1.04x
-// (the noise); eight tokens 0.96-0.98x for the narrow ones.
-constexpr int64_t kRowsPrefetchBytes = 12288;
+// (the noise); eight tokens 0.96-0.98x for the narrow ones. Not in the AVX2 build (0: the next pass, as before):
+// there the same A/B could not tell (the x86-64-v3 build on the same VM: the unchanged code measured 1.07-1.43x
+// its copy, as the two libraries' helper threads contend; the int16 row sums run nearer their instruction rate).
+constexpr int64_t kRowsPrefetchBytes = JPN_ZMM ? 12288 : 0;
 
 // Y[t * cols + j] = (sum over k < m of q[k * T + t] * row(k)[j]) * (token_scale[t] * col_scale[j]): m listed
 // int8 rows of `cols` entries weighted by int8 values (held in int16), summed exactly in int32, kSumRows rows
