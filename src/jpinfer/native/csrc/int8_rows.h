@@ -100,13 +100,6 @@ inline __m256i DotBytes(__m256i acc, __m256i u, __m256i s) {
 // <= 8 (the dense int8 matvec and the int8 sparse FFN's gate/up rows).
 constexpr int Int8RowsPerPass(int64_t T) { return T <= 2 ? 4 : (T <= 4 ? 2 : 1); }
 
-// A one-token dense product (quantized.cc) reads one row at a time, a single sequential stream per thread,
-// prefetched this far ahead: against four rows a pass (four streams, each prefetched at the next pass's rows),
-// measured out of cache (2-core Zen 5 VM, 2026-12-05, four matrices chained, medians of 8 alternated runs),
-// int8 at 11008 x 4096 / 4096 x 11008 / 4096 x 4096 / 49152 x 576: 37.2 / 39.8 / 46.7 / 35.2 -> 45.8 / 46.5 /
-// 52.2 / 34.0 GB/s (4 KiB ahead: 45.8 / 46.1 / 50.0 / 34.3); 4-bit: see Q4OctetPairs.
-constexpr int64_t kStreamPrefetchBytes = 8192;
-
 // s[r * T + t] = sum_j w[r][j] * q_t[j], exact in int32, for RB rows and T tokens (RB * T <= 8 keeps
 // the accumulators in registers): q from QuantizeTokens (chunk-major; VNNI: shifted). next: RB addresses whose
 // bytes at the rows' offsets are prefetched while these stream (the caller's choice of distance).
