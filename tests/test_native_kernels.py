@@ -337,7 +337,7 @@ def threshold_int8_reference(values, scales, x, thr):
 
 @pytest.mark.parametrize("native", BACKENDS)
 @pytest.mark.parametrize("T", [1, 3, 8])
-@pytest.mark.parametrize("shape", [(90, 70), (37, 300)])
+@pytest.mark.parametrize("shape", [(90, 70), (37, 300), (20, 9000)])  # 9000 columns: pieces of columns, a short last
 def test_threshold_rows_int8_exact(shape, T, native):
     rng = np.random.default_rng(T)
     values = rng.integers(-128, 128, shape, dtype=np.int8)  # -128 included: exact all the same

@@ -297,46 +297,85 @@ inline void AddRowsInt8(const int8_t* const* rows, const int16_t* q, int64_t T, 
 // its copy, as the two libraries' helper threads contend; the int16 row sums run nearer their instruction rate).
 constexpr int64_t kRowsPrefetchBytes = JPN_ZMM ? 12288 : 0;
 
+// The pass a pass of rows_per_pass rows (pass_bytes of them) prefetches: the first whole pass at least
+// kRowsPrefetchBytes ahead, counted in rows of the list.
+inline int64_t RowsAhead(int64_t rows_per_pass, int64_t pass_bytes) {
+  return rows_per_pass * std::max<int64_t>(1, CeilDiv(kRowsPrefetchBytes, pass_bytes));
+}
+
+// acc[t * w + SumSlot(j, w)] = sum over k in [k0, k1) of q[k * T + t] * row(k)[j0 + j], j < w: columns [j0, j0 + w)
+// of listed rows, exact in int32, kSumRows rows a pass (AddRowsInt8); acc is zeroed first.
+template <class RowFn>
+inline void SumRowRange(RowFn& row, const int16_t* q, int64_t T, int64_t k0, int64_t k1, int64_t j0, int64_t w,
+                        int32_t* acc) {
+  std::fill(acc, acc + T * w, 0);
+  const int64_t ahead = RowsAhead(kSumRows, kSumRows * w);
+  for (int64_t k = k0; k < k1; k += kSumRows) {
+    const int B = int(std::min<int64_t>(kSumRows, k1 - k));
+    const int8_t* r[kSumRows];
+    int16_t qb[kMaxTokens * kSumRows];
+    for (int b = 0; b < kSumRows; ++b) {  // a short last block: its first row stands in, weight 0
+      r[b] = row(k + (b < B ? b : 0)) + j0;
+      for (int64_t t = 0; t < T; ++t) qb[t * kSumRows + b] = b < B ? q[(k + b) * T + t] : 0;
+    }
+    const int8_t* rn[kSumRows];
+    const int nb = int(std::clamp<int64_t>(k1 - k - ahead, 0, kSumRows));
+    for (int b = 0; b < nb; ++b) rn[b] = row(k + ahead + b) + j0;
+    AddRowsInt8(r, qb, T, w, acc, rn, nb);
+  }
+}
+
+// Y[t * cols + j0 + j] = acc[t * w + SumSlot(j, w)] * (token_scale[t] * col_scale[j0 + j]) for j < w.
+inline void ScaleSums(const int32_t* acc, int64_t T, int64_t j0, int64_t w, int64_t cols, const float* token_scale,
+                      const float* col_scale, float* Y) {
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t j = 0; j < w; ++j)
+      Y[t * cols + j0 + j] = float(acc[t * w + SumSlot(j, w)]) * (token_scale[t] * col_scale[j0 + j]);
+}
+
+// Widest matrix ScaledRowsSum splits by rows (the 7B down's 4096 columns); wider (the head's (d, vocab)), pieces of
+// columns, each at most kWideTileSums / T wide so its (T, width) int32 sums stay in L1 (32 KiB) while every listed
+// row passes over them, where a piece of the rows kept (T, 49152) sums, past L2 at eight tokens. The default
+// model's head (576, 49152) as the threshold mode's input-major int8 copy, every row kept (2-core Zen 4 VM,
+// 2026-12-07; both libraries in one process, 15 alternated rounds, the same bits): against the row pieces one token
+// 0.94x the time, four 0.97x, eight 0.60x (2.05x -> 1.23x the dense int8 product's time); a fifth of the rows
+// skipped 0.85x / 0.93x / 0.59x.
+constexpr int64_t kRowSplitSums = 4096;
+constexpr int64_t kWideTileSums = 8192;
+
 // Y[t * cols + j] = (sum over k < m of q[k * T + t] * row(k)[j]) * (token_scale[t] * col_scale[j]): m listed
 // int8 rows of `cols` entries weighted by int8 values (held in int16), summed exactly in int32, kSumRows rows
-// a pass (AddRowsInt8), then scaled. Split over the rows, not the columns: integer sums are exact,
-// so any partition gives the same bits, and each thread reads whole rows (4 KiB of an int8 down row of the
-// 7B shape; a column split left 2 KiB runs and measured 4.6 GB/s where XLA's float32 W @ x reads 16). Each
-// piece sums into its own int32 (T, cols) part of `parts`; the parts are added, then scaled. The second
-// half of the threshold mode's int8 kernel and of the int8 sparse FFN.
+// a pass (AddRowsInt8), then scaled. Integer sums are exact, so any partition gives the same bits. Up to
+// kRowSplitSums columns, split over the rows: each thread reads whole rows (4 KiB of an int8 down row of the
+// 7B shape; a column split left 2 KiB runs and measured 4.6 GB/s where XLA's float32 W @ x reads 16), each
+// piece summing into its own int32 (T, cols) part of `parts`; the parts are added, then scaled. Wider, pieces
+// of columns (kWideTileSums). The second half of the threshold mode's int8 kernel (and so of an int8 head's
+// input-major copy) and of the int8 sparse FFN.
 template <class RowFn>
 inline void ScaledRowsSum(ffi::ThreadPool& pool, int64_t m, int64_t T, int64_t cols, RowFn&& row, const int16_t* q,
                           const float* token_scale, const float* col_scale, std::vector<int32_t>& parts, float* Y) {
   std::fill(Y, Y + T * cols, 0.0f);
   if (m == 0 || cols == 0) return;
+  if (cols > kRowSplitSums) {  // pieces of columns, each over every listed row (see kWideTileSums)
+    const int64_t width = std::max<int64_t>(
+        64, std::min(RoundUp(CeilDiv(cols, Workers(pool)), 64), kWideTileSums / T / 64 * 64));
+    ParallelFor(pool, CeilDiv(cols, width), m * cols, [&](int64_t i) {
+      alignas(64) int32_t acc[kWideTileSums];
+      const int64_t j0 = i * width, w = std::min(width, cols - j0);
+      SumRowRange(row, q, T, 0, m, j0, w, acc);
+      ScaleSums(acc, T, j0, w, cols, token_scale, col_scale, Y);
+    });
+    return;
+  }
   const int64_t pieces = std::min<int64_t>(Workers(pool), CeilDiv(m, 16));
   const int64_t len = RoundUp(CeilDiv(m, pieces), kSumRows);
   int32_t* acc = Scratch(parts, size_t(pieces * T * cols));
-  // the pass whose rows a pass prefetches: the first at least kRowsPrefetchBytes ahead
-  const int64_t ahead = kSumRows * std::max<int64_t>(1, CeilDiv(kRowsPrefetchBytes, kSumRows * cols));
   ParallelFor(pool, pieces, m * cols, [&](int64_t i) {
-    int32_t* part = acc + i * T * cols;
-    std::fill(part, part + T * cols, 0);
-    const int64_t k1 = std::min(m, (i + 1) * len);
-    for (int64_t k = i * len; k < k1; k += kSumRows) {
-      const int B = int(std::min<int64_t>(kSumRows, k1 - k));
-      const int8_t* r[kSumRows];
-      int16_t qb[kMaxTokens * kSumRows];
-      for (int b = 0; b < kSumRows; ++b) {  // a short last block: its first row stands in, weight 0
-        r[b] = row(k + (b < B ? b : 0));
-        for (int64_t t = 0; t < T; ++t) qb[t * kSumRows + b] = b < B ? q[(k + b) * T + t] : 0;
-      }
-      const int8_t* rn[kSumRows];
-      const int nb = int(std::clamp<int64_t>(k1 - k - ahead, 0, kSumRows));
-      for (int b = 0; b < nb; ++b) rn[b] = row(k + ahead + b);
-      AddRowsInt8(r, qb, T, cols, part, rn, nb);
-    }
+    SumRowRange(row, q, T, i * len, std::min(m, (i + 1) * len), 0, cols, acc + i * T * cols);
   });
   for (int64_t i = 1; i < pieces; ++i)
     for (int64_t e = 0; e < T * cols; ++e) acc[e] += acc[i * T * cols + e];
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t j = 0; j < cols; ++j)
-      Y[t * cols + j] = float(acc[t * cols + SumSlot(j, cols)]) * (token_scale[t] * col_scale[j]);
+  ScaleSums(acc, T, 0, cols, cols, token_scale, col_scale, Y);
 }
 
 }  // namespace jpn

@@ -320,7 +320,7 @@ ffi::Error SparseFfnInt8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> rows, ff
   // listed, 21 alternated rounds, the same bits): one token 0.97-0.98x / 0.98-1.01x the time, two 0.87x / 0.86x,
   // four 0.82x / 0.81x, eight 0.82x / 0.82x; the AVX2 build keeps the next pass (kRowsPrefetchBytes). (The 4-bit
   // records' kernel the same way: 1.12x at four tokens; not kept there.)
-  const int64_t ahead = per_pass * std::max<int64_t>(1, CeilDiv(kRowsPrefetchBytes, per_pass * R * d));
+  const int64_t ahead = RowsAhead(per_pass, per_pass * R * d);
   ParallelFor(pool, CeilDiv(m, kActPiece), m * P * d, [&](int64_t i) {
     const int64_t k1 = std::min(m, (i + 1) * kActPiece);
     for (int64_t k = i * kActPiece; k < k1; k += per_pass) {
