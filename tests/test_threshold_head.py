@@ -1,23 +1,27 @@
 """The threshold mode's head input sparsity: the head skips its inputs (the final hidden states) of magnitude at
 most its threshold. Against float64 references that zero the same inputs, on the native kernel's path (1 to 8
-tokens) and XLA's (more); its calibration, storage and the pack's setting. Tolerances: tests/tolerances.py."""
+tokens) and XLA's (more), for a float head and an int8 one (read through its input-major copy); its calibration,
+storage and the pack's setting. Tolerances: tests/tolerances.py."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_int8 import int8_engine, reference_quantize, reference_tokens, rounding_margin
 from test_modes import PROMPT, forced_logits
-from test_threshold import windows
+from test_threshold import given, windows
 
 from jpinfer.errors import JpinferError
 from jpinfer.ffn import ThresholdRowsFFN
-from jpinfer.models import transformer
+from jpinfer.models import params, quantized, transformer
 from jpinfer.modes import build_engine
-from jpinfer.pack.settings import PackSettings, stage_keys
+from jpinfer.pack.settings import HEAD_AUTO_TARGET, PackSettings, stage_keys
 from jpinfer.profiler import SparsityThresholds, calibrate_sparsity, profile
 
 from profiler_fixtures import thresholds_in_gaps, tiny_engine
-from tolerances import DECODER_ATOL, KERNEL_ATOL, KERNEL_RTOL, SPARSITY_ATOL
+from tolerances import DECODER_ATOL, KERNEL_ATOL, KERNEL_RTOL, SPARSITY_ATOL, U32
 
 
 @pytest.fixture(autouse=True)
@@ -76,6 +80,70 @@ def test_head_threshold_decodes_like_the_zeroed_float64_reference():
     assert np.min(np.abs(np.abs(h) / thr - 1)) > 1e-4
 
 
+def int8_head_reference(h: np.ndarray, float_head: np.ndarray, thr: float | None) -> np.ndarray:
+    """float64, written apart from quant/int8.py: the float (d, vocab) head quantized per vocab entry, the kept
+    entries of h quantized per token (numpy float32's rounding), exact integer sums, then both scales."""
+    values, scales = reference_quantize(float_head.T, 0)  # (vocab, d) int64, (vocab,)
+    kept = h if thr is None else np.where(np.abs(h) > thr, h, 0.0)
+    q, token_scales = reference_tokens(kept)
+    return (q @ values.T) * np.float64(token_scales)[:, None] * np.float64(scales)[None, :]
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 8, 12])  # up to 8: the native int8 rows kernel; 12: XLA's int8 product
+def test_int8_head_logits_on_the_input_major_copy_equal_the_integer_reference(tokens):
+    """The threshold mode's int8 head: the (vocab, d) int8 head's input-major copy reads the kept inputs' rows
+    only; the same integers as the float64 reference that zeroes them, and as the (vocab, d) head given the same
+    threshold."""
+    float_engine, engine = tiny_engine("swiglu"), int8_engine("swiglu")
+    h = final_states(float_engine, windows(2, 16, seed=2)).reshape(-1, engine.cfg.d_model)[:tokens]
+    thr = float(thresholds_in_gaps([np.abs(h)], 0.3)[0])  # in a wide gap: float32 keeps the same inputs
+    kept = np.where(np.abs(h) > thr, h, 0.0)
+    assert rounding_margin(kept.astype(np.float32)) > 8 * U32 * 127  # both paths round to the same integers
+    rows_head = engine.weights.head
+    columns = dataclasses.replace(engine.weights, head=quantized.input_major_int8(rows_head))
+    assert columns.head.scale_axis == 1 and columns.head.shape == rows_head.shape[::-1]
+    float_head = np.asarray(float_engine.weights.head, np.float64)
+    expected = int8_head_reference(h, float_head, thr)
+    h32 = jnp.asarray(h, jnp.float32)
+    # exact int32 sums, then acc * (token scale * vocab scale): two float32 roundings, far inside KERNEL_RTOL
+    for weights in (columns, engine.weights):
+        np.testing.assert_allclose(np.asarray(logits(weights, h32, engine.cfg, thr)), expected,
+                                   rtol=KERNEL_RTOL, atol=KERNEL_ATOL)
+    assert np.abs(expected - int8_head_reference(h, float_head, None)).max() > 100 * KERNEL_ATOL  # zeroing matters
+    np.testing.assert_allclose(np.asarray(logits(columns, h32, engine.cfg)), int8_head_reference(h, float_head, None),
+                               rtol=KERNEL_RTOL, atol=KERNEL_ATOL)  # no threshold: every input's row
+    with_nan = h32.at[0, 0].set(jnp.nan)  # a NaN input is no input to skip: its token's logits are NaN
+    got = np.asarray(logits(columns, with_nan, engine.cfg, thr))
+    assert np.isnan(got[0]).all() and np.isfinite(got[1:]).all()
+
+
+def test_tied_embedding_reads_the_input_major_int8_head():
+    cfg = dataclasses.replace(tiny_engine("swiglu").cfg, tie_embeddings=True)
+    w = quantized.quantize_weights(params.build_weights(cfg, params.init_random(cfg)), "int8")
+    columns = dataclasses.replace(w, head=quantized.input_major_int8(w.head))
+    tokens = jnp.asarray([[0, 5, 39, 5]], jnp.int32)
+    np.testing.assert_array_equal(np.asarray(transformer.embed(columns, tokens, jnp.arange(4), cfg)),
+                                  np.asarray(transformer.embed(w, tokens, jnp.arange(4), cfg)))
+
+
+def test_int8_threshold_engine_reads_the_head_by_its_kept_inputs():
+    """The int8 threshold engine holds the head's input-major copy in place of the (vocab, d) head and decodes
+    what the (vocab, d) head computes with the same inputs skipped; without a head threshold it keeps the head."""
+    dense = int8_engine("swiglu")
+    thr = float(thresholds_in_gaps([np.abs(final_states(dense, windows(2, 16, seed=4)))], 0.4)[0])
+    engine = build_engine(dense.model, "threshold", thresholds=head_only(thr))
+    assert quantized.is_input_major_int8(engine.weights.head)
+    assert engine.weights.head.nbytes == dense.weights.head.nbytes  # a replacement, not a second copy
+    with_rows = type(engine)(dataclasses.replace(engine.model, weights=dataclasses.replace(
+        engine.weights, head=dense.weights.head)), engine.ffn)
+    forced = [4, 8, 15, 16, 23, 2, 7, 3]
+    got, expected = forced_logits(engine, PROMPT, forced), forced_logits(with_rows, PROMPT, forced)
+    np.testing.assert_allclose(got, expected, rtol=KERNEL_RTOL, atol=KERNEL_ATOL)  # the same integers
+    assert np.abs(expected - forced_logits(dense, PROMPT, forced)).max() > 100 * KERNEL_ATOL  # the skipping matters
+    off = build_engine(dense.model, "threshold", thresholds=given(dense.cfg, 0.0, 0.0))  # no head threshold
+    assert off.weights.head is dense.weights.head
+
+
 @pytest.mark.parametrize("target", [0.2, 0.5])
 def test_head_calibration_skips_the_target_fraction_and_travels_with_the_profile(target):
     dense = tiny_engine("swiglu")
@@ -115,11 +183,13 @@ def test_bad_head_settings_are_clear_errors():
 
 
 def test_pack_head_sparsity_keeps_the_other_stages():
-    """Changing the head's target re-runs a pack's thresholds stage only; "auto" is on for float weights and off
-    for quantized ones (their heads are read whole)."""
+    """Changing the head's target re-runs a pack's thresholds stage only; "auto" is HEAD_AUTO_TARGET with float and
+    int8 weights (an int8 head is read by its kept inputs' rows too) and off with int4 (no gain measured)."""
     keys = lambda s, weights="float": stage_keys(s, "swiglu", "float32", weights, "f" * 16)
     auto, off = keys(PackSettings()), keys(PackSettings(head_sparsity=None))
     other = keys(PackSettings(head_sparsity=0.3))
     assert len({auto["thresholds"], off["thresholds"], other["thresholds"]}) == 3
     assert all(auto[stage] == off[stage] == other[stage] for stage in auto if stage != "thresholds")
-    assert keys(PackSettings(), "int8") == keys(PackSettings(head_sparsity=None), "int8")
+    assert keys(PackSettings(), "int8") == keys(PackSettings(head_sparsity=HEAD_AUTO_TARGET), "int8")
+    assert keys(PackSettings(), "int8")["thresholds"] != keys(PackSettings(head_sparsity=None), "int8")["thresholds"]
+    assert keys(PackSettings(), "int4") == keys(PackSettings(head_sparsity=None), "int4")

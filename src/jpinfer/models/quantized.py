@@ -40,6 +40,19 @@ def is_quantized(w) -> bool:
     return isinstance(w, (Int8Matrix, Q4Matrix))
 
 
+def is_input_major_int8(w) -> bool:
+    """Whether ``w`` is an int8 (in, out) matrix with one scale per column (an input-major copy, read by rows)."""
+    return isinstance(w, Int8Matrix) and w.scale_axis == 1
+
+
+def input_major_int8(w: Int8Matrix) -> Int8Matrix:
+    """A row-scaled (out, in) int8 matrix as its input-major (in, out) copy: the same integers and scales,
+    transposed (one scale per column), so a product can read only the rows of the inputs it keeps."""
+    if not isinstance(w, Int8Matrix) or w.scale_axis != 0:
+        raise ValueError("input_major_int8 takes an int8 matrix with one scale per row")
+    return Int8Matrix(jnp.asarray(np.ascontiguousarray(np.asarray(w.values).T)), w.scales, 1)
+
+
 def weights_format(weights: Weights) -> str:
     """"float", "int8" or "int4": the format of the decoder's projections (int4 where any is 4-bit; also for
     a model whose FFN matrices were moved into a sparse layout)."""
@@ -119,8 +132,8 @@ def int8_copy(w: jax.Array | QuantizedMatrix) -> Int8Matrix:
 
 
 def rows(w: QuantizedMatrix, index: jax.Array, dtype=jnp.float32) -> jax.Array:
-    """The dequantized rows at ``index`` (any shape) of an (out, in) quantized matrix: the embeddings of
-    a tied quantized head."""
+    """The dequantized weights of the outputs at ``index`` (any shape), (*index.shape, in): the rows of an (out,
+    in) quantized matrix, the columns of an input-major int8 one; the embeddings of a tied quantized head."""
     return int8.rows(w, index, dtype) if isinstance(w, Int8Matrix) else q4.rows(w, index, dtype)
 
 

@@ -132,11 +132,15 @@ def linear(x: jax.Array, w: jax.Array | quantized.QuantizedMatrix, b: jax.Array 
     return y if b is None else y + b
 
 
+def _native_tokens(x: jax.Array) -> bool:
+    """Whether x holds 1 to MAX_TOKENS tokens, with the native kernels loaded."""
+    tokens = x.size // x.shape[-1] if x.shape[-1] else 0
+    return 1 <= tokens <= native_kernels.MAX_TOKENS and native_available()
+
+
 def _decode_sized(x: jax.Array, w: jax.Array) -> bool:
     """Whether float32 x holds 1 to MAX_TOKENS tokens for a float32 matrix, with the native kernels loaded."""
-    tokens = x.size // x.shape[-1] if x.shape[-1] else 0
-    return (x.dtype == w.dtype == jnp.float32 and w.ndim == 2 and 1 <= tokens <= native_kernels.MAX_TOKENS
-            and native_available())
+    return x.dtype == w.dtype == jnp.float32 and w.ndim == 2 and _native_tokens(x)
 
 
 def cached_attention(
@@ -521,33 +525,44 @@ def head_threshold(ffn_impl: FfnImpl | None) -> float | None:
 
 def logits(weights: Weights, h: jax.Array, cfg: ModelConfig, input_threshold: float | None = None) -> jax.Array:
     """Float32 logits from final hidden states: h @ head, head (d, vocab) (see params.Weights), or
-    a quantized head's (vocab, d) rows (``quantized.matmul``); soft-capped with ``logit_softcap``.
+    a quantized head's (vocab, d) rows (``quantized.matmul``), or an int8 head's input-major (d, vocab) copy
+    (the threshold mode's, ``modes.engines.threshold_engine``); soft-capped with ``logit_softcap``.
 
     ``input_threshold``: the entries of h of magnitude at most it are skipped (the threshold mode's head input
-    sparsity): the native kernel reads only the kept rows of the input-major head, every other path computes
-    the same values with those entries zeroed (a quantized head reads all its rows)."""
+    sparsity): the native kernel reads only the kept rows of an input-major head (float or int8), every other
+    path computes the same values with those entries zeroed (an (vocab, d) quantized head reads all its rows)."""
     if input_threshold is not None:
         h_kept = jnp.where(jnp.abs(h) > input_threshold, h, jnp.zeros_like(h))
         h_kept = jnp.where(jnp.isnan(h), h, h_kept)  # a NaN stays visible, as the native path keeps it
     else:
         h_kept = h
-    if quantized.is_quantized(weights.head):
-        return _softcap(quantized.matmul(h_kept, weights.head), cfg.logit_softcap)
-    xla = lambda h, head: jnp.dot(h, head, preferred_element_type=jnp.float32)
-    if not _decode_sized(h, weights.head):
-        return _softcap(xla(h_kept, weights.head), cfg.logit_softcap)
-    threshold = -jnp.inf if input_threshold is None else input_threshold
+    head = weights.head
+    int8_rows = quantized.is_input_major_int8(head)
+    if quantized.is_quantized(head) and not int8_rows:
+        return _softcap(quantized.matmul(h_kept, head), cfg.logit_softcap)
+    if int8_rows:
+        xla = lambda h, head: quantized.matmul(h, head)
+        native_ready = h.dtype == jnp.float32 and _native_tokens(h)
+    else:
+        xla = lambda h, head: jnp.dot(h, head, preferred_element_type=jnp.float32)
+        native_ready = _decode_sized(h, head)
+    if not native_ready:
+        return _softcap(xla(h_kept, head), cfg.logit_softcap)
+    threshold = jnp.float32(-jnp.inf if input_threshold is None else input_threshold)
 
-    def native(h, head):  # the (d, vocab) head is input-major: the rows product over the kept rows, each read once
+    def native(h, head):  # the input-major head: the rows product over the kept rows, each read once
         flat = h.reshape(-1, h.shape[-1])
         # up to 8 tokens a call (the kernel's pieces keep their outputs in L1): the default model's head took
         # 3.3-3.5 ms for 8 tokens in one call against 5.2-6.2 in two calls of 4 (2-core Zen 5 VM, 2026-12-05)
-        y = native_kernels.threshold_rows_product(head, flat, jnp.float32(threshold))[0]
+        if int8_rows:
+            y = native_kernels.threshold_rows_product_int8(head.values, head.scales, flat, threshold)[0]
+        else:
+            y = native_kernels.threshold_rows_product(head, flat, threshold)[0]
         y = jnp.where(jnp.isnan(flat).any(-1, keepdims=True), jnp.nan, y)  # a NaN input is no row to skip
         return y.reshape(*h.shape[:-1], -1)
 
     default = lambda h, head: xla(h_kept, head)
-    return _softcap(jax.lax.platform_dependent(h, weights.head, cpu=native, default=default), cfg.logit_softcap)
+    return _softcap(jax.lax.platform_dependent(h, head, cpu=native, default=default), cfg.logit_softcap)
 
 
 def next_token_nll(weights: Weights, h: jax.Array, tokens: jax.Array, cfg: ModelConfig,

@@ -25,11 +25,12 @@ from jpinfer.errors import JpinferError
 from jpinfer.ffn import PredictorListFFN, PredictorListState, ThresholdLayer, ThresholdRowsFFN
 from jpinfer.models.loading import LoadedModel
 from jpinfer.models.params import Layer
-from jpinfer.models.quantized import weights_format
+from jpinfer.models.quantized import input_major_int8, weights_format
 from jpinfer.modes.devices import default_devices, host_dtype_for
 from jpinfer.modes.hybrid import ColdParts, HybridFFN, HybridLayer
 from jpinfer.predictor.store import Predictors
 from jpinfer.profiler import SparsityThresholds
+from jpinfer.quant.int8 import Int8Matrix
 from jpinfer.runtime.engine import Engine, FfnStrategy
 from jpinfer.sparse import ThresholdLayout, ThresholdProjection, neurons, threshold_layout
 
@@ -91,11 +92,20 @@ def threshold_states(model: LoadedModel, thresholds: SparsityThresholds) -> list
             for i, layer in enumerate(model.weights.layers)]
 
 
+def _threshold_head(head: Any, thresholds: SparsityThresholds) -> Any:
+    """The head as the threshold mode reads it: an int8 (vocab, d) head whose inputs are skipped replaced by its
+    input-major copy (``transformer.logits`` then reads only the kept inputs' rows, as for a float head)."""
+    if thresholds.head is None or not isinstance(head, Int8Matrix) or head.scale_axis != 0:
+        return head
+    return input_major_int8(head)
+
+
 def threshold_engine(model: LoadedModel, thresholds: SparsityThresholds, backend: str = "auto") -> Engine:
-    """One device; each layer's FFN matrices, and the attention's where they are read sparsely, replaced by
-    their threshold-sparsity layout."""
+    """One device; each layer's FFN matrices, the attention's where they are read sparsely, and an int8 head
+    whose inputs are skipped replaced by their threshold-sparsity layout."""
     weights = dataclasses.replace(model.weights, layers=[_attention_part(layer, thresholds)
-                                                         for layer in model.weights.layers])
+                                                         for layer in model.weights.layers],
+                                  head=_threshold_head(model.weights.head, thresholds))
     strategy = FfnStrategy(ThresholdRowsFFN(backend, thresholds.head), threshold_states(model, thresholds),
                            "threshold")
     return Engine(LoadedModel(model.cfg, weights, model.tokenizer, model.source), strategy)

@@ -106,10 +106,13 @@ def dequantize(m: Int8Matrix, dtype=jnp.float32) -> jax.Array:
 
 
 def rows(m: Int8Matrix, index: jax.Array, dtype=jnp.float32) -> jax.Array:
-    """The dequantized rows at ``index`` (any shape) of a row-scaled matrix: (*index.shape, columns)."""
-    if m.scale_axis != 0:
-        raise ValueError("rows() reads a matrix with one scale per row")
-    return (m.values[index].astype(jnp.float32) * m.scales[index][..., None]).astype(dtype)
+    """The dequantized weights of the outputs at ``index`` (any shape), (*index.shape, inputs): rows of a
+    row-scaled matrix, columns of a column-scaled (input-major) one, e.g. a tied head's embeddings."""
+    if m.scale_axis == 0:
+        values = m.values[index]
+    else:
+        values = jnp.moveaxis(jnp.take(m.values, index, axis=1), 0, -1)
+    return (values.astype(jnp.float32) * m.scales[index][..., None]).astype(dtype)
 
 
 def quantize_tokens(x: jax.Array) -> tuple[jax.Array, jax.Array]:
