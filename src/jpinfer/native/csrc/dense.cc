@@ -7,8 +7,9 @@
 // head 13.8 ms against 4.7 (2-core EPYC, 2026-12-03), so an 8-sequence step cost 3.8x a one-sequence step.
 // A step reads every weight once however many tokens it carries: here each tile of rows is loaded once
 // from memory and every token passes over it while it is in L1. Eight tokens still cost more than one: the
-// products are 8x the multiply-adds, and on the 2-core EPYC the row loads from memory and the multiply-adds
-// barely overlap (30 layers' gate/up and down: 0.59 ms a layer for one token, 0.85-0.96 for eight).
+// products are 8x the multiply-adds (on the 2-core EPYC, 2026-12-03, before the tiles' software prefetch
+// below: 30 layers' gate/up and down 0.59 ms a layer for one token, 0.85-0.96 for eight; the prefetch took
+// the eight-token products to 0.50-0.82x that time, see kRows).
 // One token runs Dots (blocks of 8 rows, the next block prefetched), whose sums are Tile's bit for bit:
 // the decoder runs every float32 decode product here, one token or eight, so a sequence's output in a
 // batch is exactly its output alone (with XLA's one-row product beside native few-token ones, rounding
