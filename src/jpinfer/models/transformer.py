@@ -537,12 +537,11 @@ def logits(weights: Weights, h: jax.Array, cfg: ModelConfig, input_threshold: fl
     else:
         h_kept = h
     head = weights.head
-    int8_rows = quantized.is_input_major_int8(head)
-    if quantized.is_quantized(head) and not int8_rows:
+    int8_input_major = quantized.is_input_major_int8(head)
+    if quantized.is_quantized(head) and not int8_input_major:
         return _softcap(quantized.matmul(h_kept, head), cfg.logit_softcap)
-    if int8_rows:
-        xla = lambda h, head: quantized.matmul(h, head)
-        native_ready = h.dtype == jnp.float32 and _native_tokens(h)
+    if int8_input_major:
+        xla, native_ready = quantized.matmul, h.dtype == jnp.float32 and _native_tokens(h)
     else:
         xla = lambda h, head: jnp.dot(h, head, preferred_element_type=jnp.float32)
         native_ready = _decode_sized(h, head)
@@ -554,7 +553,7 @@ def logits(weights: Weights, h: jax.Array, cfg: ModelConfig, input_threshold: fl
         flat = h.reshape(-1, h.shape[-1])
         # up to 8 tokens a call (the kernel's pieces keep their outputs in L1): the default model's head took
         # 3.3-3.5 ms for 8 tokens in one call against 5.2-6.2 in two calls of 4 (2-core Zen 5 VM, 2026-12-05)
-        if int8_rows:
+        if int8_input_major:
             y = native_kernels.threshold_rows_product_int8(head.values, head.scales, flat, threshold)[0]
         else:
             y = native_kernels.threshold_rows_product(head, flat, threshold)[0]
