@@ -55,7 +55,7 @@ def add_arguments(p: argparse.ArgumentParser, command: str = "prepare") -> None:
                                "the per-kind fractions")
     sparsity.add_argument("--head-sparsity", type=target, default=DEFAULTS.head_sparsity,
                           help="threshold mode: fraction of the head's inputs skipped, or off (default auto: "
-                               f"{HEAD_AUTO_TARGET} with float and int8 weights, off with int4)")
+                               f"{HEAD_AUTO_TARGET} with float weights, off with int8 and int4)")
     sparsity.add_argument("--allocation", choices=("uniform", "greedy"), default=DEFAULTS.allocation,
                           help="threshold mode: the same fraction in every layer, or greedy (held-out loss estimate)")
     predictors = p.add_argument_group("predictors")

@@ -60,11 +60,12 @@ class PackSettings:
     (1 byte a weight against the 4-bit blocks' 0.5625): 1.065 of dense int4's bytes, 0.83x dense int4 against
     0.96x for half the neurons alone (``bench/results/model_wide_int8.md``, ``model_wide_int4.md``, same day).
     head_sparsity: the fraction of the head's inputs skipped (None: off); "auto" (default): ``HEAD_AUTO_TARGET``
-    with float and int8 weights (an int8 head is read through its input-major copy in the threshold mode:
-    ``modes.engines.threshold_engine``; the int8 threshold step 0.98-1.01x -> 1.03-1.05x dense int8's speed at
-    1.024x -> 1.036x perplexity), off with int4 (its int8 head the same way measured 0.99x -> 0.98x-1.02x: no
-    gain to pay perplexity for; ``bench/results/threshold_int8_head.md``). Why 0.2: the head is a fifth of the
-    default model's weight bytes; beside the quarters above,
+    with float weights, off with int8 and int4. A given fraction serves every format (an int8 head, int4's too, is
+    then read through its input-major copy: ``modes.engines.threshold_engine``), but on the default model in int8
+    the fifth took the threshold mode's perplexity from 1.034x to 1.049x dense int8 (16 WikiText-2 windows), at
+    the edge of the 1.05x the mode is held to, for 4-5% of step time; int4 measured no faster
+    (``bench/results/threshold_int8_head.md``). Why 0.2: the head is a fifth of the default model's weight bytes;
+    beside the quarters above,
     a fifth of its inputs takes the bytes read from 0.750 to 0.708 of dense at 1.026x perplexity (1.016x without),
     a tenth 0.729 at 1.017x, three tenths 0.687 at 1.051x, past the 1.05x the threshold mode is held to
     (``bench/results/model_wide_head.md``, 2-core Intel Xeon, 2026-12-06); the main bench's threshold row decoded at
@@ -168,7 +169,7 @@ class PackSettings:
         rows = None if weights == "int4" else AUTO_TARGET
         return {"activation": self.sparsity if self.threshold_sparsity is None else self.threshold_sparsity,
                 "input": resolve("input_sparsity", rows), "attention": resolve("attention_sparsity", rows),
-                "head": resolve("head_sparsity", None if weights == "int4" else HEAD_AUTO_TARGET)}
+                "head": resolve("head_sparsity", HEAD_AUTO_TARGET if weights == "float" else None)}
 
     def threshold_targets(self, ffn_kind: str, weights: str) -> dict[str, Any]:
         """The threshold mode's targets for a model of ``ffn_kind`` (ReLU kinds skip exact zeros) with ``weights``
