@@ -530,7 +530,7 @@ def logits(weights: Weights, h: jax.Array, cfg: ModelConfig, input_threshold: fl
 
     ``input_threshold``: the entries of h of magnitude at most it are skipped (the threshold mode's head input
     sparsity): the native kernel reads only the kept rows of an input-major head (float or int8), every other
-    path computes the same values with those entries zeroed (an (vocab, d) quantized head reads all its rows)."""
+    path computes the same values with those entries zeroed (a (vocab, d) quantized head reads all its rows)."""
     if input_threshold is not None:
         h_kept = jnp.where(jnp.abs(h) > input_threshold, h, jnp.zeros_like(h))
         h_kept = jnp.where(jnp.isnan(h), h, h_kept)  # a NaN stays visible, as the native path keeps it

@@ -100,7 +100,7 @@ inline int64_t KeptQuantized(const float* x, int64_t n, float thr, float inverse
 
 // Both kernels' compaction of x (T, N): the rows any token keeps, in order, into kept (returns how many), per
 // kept row the T weights weight(x, t) (zero where token t drops the row), and counts[t], the entries token t
-// keeps. One token goes through KeptEntries.
+// keeps. One token goes through KeptEntries (the int8 kernel's, with AVX-512, through KeptQuantized instead).
 template <class W, class WeightFn>
 int64_t KeptRows(const float* X, int64_t N, int64_t T, float thr, int64_t* kept, W* weights, int32_t* counts,
                  WeightFn&& weight) {
