@@ -117,6 +117,16 @@ def test_int8_head_logits_on_the_input_major_copy_equal_the_integer_reference(to
     assert np.isnan(got[0]).all() and np.isfinite(got[1:]).all()
 
 
+def test_input_major_int8_takes_a_row_scaled_int8_matrix_only():
+    w = int8_engine("swiglu").weights.head
+    copy = quantized.input_major_int8(w)
+    np.testing.assert_array_equal(np.asarray(copy.values), np.asarray(w.values).T)
+    np.testing.assert_array_equal(np.asarray(copy.scales), np.asarray(w.scales))
+    for bad in (copy, tiny_engine("swiglu").weights.head):  # already input-major; a float matrix
+        with pytest.raises(ValueError, match="takes an int8 matrix with one scale per row"):
+            quantized.input_major_int8(bad)
+
+
 def test_tied_embedding_reads_the_input_major_int8_head():
     cfg = dataclasses.replace(tiny_engine("swiglu").cfg, tie_embeddings=True)
     w = quantized.quantize_weights(params.build_weights(cfg, params.init_random(cfg)), "int8")
