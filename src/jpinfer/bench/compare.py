@@ -135,7 +135,8 @@ def _engines(args: argparse.Namespace, modes: list[str], packs: dict[str, Any]) 
         elif source.is_dir():
             print("skipping llama.cpp: it reads GGUF files and the model is a Hugging Face directory", file=sys.stderr)
         else:
-            print("writing (once, cached) a float32 GGUF of the same weights for llama.cpp ...", file=sys.stderr)
+            print("llama.cpp: a float32 GGUF of the same weights (written into the cache on first use) ...",
+                  file=sys.stderr)
             f32 = float32_gguf(source)
             longest = max([*args.lengths, args.long_prompt]) + args.max_new_tokens
             for path in (f32, source):  # each in its own process: a crash there is that peer's alone
