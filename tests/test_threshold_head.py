@@ -202,5 +202,5 @@ def test_pack_head_sparsity_keeps_the_other_stages():
     assert all(auto[stage] == off[stage] == other[stage] for stage in auto if stage != "thresholds")
     for weights in ("int8", "int4"):
         assert keys(PackSettings(), weights) == keys(PackSettings(head_sparsity=None), weights)
-        given = keys(PackSettings(head_sparsity=HEAD_AUTO_TARGET), weights)["thresholds"]
-        assert given != keys(PackSettings(), weights)["thresholds"]
+        with_fraction = keys(PackSettings(head_sparsity=HEAD_AUTO_TARGET), weights)["thresholds"]
+        assert with_fraction != keys(PackSettings(), weights)["thresholds"]
