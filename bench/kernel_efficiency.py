@@ -3,13 +3,16 @@
 Efficiency = speedup over dense x (1 - s): 1.0 means the sparse op reads the (1 - s) share of the weights
 it needs as fast as the dense FFN reads all of them; below 1.0 each byte costs it more than it costs dense.
 
-CPU protocol (measured by this script, float32): for the layer shapes in ``--shapes``, one FFN layer each,
+CPU protocol (measured by this script, float32): for the layer shapes in ``--shapes``, one FFN layer a call,
 timed by ``jpinfer.bench.kernels.bench_shape`` (the table of ``jpinfer bench-kernels``): the decoder's dense
 FFN against ``sparse_ffn`` (backend auto: the native fused kernel on the CPU, the chunked XLA loop where the
 native library is unavailable; the table says which ran) over random lists of
 (1 - s) * d_ff neurons, calls cycling through copies of the layer and through several lists so that every
 call reads from memory, the ops alternating in ``--rounds`` rounds of 3 calls, the fastest call counting
-(``bench_shape`` also times the first sparse FFN, ``before``: its numbers are in the JSON only). The
+(``bench_shape`` also times the first sparse FFN, ``before``: its numbers are in the JSON only); and the same
+ops with enough layers of their own weights chained in one jit to pass the caches (``bench_chained``), as a
+decode step runs them: a lone call of a small op carries all of a call's fixed costs, a chain spreads them over its
+layers (the default model's layer is small enough for that to show at high sparsity). The
 whole set runs ``--repeats`` times, shapes interleaved within each repeat and a new seed per repeat; since
 the machine is shared and the ratios move with its load, the recorded efficiency is the median of the
 repeats' same-run efficiencies (their range beside it), with the load average before, at each repeat and
@@ -22,7 +25,7 @@ efficiency per kernel variant plotted and listed; otherwise the figure and the t
 suite's kernel table (``bench/results/gpu_suite.md``) where that record exists.
 
 Writes the markdown table to ``--out``, its data beside it (.json) and the figure (.png); the default run
-takes about 2.5-4 minutes on a 2-core machine (most of it the 7B layer):
+takes about 1.5-4 minutes on a 2-core machine (most of it the 7B layer):
 
     python bench/kernel_efficiency.py --out bench/results/kernel_efficiency.md
 """
@@ -42,7 +45,7 @@ from typing import Any
 import jax
 
 from jpinfer.bench import protocol
-from jpinfer.bench.kernels import SHAPES, bench_shape
+from jpinfer.bench.kernels import SHAPES, bench_chained, bench_shape
 from jpinfer.bench.machine import matvec_read_bandwidth
 from jpinfer.bench.results import publish
 from jpinfer.native import native_available
@@ -95,16 +98,17 @@ def load_gpu(path: pathlib.Path) -> dict[str, Any] | None:
 
 
 def cpu_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per (shape, sparsity), in first-seen order: medians over the repeats of ``bench_shape``'s rows, and the
-    range of the efficiency. Each efficiency is a same-run ratio, so the median is taken of ratios, not of times."""
-    groups: dict[tuple[str, float], list[dict[str, Any]]] = {}
+    """Per (shape, layers a call, sparsity), in first-seen order: medians over the repeats of ``bench_shape``'s and
+    ``bench_chained``'s rows, and the range of the efficiency. Each efficiency is a same-run ratio, so the median is
+    taken of ratios, not of times."""
+    groups: dict[tuple[str, int, float], list[dict[str, Any]]] = {}
     for row in rows:
-        groups.setdefault((row["shape"], row["s"]), []).append(row)
+        groups.setdefault((row["shape"], row["layers"], row["s"]), []).append(row)
     out = []
-    for (shape, s), group in groups.items():
+    for (shape, layers, s), group in groups.items():
         eff = [r["efficiency"] for r in group]
         med = lambda key: statistics.median(r[key] for r in group)
-        out.append(dict(shape=shape, s=s, k=group[0]["k"], repeats=len(group), dense_ms=med("dense_ms"),
+        out.append(dict(shape=shape, layers=layers, s=s, k=group[0]["k"], repeats=len(group), dense_ms=med("dense_ms"),
                         sparse_ms=med("sparse_ms"), speedup=med("speedup"), efficiency=statistics.median(eff),
                         efficiency_min=min(eff), efficiency_max=max(eff)))
     return out
@@ -119,13 +123,14 @@ def figure(cpu: list[dict[str, Any]], gpu: dict[str, Any] | None, path: pathlib.
     import matplotlib.pyplot as plt
 
     fig, (ax_cpu, ax_gpu) = plt.subplots(1, 2, figsize=(11, 4.5), dpi=120)
-    for shape in dict.fromkeys(r["shape"] for r in cpu):
-        rows = [r for r in cpu if r["shape"] == shape]
+    for shape, layers in dict.fromkeys((r["shape"], r["layers"]) for r in cpu):
+        rows = [r for r in cpu if (r["shape"], r["layers"]) == (shape, layers)]
         s = [r["s"] for r in rows]
         eff = [r["efficiency"] for r in rows]
         spread = [[e - r["efficiency_min"] for e, r in zip(eff, rows)],
                   [r["efficiency_max"] - e for e, r in zip(eff, rows)]]
-        ax_cpu.errorbar(s, eff, yerr=spread, marker="o", capsize=3, label=f"{shape} layer")
+        ax_cpu.errorbar(s, eff, yerr=spread, marker="o", capsize=3, ls="-" if layers == 1 else "--",
+                        label=f"{shape}, " + ("one layer a call" if layers == 1 else f"{layers} layers in one jit"))
     ax_cpu.set_title(cpu_title, fontsize=9)
     if gpu is None:
         ax_gpu.text(0.5, 0.5, "GPU: " + gpu_missing().replace("; ", "\n\n"),
@@ -209,14 +214,18 @@ def main() -> None:
     bandwidth = matvec_read_bandwidth()
     rows, repeat_loads = [], []
 
-    def shape(key: str):  # one repeat of a shape: bench_shape warms its ops itself (protocol.fastest)
-        return lambda r: [dict(row, repeat=r) for row in bench_shape(SHAPES[key], args.sparsity, "auto", args.rounds,
-                                                                    bandwidth, args.seed + r, args.huge_pages)]
+    def shape(key: str):  # one repeat of a shape, lone calls then a chain (each warms its ops: protocol.fastest)
+        def run(r: int) -> list[dict[str, Any]]:
+            lone = bench_shape(SHAPES[key], args.sparsity, "auto", args.rounds, bandwidth, args.seed + r,
+                               args.huge_pages)
+            chain = bench_chained(SHAPES[key], args.sparsity, args.rounds, args.seed + r, args.huge_pages)
+            return [dict(row, repeat=r) for row in lone + chain]
+        return run
 
     def done(r: int, key: str, run: protocol.Run) -> None:
         rows.extend(run.result)
-        print(f"repeat {r + 1}/{args.repeats}, {SHAPES[key].name}: efficiency "
-              + ", ".join(f"{row['s']}: {row['efficiency']:.2f}" for row in run.result)
+        print(f"repeat {r + 1}/{args.repeats}, {SHAPES[key].name}: efficiency (layers a call: s: efficiency) "
+              + ", ".join(f"{row['layers']}: {row['s']}: {row['efficiency']:.2f}" for row in run.result)
               + f" ({run.seconds:.0f} s, load {protocol.load_average()[0]:.2f})", flush=True)
 
     protocol.interleaved_rounds({key: shape(key) for key in args.shapes}, args.repeats,
@@ -243,27 +252,29 @@ def main() -> None:
         f"(5 min: {load_after[1]:.2f}); the machine is shared, so only same-run ratios mean much",
         f"- {MEANING}",
         "",
-        "## CPU (measured in this run, float32, one layer)",
+        "## CPU (measured in this run, float32)",
         "",
         f"`jpinfer.bench.kernels.bench_shape` (the table of `jpinfer bench-kernels`): the decoder's dense FFN "
         f"against `sparse_ffn` (backend auto: {backend}) over random lists of (1 - s) * d_ff neurons, on "
-        f"cold caches; the ops alternate in {args.rounds} rounds of 3 calls, the fastest call counts. {args.repeats} "
-        f"repeat(s), shapes interleaved (the order rotating), seed {args.seed} + repeat. Columns: medians over the "
-        "repeats; `range` = the "
+        f"cold caches, one layer a call (`layers` 1); `bench_chained`: the same two ops over enough layers of their "
+        "own weights chained in one jit to pass the caches, as a decode step runs them (`layers` > 1, times per "
+        f"call of the chain). The ops alternate in {args.rounds} rounds of 3 calls, the fastest call counts. "
+        f"{args.repeats} repeat(s), shapes interleaved (the order rotating), seed {args.seed} + repeat. Columns: "
+        "medians over the repeats; `range` = the "
         f"lowest and highest efficiency of the repeats. Matrix-vector read bandwidth measured at the start: "
         f"{bandwidth / 1e9:.1f} GB/s.",
         "",
-        "| layer | s | K | dense ms | sparse ms | speedup | efficiency | range |",
-        "|---|---|---|---|---|---|---|---|",
+        "| layer | layers a call | s | K | dense ms | sparse ms | speedup | efficiency | range |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for c in cpu:
-        lines.append(f"| {c['shape']} | {c['s']:.2f} | {c['k']} | {c['dense_ms']:.2f} | {c['sparse_ms']:.3f} | "
-                     f"{c['speedup']:.2f} | {c['efficiency']:.2f} | "
+        lines.append(f"| {c['shape']} | {c['layers']} | {c['s']:.2f} | {c['k']} | {c['dense_ms']:.2f} | "
+                     f"{c['sparse_ms']:.3f} | {c['speedup']:.2f} | {c['efficiency']:.2f} | "
                      f"{c['efficiency_min']:.2f}-{c['efficiency_max']:.2f} |")
     lines += ["", *gpu_markdown(gpu)]
     if args.out:
         png = pathlib.Path(args.out).with_suffix(".png")
-        figure(cpu, gpu, png, f"CPU: {cpu_name}, float32, one layer\nmedian of {args.repeats} repeat(s); bars: range")
+        figure(cpu, gpu, png, f"CPU: {cpu_name}, float32\nmedian of {args.repeats} repeat(s); bars: range")
         lines += [f"![efficiency against sparsity]({png.name})", ""]
     publish("\n".join(lines).rstrip() + "\n", args.out, dict(
         command=command, jax=jax.__version__, processor=cpu_name, huge_pages=args.huge_pages, rounds=args.rounds,

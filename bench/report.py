@@ -311,8 +311,8 @@ def kernels() -> list[str]:
         return out + missing(COMMANDS["kernel_efficiency"])
     out += ["Sparse FFN kernel efficiency (speedup over the dense FFN x (1 - sparsity); 1.0 = the sparse op moves "
             "its bytes as fast as dense) against sparsity.", "", "![kernel efficiency](kernel_efficiency.png)", ""]
-    out += table(["layer shape", "sparsity", "dense ms", "sparse ms", "efficiency (median)", "range"],
-                 [[r["shape"], f"{r['s']:.2f}", f"{r['dense_ms']:.2f}", f"{r['sparse_ms']:.2f}",
+    out += table(["layer shape", "layers a call", "sparsity", "dense ms", "sparse ms", "efficiency (median)", "range"],
+                 [[r["shape"], str(r["layers"]), f"{r['s']:.2f}", f"{r['dense_ms']:.2f}", f"{r['sparse_ms']:.2f}",
                    f"{r['efficiency']:.2f}", f"{r['efficiency_min']:.2f}-{r['efficiency_max']:.2f}"]
                   for r in eff["cpu"]])
     gpu, suite = eff.get("gpu"), load("gpu_suite")

@@ -74,21 +74,24 @@ def test_gpu_section_lists_every_variant_and_names_the_command_when_not_measured
 
 
 def test_cpu_summary_takes_medians_of_the_repeats_same_run_ratios():
-    rows = [dict(shape=shape, s=s, k=k, dense_ms=d, sparse_ms=sp, speedup=d / sp, efficiency=d / sp * (1 - s),
-                 repeat=r)
+    rows = [dict(shape=shape, layers=layers, s=s, k=k, dense_ms=d * layers, sparse_ms=sp, speedup=d * layers / sp,
+                 efficiency=d * layers / sp * (1 - s), repeat=r)
             for r, (d, sp) in enumerate([(10.0, 8.0), (20.0, 10.0), (12.0, 12.0)])
-            for shape, s, k in [("A", 0.5, 50), ("B", 0.9, 10)]]
-    a, b = kernel_efficiency.cpu_summary(rows)
-    assert (a["shape"], a["s"], a["k"], a["repeats"]) == ("A", 0.5, 50, 3)
+            for shape, s, k in [("A", 0.5, 50), ("B", 0.9, 10)] for layers in (1, 2)]
+    a, a_chained, b, b_chained = kernel_efficiency.cpu_summary(rows)
+    assert (a["shape"], a["layers"], a["s"], a["k"], a["repeats"]) == ("A", 1, 0.5, 50, 3)
     assert a["efficiency"] == pytest.approx(0.625) and a["efficiency_min"] == pytest.approx(0.5)
     assert a["efficiency_max"] == pytest.approx(1.0) and a["dense_ms"] == 12.0 and a["sparse_ms"] == 10.0
     assert b["efficiency"] == pytest.approx(0.125)
+    # a chain's rows are their own group, never pooled with the lone calls' of the same shape and sparsity
+    assert (a_chained["shape"], a_chained["layers"], a_chained["repeats"]) == ("A", 2, 3)
+    assert a_chained["efficiency"] == pytest.approx(1.25) and b_chained["layers"] == 2
 
 
 def test_figure_is_drawn_with_and_without_a_gpu_run(tmp_path):
     pytest.importorskip("matplotlib")
-    cpu = [dict(shape="A", s=s, efficiency=e, efficiency_min=e - 0.1, efficiency_max=e + 0.1)
-           for s, e in [(0.5, 0.6), (0.9, 0.4)]]
+    cpu = [dict(shape="A", layers=layers, s=s, efficiency=e, efficiency_min=e - 0.1, efficiency_max=e + 0.1)
+           for s, e in [(0.5, 0.6), (0.9, 0.4)] for layers in (1, 26)]
     gpu = dict(source="x.json", device="NVIDIA H200", dtype="bfloat16", layers=32, jax="0.11.2",
                series=kernel_efficiency.gpu_series(GPU_TABLE))
     for name, recorded in [("none.png", None), ("gpu.png", gpu)]:

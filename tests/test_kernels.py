@@ -352,3 +352,21 @@ def test_accelerator_bench_runs_and_its_sparse_ops_equal_dense_over_every_neuron
     for name, op in chain_kernels.sparse_ops("swiglu", 96, True).items():
         got = chain_kernels.chained(op)(chain.ffns, x, every)
         np.testing.assert_allclose(np.asarray(got), np.asarray(dense), rtol=KERNEL_RTOL, atol=KERNEL_ATOL, err_msg=name)
+
+
+def test_chained_bench_passes_the_caches_and_reports_each_sparsity():
+    """bench-kernels' chained form: enough layers for min_bytes (at least 2), one row per sparsity with K, the
+    chain's length and efficiency = speedup x (1 - s), with or without huge pages."""
+    from jpinfer.bench.kernels import SHAPES, Shape, bench_chained, chain_layers
+
+    tiny = SHAPES["tiny"]
+    layer_bytes = 3 * tiny.d_model * tiny.d_ff * 4
+    assert chain_layers(tiny, 1) == 2 and chain_layers(tiny, 2 * layer_bytes + 1) == 3
+    assert chain_layers(Shape("relu", tiny.d_model, tiny.d_ff, "relu"), 2 * layer_bytes + 1) == 4  # 2 rows a neuron
+    for huge_pages in (False, True):
+        rows = bench_chained(tiny, (0.5, 0.9), rounds=1, seed=0, huge_pages=huge_pages, min_bytes=2 * layer_bytes + 1)
+        assert [(r["s"], r["k"], r["layers"]) for r in rows] == [(0.5, 344, 3), (0.9, 69, 3)]
+        for r in rows:
+            assert r["dense_ms"] > 0 and r["sparse_ms"] > 0
+            assert r["speedup"] == pytest.approx(r["dense_ms"] / r["sparse_ms"])
+            assert r["efficiency"] == pytest.approx(r["speedup"] * (1 - r["s"]))

@@ -142,13 +142,50 @@ def bench_shape(
         t_dense, t_before, t_sparse = fastest([dense, before, sparse], rounds)
         speedup = t_dense / t_sparse
         rows.append(dict(
-            shape=shape.name, s=s, k=k, dense_ms=t_dense * 1e3, sparse_ms=t_sparse * 1e3,
+            shape=shape.name, s=s, k=k, layers=1, dense_ms=t_dense * 1e3, sparse_ms=t_sparse * 1e3,
             before_ms=t_before * 1e3, efficiency_before=t_dense / t_before * (1 - s),
             speedup=speedup, efficiency=speedup * (1 - s),
             dense_gbs=dense_bytes / t_dense / 1e9,
             sparse_mb=k * row_bytes / 1e6, sparse_gbs=k * row_bytes / t_sparse / 1e9,
             sparse_bw_share=k * row_bytes / t_sparse / bandwidth,
         ))
+    return rows
+
+
+def chain_layers(shape: Shape, min_bytes: int = CACHE_FLUSH_BYTES) -> int:
+    """Layers a chain of ``shape`` needs for its weights to exceed ``min_bytes`` (every call then reads them from
+    memory): at least 2."""
+    layer_bytes = (2 if shape.kind in UNGATED_KINDS else 3) * shape.d_model * shape.d_ff * 4
+    return max(2, -(-min_bytes // layer_bytes))
+
+
+def bench_chained(shape: Shape, sparsities, rounds: int, seed: int, huge_pages: bool,
+                  min_bytes: int = CACHE_FLUSH_BYTES) -> list[dict]:
+    """Dense vs ``sparse_ffn`` (backend auto) per sparsity, with ``chain_layers`` layers of their own random weights
+    chained in one jit (``chain_kernels.chained``), as a decode step runs them: a lone call of a small op
+    (``bench_shape``) carries the whole of a call's fixed costs, a chain spreads them over its layers. Rows like
+    ``bench_shape``'s main columns, times per call of the whole chain, ``layers`` the chain's length."""
+    from jpinfer.bench import chain_kernels
+
+    n_layers = chain_layers(shape, min_bytes)
+    chain = chain_kernels.random_chain(shape.d_model, shape.d_ff, shape.kind, n_layers, jnp.float32, seed)
+    if huge_pages:
+        chain.ffns = [huge_page_ffn(f) for f in chain.ffns]
+        chain.dense = [dataclasses.replace(layer, w_gate_up=huge_page_array(layer.w_gate_up),
+                                           w_down=huge_page_array(layer.w_down)) for layer in chain.dense]
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal(shape.d_model, dtype=np.float32))
+    dense = chain_kernels.chained(lambda layer, y, ids: transformer.ffn_dense(layer, y, chain.cfg))
+    rows = []
+    for s in sparsities:
+        k = int(round(shape.d_ff * (1 - s)))
+        lists = [jnp.asarray(rng.permutation(shape.d_ff)[:k].astype(np.int32)) for _ in range(n_layers)]
+        sparse = chain_kernels.chained(lambda ffn, y, ids, k=k: sparse_ffn(ffn, y, ids, k))
+        t_dense, t_sparse = fastest([lambda: dense(chain.dense, x, [None] * n_layers),
+                                     lambda: sparse(chain.ffns, x, lists)], rounds)
+        rows.append(dict(shape=shape.name, s=s, k=k, layers=n_layers, dense_ms=t_dense * 1e3,
+                         sparse_ms=t_sparse * 1e3, speedup=t_dense / t_sparse,
+                         efficiency=t_dense / t_sparse * (1 - s)))
     return rows
 
 
