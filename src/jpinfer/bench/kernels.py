@@ -106,6 +106,11 @@ def _scan_before(kind: str, k: int, chunk: int = 64):
     return jax.jit(f)
 
 
+def layer_bytes(shape: Shape) -> int:
+    """Bytes of one float32 FFN layer of ``shape``: its gate (if any), up and down matrices."""
+    return (2 if shape.kind in UNGATED_KINDS else 3) * shape.d_model * shape.d_ff * 4
+
+
 def bench_shape(
     shape: Shape, sparsities, backend: str, rounds: int, bandwidth: float, seed: int, huge_pages: bool
 ) -> list[dict]:
@@ -119,7 +124,7 @@ def bench_shape(
         head_dim=8, d_ff=shape.d_ff, ffn_kind=shape.kind,
     )
     rng = np.random.default_rng(seed)
-    dense_bytes = (2 if shape.kind in UNGATED_KINDS else 3) * shape.d_model * shape.d_ff * 4
+    dense_bytes = layer_bytes(shape)
     copies = max(1, -(-CACHE_FLUSH_BYTES // dense_bytes))
     layers = [_layer(shape, rng, place) for _ in range(copies)]
     ffns = [neurons.from_layer(layer, shape.kind) for layer in layers]
@@ -154,9 +159,8 @@ def bench_shape(
 
 def chain_layers(shape: Shape, min_bytes: int = CACHE_FLUSH_BYTES) -> int:
     """Layers a chain of ``shape`` needs for its weights to exceed ``min_bytes`` (every call then reads them from
-    memory): at least 2."""
-    layer_bytes = (2 if shape.kind in UNGATED_KINDS else 3) * shape.d_model * shape.d_ff * 4
-    return max(2, -(-min_bytes // layer_bytes))
+    memory): at least 2 (one would be ``bench_shape``'s lone call)."""
+    return max(2, -(-min_bytes // layer_bytes(shape)))
 
 
 def bench_chained(shape: Shape, sparsities, rounds: int, seed: int, huge_pages: bool,
