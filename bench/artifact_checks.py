@@ -25,7 +25,7 @@ import numpy as np
 import xxhash
 
 from jpinfer.bench.protocol import interleaved_rounds, machine, machine_line
-from jpinfer.bench.results import publish
+from jpinfer.bench.results import command_line, publish
 
 
 def main() -> None:
@@ -72,7 +72,7 @@ def main() -> None:
         f"| whole cached load_model (check included) | {statistics.median(load):.3f} | {min(load):.3f} |",
     ]
     m = machine()
-    publish(f"# Artifact checks\n\n`python {' '.join(sys.argv)}`\n\n{machine_line(m)}\n\n"
+    publish(f"# Artifact checks\n\n{command_line('python ' + ' '.join(sys.argv))}\n\n{machine_line(m)}\n\n"
             f"Every measurement: {args.repeats} interleaved rounds (jpinfer.bench.protocol), after one untimed "
             "call.\n\n" + "\n".join(lines) + "\n", args.out,
             {"machine": m, "digest_seconds": {name: measured_digests.seconds(name) for name in digests},

@@ -41,7 +41,7 @@ from jpinfer.bench.machine import matvec_read_bandwidth
 from jpinfer.bench.planted import file_engine, neuron_major, planted_bench_engine, popularity_order
 from jpinfer.bench.protocol import load_average, machine, machine_line, prefix_agreement
 from jpinfer.bench.random_gguf import LLAMA2_7B, SPECIAL_TOKENS, Shapes, random_ggufs
-from jpinfer.bench.results import markdown_table, publish
+from jpinfer.bench.results import command_line, markdown_table, publish
 from jpinfer.models.loading import load_quantized_gguf
 from jpinfer.runtime.engine import Engine
 
@@ -157,8 +157,8 @@ def report(data: dict) -> str:
     args, shapes = data["args"], data["shapes"]
     lines = [f"# CPU decode at {shapes['name']}: random weights, planted activity", "",
              machine_line(data["machine"]), "",
-             f"`python bench/cpu_7b.py{' --small' if args['small'] else ''} --out-dir bench/results` "
-             f"({args['rounds']} interleaved rounds, one prompt of {args['prompt_tokens']} random ids, "
+             command_line(f"python bench/cpu_7b.py{' --small' if args['small'] else ''} --out-dir bench/results")
+             + f" ({args['rounds']} interleaved rounds, one prompt of {args['prompt_tokens']} random ids, "
              f"{args['new_tokens']} greedy tokens, llama.cpp on {args['threads']} threads; predictors of rank "
              f"{args['rank']}; {data['seconds'] / 60:.0f} min). XLA float32 matrix-vector read bandwidth "
              f"{data['bandwidth'] / 1e9:.1f} GB/s (the bytes bound's reference).", ""]

@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jpinfer.bench import protocol
+from jpinfer.bench.results import command_line
 from jpinfer.config import ModelConfig
 from jpinfer.models import transformer
 from jpinfer.native import kernels as K
@@ -289,7 +290,7 @@ def markdown(meta: dict, sections: dict) -> str:
     lines = ["# Native CPU kernels vs XLA:CPU", "",
              f"{protocol.machine_line(meta['machine'])} Library features {', '.join(meta['native_features'])}; "
              f"{meta['rounds']} interleaved rounds, medians; {meta['seconds']:.0f} s.", "",
-             "```", meta["command"], "```", ""]
+             command_line(meta["command"]), ""]
     for key, title in (("ffn_7b", "Fused sparse FFN, Llama-2-7B FFN shape"),
                        ("ffn_default", "Fused sparse FFN, default model shape")):
         sec = sections.get(key)

@@ -28,7 +28,7 @@ import jpinfer
 from jpinfer.bench.accuracy import wikitext_windows
 from jpinfer.bench.planted import random_predictor
 from jpinfer.bench.protocol import TEST_WINDOWS, load_average, machine, machine_line
-from jpinfer.bench.results import markdown_table, publish
+from jpinfer.bench.results import command_line, markdown_table, publish
 from jpinfer.ffn import PredictorMaskFFN, evaluate, layer_capacities, mask_states
 from jpinfer.models.params import nbytes
 from jpinfer.pack.default import pack_for
@@ -103,8 +103,8 @@ def main() -> None:
     lines = [
         "# Predictors in the model's format", "",
         f"{machine_line(m)}", "",
-        f"`python bench/predictor_formats.py --test-windows {args.test_windows} --rank {args.rank} "
-        f"--rounds {args.rounds} --calls {args.calls}`", "",
+        command_line(f"python bench/predictor_formats.py --test-windows {args.test_windows} --rank {args.rank} "
+                     f"--rounds {args.rounds} --calls {args.calls}"), "",
         f"## Accuracy: the default model's pack predictors (ranks {min(acc['ranks'])}-{max(acc['ranks'])}), "
         f"{args.test_windows} WikiText-2 test windows of 512 tokens", "",
         f"The sparse mode's FFN at the pack's capacities; dense perplexity {acc['dense_ppl']:.3f}. Hits: truly "

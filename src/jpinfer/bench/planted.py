@@ -14,8 +14,8 @@ shapes): what is measured is what reading the listed neurons costs, so the outpu
 - Layout: each layer's neurons stored hottest first (``popularity_order``), as a profile of the model would order
   them: the active sets then fall mostly in the front of each matrix, whose rows are read closer together. 7B
   int4 at 10% active (scratch A/B, 2-core Zen 4, 2026-12-05, 5 alternated rounds each,
-  bench/results/experiments/popularity_order.md): 15.4 -> 16.1 tok/s (same-round ratios 1.01-1.11), with predictors 14.1 -> 14.5
-  (0.96-1.04). Every neuron's rows move together, so a set computes the same sums either way.
+  bench/results/experiments/popularity_order.md): 15.4 -> 16.1 tok/s (same-round ratios 1.01-1.11), with
+  predictors 14.1 -> 14.5 (0.96-1.04). Every neuron's rows move together, so a set computes the same sums either way.
 - Without a predictor the set goes to the sparse op as it is (the ``sparse`` mode's kernel over the layer's
   neuron-major FFN, ``sparse.neurons``: int8 bundles for an int8 model; for an int4 one its 4-bit gate/up rows
   in records by neuron and int8 down slots).

@@ -20,6 +20,12 @@ def publish(text: str, out: str | os.PathLike | None, data: Any) -> None:
         path.with_suffix(".json").write_text(json.dumps(data, indent=1, default=float))
 
 
+def command_line(command: str) -> str:
+    """The line that names the command a results file came from, in the one form bench/index.py reads
+    (``Command: `...```), so every file under bench/results says how to make it again."""
+    return f"Command: `{command}`"
+
+
 def markdown_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> list[str]:
     """A markdown table's lines: the header, its rule, then one line per row (each cell as ``str``)."""
     return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
