@@ -2,26 +2,20 @@
 
 Every results file is listed in its group (current claims, other machines, experiments) with what its header
 says (machine, date, command) and which files cite it, so a reader can tell which file is the current claim
-and where a figure came from. The header is read in one form, the one the scripts write
-(``jpinfer.bench.protocol.machine_line`` and ``jpinfer.bench.results.command_line``):
-
-- machine: the paragraph that begins ``Machine: `` (at a line's start, after ``- `` or after a sentence); shown
-  up to its first ``;``;
-- date: the first ``YYYY-MM-DD`` in that paragraph;
-- command: what follows the first ``Command: `` (or ``Commands: ``, any case): a backticked command or, for a
-  record no script makes, a sentence saying what ran.
+and where a figure came from. The header is read in the one form the scripts write
+(``jpinfer.bench.results.read_header``).
 
     python bench/index.py
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import pathlib
 import re
 
 from jpinfer.bench.results import markdown_table as table
+from jpinfer.bench.results import read_header
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 ROOT = RESULTS.parents[1]
@@ -46,30 +40,8 @@ GROUPS = (("current", "Current claims (`bench/results/<name>`)"),
           ("experiments", "Experiments (`bench/results/experiments/<name>`, no script regenerates them)"),
           ("generated", "Generated"))
 
-_MACHINE = re.compile(r"(?:^(?:- )?|[.)] )Machine: (.+?)(?:\n\s*\n|\Z)", re.M | re.S)
-_DATE = re.compile(r"(?<!\d)\d{4}-\d{2}-\d{2}(?!\d)")
-_COMMAND = re.compile(r"(?:^(?:- )?|[.)] )(?i:commands?): (`[^`\n]+`|[^\n]+)", re.M)
 _CITED = re.compile(r"(--out(?:-dir)? |--json |default: )?(bench/results/[\w./-]*[\w/])")
 _LINK = re.compile(r"\]\(([^)\s#]+)(?:#[^)]*)?\)")
-
-
-@dataclasses.dataclass(frozen=True)
-class Header:
-    """What a results file's header says; None where it says nothing."""
-    machine: str | None
-    date: str | None
-    command: str | None
-
-
-def header(text: str) -> Header:
-    """The machine, date and command a results markdown names (the forms in the module docstring)."""
-    machine = _MACHINE.search(text)
-    paragraph = " ".join(machine.group(1).split()) if machine else ""
-    date = _DATE.search(paragraph)
-    command = _COMMAND.search(text)
-    return Header(machine=paragraph.split(";")[0].rstrip(".") if machine else None,
-                  date=date.group(0) if date else None,
-                  command=command.group(1).rstrip(" .") if command else None)
 
 
 def group(path: pathlib.Path) -> str:
@@ -145,7 +117,7 @@ def render() -> str:
             if group(files[0]) != key:
                 continue
             md = stem.with_suffix(".md")
-            h = header(md.read_text()) if md in files and key != "generated" else None
+            h = read_header(md.read_text()) if md in files and key != "generated" else None
             names = [f.relative_to(RESULTS).as_posix() for f in files]
             citers = sorted({c for f in files for c in by.get(f.relative_to(ROOT).as_posix(), [])}
                             - {f.relative_to(ROOT).as_posix() for f in files})

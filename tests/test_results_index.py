@@ -13,6 +13,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))  
 
 import index  # noqa: E402
 
+from jpinfer.bench.results import Header, read_header  # noqa: E402
+
 ROOT = index.ROOT
 FIGURE = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?)(?:x\b| tok/s\b)")
 RESULTS_LINK = re.compile(r"\]\((bench/results/[^)#\s]+)(?:#[^)]*)?\)")
@@ -24,7 +26,7 @@ def headerless(results: pathlib.Path) -> list[str]:
     for path in sorted(results.rglob("*.md")):
         if path.relative_to(results).as_posix() in index.GENERATED:
             continue
-        h = index.header(path.read_text())
+        h = read_header(path.read_text())
         out += [f"{path.relative_to(results)}: no {k}" for k in ("machine", "date", "command") if not getattr(h, k)]
     return out
 
@@ -101,13 +103,13 @@ def test_every_results_markdown_names_machine_date_and_command(tmp_path):
 
 
 def test_the_header_forms():
-    h = index.header("# T\n\nCommand: `python x.py --out y`. Machine: AMD EPYC (family 26, model 2), 2 cores; load "
+    h = read_header("# T\n\nCommand: `python x.py --out y`. Machine: AMD EPYC (family 26, model 2), 2 cores; load "
                      "average (1/5 min) 1.0/1.0 before, 1.0/1.0 after; jax 0.10.2 on cpu; 2026-12-04T21:26:16+00:00.\n")
-    assert h == index.Header("AMD EPYC (family 26, model 2), 2 cores", "2026-12-04", "`python x.py --out y`")
-    h = index.header("# T\n\n- Machine: Intel(R) Xeon(R) Processor, 16 cores; jax 0.11.2 on gpu (NVIDIA H200); "
+    assert h == Header("AMD EPYC (family 26, model 2), 2 cores", "2026-12-04", "`python x.py --out y`")
+    h = read_header("# T\n\n- Machine: Intel(R) Xeon(R) Processor, 16 cores; jax 0.11.2 on gpu (NVIDIA H200); "
                      "2026-12-04T11:53:10+00:00.\n- command: `python -m jpinfer.bench gpu`\n")
-    assert h == index.Header("Intel(R) Xeon(R) Processor, 16 cores", "2026-12-04", "`python -m jpinfer.bench gpu`")
-    assert index.header("# T\n\nno header\n") == index.Header(None, None, None)
+    assert h == Header("Intel(R) Xeon(R) Processor, 16 cores", "2026-12-04", "`python -m jpinfer.bench gpu`")
+    assert read_header("# T\n\nno header\n") == Header(None, None, None)
 
 
 def test_every_cited_results_path_exists(tmp_path):

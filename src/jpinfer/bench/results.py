@@ -3,9 +3,11 @@ beside it as JSON (same name, ``.json``), so every recorded number has a machine
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
+import re
 from typing import Any, Iterable, Sequence
 
 
@@ -21,9 +23,41 @@ def publish(text: str, out: str | os.PathLike | None, data: Any) -> None:
 
 
 def command_line(command: str) -> str:
-    """The line that names the command a results file came from, in the one form bench/index.py reads
-    (``Command: `...```), so every file under bench/results says how to make it again."""
+    """The line that names the command a results file came from, in the form ``read_header`` reads, so every
+    file under bench/results says how to make it again."""
     return f"Command: `{command}`"
+
+
+_MACHINE = re.compile(r"(?:^(?:- )?|[.)] )Machine: (.+?)(?:\n\s*\n|\Z)", re.M | re.S)
+_DATE = re.compile(r"(?<!\d)\d{4}-\d{2}-\d{2}(?!\d)")
+_COMMAND = re.compile(r"(?:^(?:- )?|[.)] )(?i:commands?): (`[^`\n]+`|[^\n]+)", re.M)
+
+
+@dataclasses.dataclass(frozen=True)
+class Header:
+    """What a results markdown says of its run; None where it says nothing."""
+    machine: str | None
+    date: str | None
+    command: str | None
+
+
+def read_header(text: str) -> Header:
+    """The machine, date and command a results markdown names, in the form the scripts write
+    (``protocol.machine_line`` and ``command_line``), so bench/index.py and bench/report.py can show them:
+
+    - machine: the paragraph that begins ``Machine: `` (at a line's start, after ``- `` or after a sentence),
+      up to its first ``;`` (``machine_line``'s CPU and cores);
+    - date: the first ``YYYY-MM-DD`` in that paragraph;
+    - command: what follows the first ``Command: `` (or ``Commands: ``, any case): a backticked command or, for a
+      record no script makes, a sentence saying what ran.
+    """
+    machine = _MACHINE.search(text)
+    paragraph = " ".join(machine.group(1).split()) if machine else ""
+    date = _DATE.search(paragraph)
+    command = _COMMAND.search(text)
+    return Header(machine=paragraph.split(";")[0].rstrip(".") if machine else None,
+                  date=date.group(0) if date else None,
+                  command=command.group(1).rstrip(" .") if command else None)
 
 
 def markdown_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> list[str]:
