@@ -10,11 +10,14 @@ command makes it. Numbers are copied from those files, never typed here.
 from __future__ import annotations
 
 import json
+import math
 import pathlib
+import statistics
 from typing import Any, Callable
 
 from jpinfer.bench.gpu_suite import part_note
 from jpinfer.bench.protocol import AGREEMENT_LABELS, AGREEMENT_MEANINGS, machine_line, prefix_agreement
+from jpinfer.bench.results import Header, read_header
 from jpinfer.bench.results import format_cell as fmt
 from jpinfer.bench.results import markdown_table as table
 from jpinfer.pack.settings import AUTO, AUTO_TARGET, HEAD_AUTO_TARGET
@@ -31,21 +34,25 @@ def missing(command: str) -> list[str]:
     return [f"Not run yet: `{command}`.", ""]
 
 
-COMMANDS = {
-    "bench": "python -m jpinfer.bench --json bench/results/bench.json --out bench/results/bench.md",
-    "long_context": "python -m jpinfer.bench --modes dense --peers transformers llama.cpp --lengths 128 1024 4096 "
-                    "--long-prompt 0 --max-new-tokens 64 --ppl-windows 0 --json bench/results/long_context.json "
+MODEL_WIDE_RUN = "--calibration-windows 16 --test-windows 16 --rounds 5 --prompts 3 --new-tokens 64"
+COMMANDS = {  # each one reproduces its file: the options its file records (tests/test_report.py checks them)
+    "bench": "jpinfer bench --json bench/results/bench.json --out bench/results/bench.md",
+    "long_context": "jpinfer bench --modes dense --peers transformers --lengths 128 1024 4096 --long-prompt 0 "
+                    "--max-new-tokens 64 --rounds 3 --ppl-windows 0 --json bench/results/long_context.json "
                     "--out bench/results/long_context.md",
     "first_run": "python bench/first_run.py --out bench/results/first_run.md",
     "accuracy_curves": "python bench/accuracy_curves.py --out bench/results/accuracy_curves.md",
-    "model_wide": "python bench/model_wide.py --out bench/results/model_wide.md",
+    "model_wide": "python bench/model_wide.py --points ffn:0.5+0.2,ffn:0.5+0.3,all:0.5+0.2+0.2,all:0.5+0.25+0.25,"
+                  "all:0.5+0.3+0.3,all:0.6+0.3+0.3,ffn-greedy:0.3,all-greedy:0.3,all-greedy:0.35,all-greedy:0.4 "
+                  f"{MODEL_WIDE_RUN} --out bench/results/model_wide.md",
     "model_wide_head": "python bench/model_wide.py --points ffn:0.5+0.25,all:0.5+0.25+0.25,all:0.5+0.25+0.25+0.1,"
                        "all:0.5+0.25+0.25+0.2,all:0.5+0.25+0.25+0.3,all:0.5+0.3+0.3,all:0.5+0.3+0.3+0.2,"
                        "all-greedy:0.35,all-greedy:0.35+0.2 --speed all:0.5+0.25+0.25,all:0.5+0.25+0.25+0.2,"
-                       "all:0.5+0.25+0.25+0.3,all-greedy:0.35+0.2 --out bench/results/model_wide_head.md",
+                       f"all:0.5+0.25+0.25+0.3,all-greedy:0.35+0.2 {MODEL_WIDE_RUN} "
+                       "--out bench/results/model_wide_head.md",
     **{f"model_wide_{w}": f"python bench/model_wide.py --weights {w} --points ffn:0.5,all:0.5+0.25+0.25,"
                           "all:0.5+0.3+0.3 --speed ffn:0.5,all:0.5+0.25+0.25,all:0.5+0.3+0.3 "
-                          f"--out bench/results/model_wide_{w}.md" for w in ("int8", "int4")},
+                          f"{MODEL_WIDE_RUN} --out bench/results/model_wide_{w}.md" for w in ("int8", "int4")},
     "serve": "python bench/serve.py --out bench/results/serve.md",
     "decode_speed": "python bench/decode_speed.py --out bench/results/decode_speed.md",
     "modelled_speed": "python bench/modelled_speed.py --out bench/results/modelled_speed.md",
@@ -53,10 +60,20 @@ COMMANDS = {
     "kernel_efficiency": "python bench/kernel_efficiency.py --out bench/results/kernel_efficiency.md",
     "power_law": "python bench/power_law.py --pack --out-dir bench/results",
     "predictor_sizes": "python bench/predictor_sizes.py --out bench/results/predictor_sizes.md",
-    "quantized": "python bench/quantized.py --out bench/results/quantized.md",
+    "quantized": "python bench/quantized.py --points 'a0.5,a0.4+i0.2,a0.5+i0.3' --test-windows 16 --rounds 5 "
+                 "--prompts 4 --new-tokens 128 --threads 2 --out bench/results/quantized.md",
     "cpu_7b": "python bench/cpu_7b.py --out-dir bench/results",
-    "gpu_suite": "PYTHONPATH=src python -m jpinfer.bench gpu --out bench/results",  # on a GPU machine
+    # on a GPU machine
+    "gpu_suite": "PYTHONPATH=src python -m jpinfer.bench gpu --parts checks hybrid modes --update --max-seconds 240 "
+                 "--out bench/results",
 }
+
+
+def other_machines(name: str) -> list[tuple[str, dict[str, Any]]]:
+    """Runs of ``name``'s script on other machines (``machines/<machine>/<name>.json``): (path under RESULTS,
+    data), by machine."""
+    return [(p.relative_to(RESULTS).with_suffix("").as_posix(), json.loads(p.read_text()))
+            for p in sorted(RESULTS.glob(f"machines/*/{name}.json"))]
 
 
 def gpu_note() -> str:
@@ -69,8 +86,21 @@ def gpu_note() -> str:
             "section; other GPU figures are modelled and say so.")
 
 
+def recorded(name: str) -> Header:
+    """The machine, date and command ``name``'s markdown names (its header)."""
+    path = RESULTS / f"{name}.md"
+    return read_header(path.read_text()) if path.is_file() else Header(None, None, None)
+
+
+def ran_on(name: str) -> str:
+    """'<machine>, <date>' of ``name``'s run, from its file ('not recorded' where it says nothing)."""
+    h = recorded(name)
+    return f"{h.machine or 'machine not recorded'}, {h.date or 'date not recorded'}"
+
+
 def source(name: str) -> str:
-    return f"Source: [`{name}.md`]({name}.md) (data: `{name}.json`), made by `{COMMANDS[name]}`."
+    return (f"Source: [`{name}.md`]({name}.md) (data: `{name}.json`), ran on {ran_on(name)}; made by "
+            f"`{COMMANDS[name]}`.")
 
 
 def threshold_targets(settings: dict[str, Any]) -> str:
@@ -119,6 +149,53 @@ def setup() -> list[str]:
         out += ["- " + missing(COMMANDS["first_run"])[0]]
     out += ["", "Commands (each writes its markdown, JSON and figure into `bench/results/`):", ""]
     out += table(["result", "command"], [[f"[{n}]({n}.md)", f"`{c}`"] for n, c in COMMANDS.items()])
+    return out + [""]
+
+
+def paper() -> list[str]:
+    """Which of the PowerInfer paper's figures this project reproduces, models or does not, from the files: what
+    ran where, and what a reproduction of the rest would need."""
+    out = ["## The paper's figures: reproduced, modelled, not reproduced", ""]
+    bench, law, share, suite = load("bench"), load("power_law"), load("placement_share"), load("gpu_suite")
+    modelled, eff = load("modelled_speed"), load("kernel_efficiency")
+    model = bench["model"] if bench else "the default model"
+    gpu_runs = (f"the only GPU run recorded is the GPU suite on one {suite['machine']['device']} with random weights "
+                "and synthetic activity, its peers jpinfer's own engines ("
+                + ", ".join(dict.fromkeys(r["engine"] for k in ("fixed_list", "hybrid", "modes") if suite.get(k)
+                                          for r in suite[k]["rows"])) + ")"
+                if suite else "no GPU run is recorded")
+    sparsity = f"{bench['pack']['settings']['sparsity']:.0%}" if bench and bench.get("pack") else "a chosen share"
+    rows = [
+        ["decode speed-up over llama.cpp, up to 11.69x, mean 7.23x (RTX 4090, ReLU models, hybrid CPU+GPU)",
+         "**not reproduced**",
+         f"No consumer GPU run: {gpu_runs}. The bench's model, {model}, is SwiGLU: none of its FFN outputs is "
+         f"exactly zero, so the pack skips {sparsity} of the neurons by thresholds, at a perplexity cost (section "
+         "Accuracy), where the paper's ReLU models skip their zeros for free. It would take a ReLU model (a "
+         "ReLU-fied Llama as in the paper), an RTX 4090 host, llama.cpp built with CUDA offloading as many layers "
+         "as the same GPU budget holds, and `jpinfer bench` with the hybrid mode against it on that machine.",
+         "[gpu_suite](gpu_suite.md), [bench](bench.md)"],
+        ["hybrid speed on GPUs against layer offload", "**modelled**",
+         "The placement solver's cost model on datasheet presets ("
+         + ", ".join(sorted({r["preset"] for c in (modelled or {}).get("cases", []) for r in c["rows"]}))
+         + ") with an oracle predictor: upper bounds, not measurements (section Speed).",
+         "[modelled_speed](modelled_speed.md)"],
+        ["the GPU's share of the activation mass, about 70% against about 20% for layer offload", "**modelled**",
+         "The MILP and greedy placements against layer offload at the same budgets, on measured (default model) and "
+         f"synthetic ReLU frequencies{' (section Placement)' if share else ''}.",
+         "[placement_share](placement_share.md)"],
+        ["power-law activity: 80% of the activations in 26% of the neurons (OPT-30B)", "**measured, differs**",
+         (f"On {model}: the hottest {law['mean']['share_80']:.1%} of a layer's neurons carry 80% (mean over "
+          "layers): SwiGLU activity is close to uniform." if law else "not run"), "[power_law](power_law.md)"],
+        ["sparse FFN kernels that turn skipped neurons into time", "**measured**",
+         (f"CPU: the sparse FFN op against the dense FFN at {min(r['s'] for r in eff['cpu']):.0%}-"
+          f"{max(r['s'] for r in eff['cpu']):.0%} sparsity" if eff else "CPU: not run")
+         + "; GPU: the suite's kernel table (sections Kernels, GPU).", "[kernel_efficiency](kernel_efficiency.md)"],
+        ["activation predictors and accuracy near dense", "**measured**",
+         "Perplexity of the oracle, predictor and threshold modes against the bytes they read, and the predictors' "
+         "recall and size (sections Accuracy, Activity).",
+         "[accuracy_curves](accuracy_curves.md), [predictor_sizes](predictor_sizes.md)"],
+    ]
+    out += table(["the paper's figure", "here", "what ran, or what it would take", "file"], rows)
     return out + [""]
 
 
@@ -171,7 +248,7 @@ def per_length(results: dict[str, Any], cell: Callable[[dict[str, Any]], str]) -
 
 
 def speed() -> list[str]:
-    out = ["## Speed", "", "### Every engine on the paper's protocol (measured, this CPU)", ""]
+    out = ["## Speed", "", f"### Every engine on the paper's protocol (measured on {ran_on('bench')})", ""]
     bench = load("bench")
     if bench is None:
         out += missing(COMMANDS["bench"])
@@ -186,7 +263,8 @@ def speed() -> list[str]:
         out += per_length(bench, lambda r: f"{r['decode_tok_s']:.1f} ({r['decode_vs_dense']:.2f}x), TTFT "
                                            f"{r['ttft_ms']:.0f} ms")
         out += ["", source("bench"), ""]
-    out += ["### Long prompts (measured, this CPU)", ""]
+        out += same_command_elsewhere("bench", bench)
+    out += [f"### Long prompts (measured on {ran_on('long_context')})", ""]
     long = load("long_context")
     if long is None:
         out += missing(COMMANDS["long_context"])
@@ -195,17 +273,20 @@ def speed() -> list[str]:
                 f"{long['protocol']['rounds']} interleaved rounds; prefill tok/s / decode tok/s per prompt length:", ""]
         out += per_length(long, lambda r: f"{r['prefill_tok_s']:.0f} / {r['decode_tok_s']:.1f}")
         out += ["", source("long_context"), ""]
-    out += ["### Against sparsity and budget (measured, this CPU)", ""]
+    out += [f"### Against sparsity and budget (measured on {ran_on('decode_speed')})", ""]
     decode = load("decode_speed")
     if decode is None:
         out += missing(COMMANDS["decode_speed"])
     else:
+        if recorded("decode_speed").machine != recorded("bench").machine:
+            out += [f"An older run on another machine than the main bench's ({ran_on('bench')}), with the code of its "
+                    "date: compare its speeds within this table only.", ""]
         out += ["![decode speed](decode_speed.png)", ""]
         out += table(["engine", "setting", "FFN bytes read", "decode tok/s", "x dense"],
                      [[r["kind"], r["setting"], fmt(r["bytes"], ".3f"), f"{r['decode_tok_s']:.1f}",
                        f"{r['vs_dense']:.2f}"] for r in decode["rows"]])
         out += ["", source("decode_speed"), ""]
-    out += ["### On GPUs this machine lacks (MODELLED, not measured; oracle predictor, upper bound)", ""]
+    out += ["### On GPUs (MODELLED, not measured; oracle predictor, upper bound)", ""]
     modelled = load("modelled_speed")
     if modelled is None:
         out += missing(COMMANDS["modelled_speed"])
@@ -234,13 +315,30 @@ def speed() -> list[str]:
                          [[c["configuration"], c["source"], f"{c['measured_ms']:.3f}", f"{c['modelled_ms']:.3f}",
                            f"{c['error']:+.1%}"] for c in compared])
         else:
-            recorded = ("the recorded GPU suite run holds no fixed-list decode" if load("gpu_suite") else
+            gpu_run = ("the recorded GPU suite run holds no fixed-list decode" if load("gpu_suite") else
                         "no GPU run is recorded in bench/results")
-            out += ["", f"Measured against modelled: {recorded}"
+            out += ["", f"Measured against modelled: {gpu_run}"
                     + f", so the model's error is not measured yet (`{COMMANDS['gpu_suite']}` on a GPU machine records "
                     "one, then `" + COMMANDS["modelled_speed"] + "`)."]
         out += ["", source("modelled_speed"), ""]
     return out
+
+
+def same_command_elsewhere(name: str, here: dict[str, Any]) -> list[str]:
+    """Each engine's decode x dense in this run and in the same command's runs on other machines, so a reader
+    sees the spread of the recorded runs beside the one shown (each a median of same-round ratios)."""
+    others = other_machines(name)
+    if not others:
+        return []
+    runs = [(name, here), *others]
+    engines = list(dict.fromkeys(r["engine"] for _, data in runs for r in data["engines"]))
+    by = {(path, r["engine"]): r for path, data in runs for r in data["engines"]}
+    header = [f"[`{path}.md`]({path}.md) ({ran_on(path)})" for path, _ in runs]
+    out = ["This run beside the same command's runs on other machines (decode x dense; another CPU and cache, "
+           "and the code of each run's date):", ""]
+    out += table(["engine", *header], [[e, *(fmt((by.get((path, e)) or {}).get("decode_vs_dense"), ".2f")
+                                             for path, _ in runs)] for e in engines])
+    return out + [""]
 
 
 def gpu() -> list[str]:
@@ -386,13 +484,44 @@ def quantized_weights() -> list[str]:
     out += [f"{machine_line(data['machine'])} int8 is W8A8 with SmoothQuant's migration, int4 W4A8 on llama.cpp's "
             "4-bit blocks; 'x llama.cpp': same-round decode ratio to llama.cpp on the same weights in the same format "
             "(F32; Q8_0 for int8; the same Q4_1 / Q4_0 blocks for int4).", ""]
-    out += table(["engine", "perplexity x float32", "decode tok/s", "x jpinfer float32", "x llama.cpp (speed)",
-                  "x llama.cpp (perplexity)"],
+    span = lambda pair: "-" if pair is None else f"{pair[0]:.2f}-{pair[1]:.2f}"
+    out += table(["engine", "perplexity x float32", "decode tok/s", "x jpinfer float32", "range",
+                  "x llama.cpp (speed)", "range", "x llama.cpp (perplexity)"],
                  [[r["engine"], fmt(r["ppl_ratio"], ".3f"), fmt(r["tok_s"], ".1f"), fmt(r["speedup"], ".2f"),
-                   fmt(r.get("x_llama_cpp"), ".2f"), fmt(r.get("ppl_x_llama_cpp"), ".3f")] for r in rows])
-    if data.get("peer_notes"):  # a peer that could not run as it should (e.g. without its weight repacking)
-        out += ["", " ".join(data["peer_notes"])]
+                   span(r.get("speedup_range")), fmt(r.get("x_llama_cpp"), ".2f"), span(peer_range(data, r)),
+                   fmt(r.get("ppl_x_llama_cpp"), ".3f")] for r in rows])
+    out += ["", peer_settings(data)]
+    others = other_machines("quantized")
+    if others:
+        out += ["", "The same script on other machines (x llama.cpp, speed; each run's llama.cpp settings beside "
+                "it):", ""]
+        out += table(["run", *(r["engine"] for r in rows if "x_llama_cpp" in r), "llama.cpp"],
+                     [[f"[`{path}.md`]({path}.md) ({ran_on(path)})",
+                       *(fmt(next((o.get("x_llama_cpp") for o in other["rows"] if o["engine"] == r["engine"]),
+                                  None), ".2f") for r in rows if "x_llama_cpp" in r),
+                       peer_settings(other)] for path, other in others])
     return out + ["", source("quantized"), ""]
+
+
+def peer_settings(data: dict[str, Any]) -> str:
+    """How llama.cpp ran in a quantized run: with its weight repacking (its default) unless the run's notes say
+    it could not."""
+    return " ".join(data.get("peer_notes") or []) or "llama.cpp ran with its weight repacking (its default)."
+
+
+def peer_range(data: dict[str, Any], row: dict[str, Any]) -> tuple[float, float] | None:
+    """The range of a row's same-round decode ratios to its llama.cpp peer, from the run's per-round tok/s; the
+    peer is the llama.cpp engine whose ratios' median is the recorded one (the run names no peer per row)."""
+    rounds = data.get("tok_s_rounds") or {}
+    mine = rounds.get(row["engine"])
+    if mine is None or row.get("x_llama_cpp") is None:
+        return None
+    for peer, theirs in rounds.items():
+        ratios = [a / b for a, b in zip(mine, theirs)]
+        if (peer.startswith("llama.cpp") and len(theirs) == len(mine)
+                and math.isclose(statistics.median(ratios), row["x_llama_cpp"], rel_tol=1e-9)):
+            return min(ratios), max(ratios)
+    return None
 
 
 def cpu_7b() -> list[str]:
@@ -445,15 +574,21 @@ def activity() -> list[str]:
     return out
 
 
-SECTIONS: list[Callable[[], list[str]]] = [setup, accuracy, speed, serving, gpu, quantized_weights, cpu_7b, placement,
-                                          kernels, activity]
+SECTIONS: list[Callable[[], list[str]]] = [setup, paper, accuracy, speed, serving, gpu, quantized_weights, cpu_7b,
+                                          placement, kernels, activity]
 
 
 def render() -> str:
     """REPORT.md's text from the files in ``RESULTS``."""
     lines = ["# jpinfer: report", "",
              "Generated by `python bench/report.py` from the files the scripts in `bench/` wrote into "
-             "`bench/results/`: every number below is copied from one of them (named in each section).", ""]
+             "`bench/results/`: every number below is copied from one of them (named in each section, with the "
+             "machine and date of its run; `INDEX.md` lists every file).", "",
+             "How to read a figure: each table is one recorded run of the machine named with it, never the best "
+             "of several; a speed-up 'x' is the median of same-round ratios over the run's interleaved rounds, "
+             "with their range beside it where the file records the rounds; where the same script ran on other "
+             "machines their figures stand beside it, named; a comparison with llama.cpp says how llama.cpp ran "
+             "(its weight repacking on, its default, or off).", ""]
     for section in SECTIONS:
         lines += section()
     return "\n".join(lines).rstrip() + "\n"
