@@ -108,7 +108,8 @@ def test_the_header_forms():
     assert h == Header("AMD EPYC (family 26, model 2), 2 cores", "2026-12-04", "`python x.py --out y`")
     h = read_header("# T\n\n- Machine: Intel(R) Xeon(R) Processor, 16 cores; jax 0.11.2 on gpu (NVIDIA H200); "
                      "2026-12-04T11:53:10+00:00.\n- command: `python -m jpinfer.bench gpu`\n")
-    assert h == Header("Intel(R) Xeon(R) Processor, 16 cores", "2026-12-04", "`python -m jpinfer.bench gpu`")
+    assert h == Header("NVIDIA H200 (host: Intel(R) Xeon(R) Processor, 16 cores)", "2026-12-04",
+                       "`python -m jpinfer.bench gpu`")
     assert read_header("# T\n\nno header\n") == Header(None, None, None)
 
 

@@ -30,6 +30,7 @@ def command_line(command: str) -> str:
 
 _MACHINE = re.compile(r"(?:^(?:- )?|[.)] )Machine: (.+?)(?:\n\s*\n|\Z)", re.M | re.S)
 _DATE = re.compile(r"(?<!\d)\d{4}-\d{2}-\d{2}(?!\d)")
+_GPU = re.compile(r"on gpu \(([^)]+)\)")
 _COMMAND = re.compile(r"(?:^(?:- )?|[.)] )(?i:commands?): (`[^`\n]+`|[^\n]+)", re.M)
 
 
@@ -46,7 +47,7 @@ def read_header(text: str) -> Header:
     (``protocol.machine_line`` and ``command_line``), so bench/index.py and bench/report.py can show them:
 
     - machine: the paragraph that begins ``Machine: `` (at a line's start, after ``- `` or after a sentence),
-      up to its first ``;`` (``machine_line``'s CPU and cores);
+      up to its first ``;`` (``machine_line``'s CPU and cores), led by the GPU where jax ran ``on gpu (...)``;
     - date: the first ``YYYY-MM-DD`` in that paragraph;
     - command: what follows the first ``Command: `` (or ``Commands: ``, any case): a backticked command or, for a
       record no script makes, a sentence saying what ran.
@@ -55,7 +56,9 @@ def read_header(text: str) -> Header:
     paragraph = " ".join(machine.group(1).split()) if machine else ""
     date = _DATE.search(paragraph)
     command = _COMMAND.search(text)
-    return Header(machine=paragraph.split(";")[0].rstrip(".") if machine else None,
+    gpu = _GPU.search(paragraph)
+    cpu = paragraph.split(";")[0].rstrip(".")
+    return Header(machine=(f"{gpu.group(1)} (host: {cpu})" if gpu else cpu) if machine else None,
                   date=date.group(0) if date else None,
                   command=command.group(1).rstrip(" .") if command else None)
 
