@@ -28,6 +28,8 @@ def headerless(results: pathlib.Path) -> list[str]:
             continue
         h = read_header(path.read_text())
         out += [f"{path.relative_to(results)}: no {k}" for k in ("machine", "date", "command") if not getattr(h, k)]
+        if h.machine and not (" cores" in h.machine and re.search(r"family \d+|NVIDIA|not recorded", h.machine)):
+            out.append(f"{path.relative_to(results)}: machine without its cores and CPU family / GPU: {h.machine}")
     return out
 
 
@@ -99,7 +101,8 @@ def test_the_index_follows_the_files(tmp_path, monkeypatch):
 def test_every_results_markdown_names_machine_date_and_command(tmp_path):
     assert headerless(index.RESULTS) == []
     (tmp_path / "bare.md").write_text("# A record\n\nMachine: a 2-core VM.\n")
-    assert headerless(tmp_path) == ["bare.md: no date", "bare.md: no command"]
+    assert headerless(tmp_path) == ["bare.md: no date", "bare.md: no command",
+                                    "bare.md: machine without its cores and CPU family / GPU: a 2-core VM"]
 
 
 def test_the_header_forms():
