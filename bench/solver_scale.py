@@ -1,8 +1,8 @@
 """Placement solver at full model scale: 7B and 70B shapes, four methods, one table each.
 
 Runs ``python -m jpinfer.solver --json`` per case (so the CLI's stdout must stay clean)
-and writes a markdown report. Frequencies are synthetic (Zipf-like, --skew) until the
-profiler measures a real model; pass --freq SHAPE=FILE.npy to use measured ones.
+and writes a markdown report. Frequencies are synthetic (Zipf-like, --skew); pass
+--freq SHAPE=FILE.npy to use measured ones.
 
     python bench/solver_scale.py --out bench/results/solver_scale.md
 """
@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import shlex
 import subprocess
 import sys
 import time
+
+from jpinfer.bench.protocol import load_average, machine, machine_line
+from jpinfer.bench.results import command_line
 
 # (title, shape, CLI arguments, time limit s). The first case of each shape is the
 # required one; the others show when the latency objective departs from the mass one.
@@ -73,18 +75,13 @@ def main() -> None:
     p.add_argument("--only", type=int, nargs="*", help="indices of CASES to run (default: all)")
     args = p.parse_args()
     files = dict(item.split("=", 1) for item in args.freq)
+    load_before = load_average()
     lines = [
-        "# Placement solver at scale",
-        "",
-        f"Command: `python bench/solver_scale.py {shlex.join(sys.argv[1:])}`  ",
-        f"Machine: {platform.machine()}, {platform.python_version()}, shared 2-core CI-sized box; "
-        "solve times are noisy (other jobs were running).",
-        "",
         "Frequencies: " + (", ".join(f"{k} from {v}" for k, v in files.items()) + "; other shapes " if files else "")
         + f"synthetic Zipf-like, neuron of rank r active with probability min(1, c r^-s), s = {args.skew} "
         "(+-15% per layer), mean activation 10% (+-15%), which puts 80% of the mass in the hottest ~28% "
-        "of neurons (PowerInfer reports 26% for OPT-30B). The default model's measured skew is not "
-        "available yet; rerun with --freq when the profiler has produced it.",
+        "of neurons (PowerInfer reports 26% for OPT-30B); --freq SHAPE=FILE.npy runs a shape on measured "
+        "frequencies.",
         "",
         "Times are the solver's cost model (datasheet presets, see src/jpinfer/solver/hardware.py), "
         "not measurements. `vs latency` = predicted time / the latency objective's. Each MILP run "
@@ -123,7 +120,10 @@ def main() -> None:
         ]
         lines += block
         print("\n".join(block), flush=True)
-    text = "\n".join(lines)
+    text = "\n".join(["# Placement solver at scale", "",
+                      command_line(f"python bench/solver_scale.py {shlex.join(sys.argv[1:])}"),
+                      machine_line(machine(load_before)) + " Solve times are wall times on a shared machine.", "",
+                      *lines])
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)
