@@ -32,7 +32,7 @@ import numpy as np
 import jpinfer
 from jpinfer.bench.accuracy import wikitext_windows
 from jpinfer.bench.protocol import TEST_WINDOWS, load_average, machine, machine_line
-from jpinfer.bench.results import publish
+from jpinfer.bench.results import command_line, publish
 from jpinfer.ffn import PredictorMaskFFN, evaluate, mask_states, perplexity
 from jpinfer.modes import build_engine
 from jpinfer.pack import Pack, pack_for
@@ -133,7 +133,7 @@ def main() -> None:
     m = machine(load_before)
     lines = [
         "# Accuracy against sparsity (SmolLM2-135M-Instruct, float32)", "",
-        f"Command: `{command}`. {machine_line(m)}", "",
+        f"{command_line(command)}. {machine_line(m)}", "",
         f"Pack: `{pack.path.name}` ({pack.settings.n_tokens} profiled tokens; activity thresholds for "
         f"{pack.settings.sparsity:.0%}; predictors trained at recall {pack.settings.recall}). WikiText-2 test "
         f"perplexity over {args.test_windows} windows of 512 tokens; dense {dense:.3f}. `bytes`: FFN weight bytes read "

@@ -33,7 +33,7 @@ import jpinfer  # noqa: E402
 from jpinfer.bench.engines import JaxEngine, decode_tok_s, speed_rounds  # noqa: E402
 from jpinfer.bench.prompts import sample_prompts  # noqa: E402
 from jpinfer.bench.protocol import load_average, machine, machine_line  # noqa: E402
-from jpinfer.bench.results import publish  # noqa: E402
+from jpinfer.bench.results import command_line, publish  # noqa: E402
 from jpinfer.modes import build_engine  # noqa: E402
 from jpinfer.pack import Pack, pack_for  # noqa: E402
 from jpinfer.predictor.fit import retune  # noqa: E402
@@ -123,7 +123,7 @@ def main() -> None:
     command = "python bench/decode_speed.py " + " ".join(sys.argv[1:])
     lines = [
         "# Decode speed against sparsity and budget, measured on this CPU (SmolLM2-135M-Instruct, float32)", "",
-        f"Command: `{command}`. {machine_line(m)}", "",
+        f"{command_line(command)}. {machine_line(m)}", "",
         f"Pack: `{pack.path.name}`. {args.prompts} prompts of 64 tokens x {NEW_TOKENS} greedy tokens per engine and "
         f"round, {args.rounds} interleaved rounds (the order rotating); tok/s: median over rounds; x dense: median "
         "of same-round ratios. "

@@ -22,7 +22,7 @@ import tempfile
 import time
 
 from jpinfer.bench.protocol import load_average, machine, machine_line
-from jpinfer.bench.results import publish
+from jpinfer.bench.results import command_line, publish
 
 MARKS = {  # first output line matching -> event
     "pack": re.compile(r"default model's pack"),
@@ -72,7 +72,8 @@ def main() -> None:
     fmt = lambda run, key: "-" if key not in run else f"{run[key] / 60:.1f} min ({run[key]:.0f} s)"
     lines = [
         "# The main command on a fresh clone: first and second run", "",
-        (f"Command: `python bench/first_run.py {' '.join(sys.argv[1:])}` (commit {head}). {machine_line(after)} "
+        (command_line(f"python bench/first_run.py {' '.join(sys.argv[1:])}")
+         + f" (commit {head}). {machine_line(after)} "
         "Both runs: `make bench` in one fresh "
         "clone whose cache directory starts empty (the first run installs `.venv`, loads the default model, "
         "prepares its pack and benches; the second reuses all of it). Times from the start of `make bench`."), "",

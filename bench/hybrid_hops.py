@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jpinfer.bench.protocol import load_average, machine, machine_line
-from jpinfer.bench.results import markdown_table, publish
+from jpinfer.bench.results import command_line, markdown_table, publish
 from jpinfer.modes.devices import default_devices
 
 
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     m = machine(load_before)
     names = list(runs[0]["per_layer_us"])
     lines = ["# The hybrid step's device crossings, per layer", "", f"- {machine_line(m)}",
-             f"- command: `python bench/hybrid_hops.py {' '.join(sys.argv[1:] if argv is None else argv)}`",
+             "- " + command_line(f"python bench/hybrid_hops.py {' '.join(sys.argv[1:] if argv is None else argv)}"),
              f"- accelerator {runs[0]['accelerator']}, host {runs[0]['host']}; {args.layers} layers a step, median of "
              f"{args.steps} steps; microseconds per layer (the copies: per copy, of one float32 vector)", ""]
     lines += markdown_table(["variant", *[f"width {r['width']}" for r in runs]],

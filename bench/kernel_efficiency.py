@@ -47,7 +47,7 @@ import jax
 from jpinfer.bench import protocol
 from jpinfer.bench.kernels import SHAPES, bench_chained, bench_shape
 from jpinfer.bench.machine import matvec_read_bandwidth
-from jpinfer.bench.results import publish
+from jpinfer.bench.results import command_line, publish
 from jpinfer.native import native_available
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -244,7 +244,7 @@ def main() -> None:
     lines = [
         "# Kernel efficiency against sparsity: the sparse FFN op against the dense FFN",
         "",
-        f"- command: `{command}`",
+        f"- {command_line(command)}",
         f"- {protocol.machine_line(protocol.machine(load_before))}",
         f"- weights in {pages}; run took {seconds:.0f} s",
         f"- load average (1 min): {load_before[0]:.2f} before (5 min: {load_before[1]:.2f}), "

@@ -37,7 +37,7 @@ import jpinfer
 from jpinfer.bench.accuracy import calibration_windows, wikitext_windows
 from jpinfer.bench.engines import JaxEngine, decode_tok_s, speed_rounds, weights_read_per_token
 from jpinfer.bench.protocol import TEST_WINDOWS, load_average, machine, machine_line
-from jpinfer.bench.results import publish
+from jpinfer.bench.results import command_line, publish
 from jpinfer.data import chatgpt_prompts
 from jpinfer.ffn import ThresholdRowsFFN, evaluate
 from jpinfer.models.params import nbytes
@@ -191,10 +191,11 @@ def main() -> None:
         + ("" if args.weights == "float" else f", {args.weights} weights"),
         "",
         f"{machine_line(machine(load_before))} Load average {min(loads):.1f}-{max(loads):.1f} during the speed "
-        f"rounds. Command: `python bench/model_wide.py --points {args.points} --calibration-windows {n_cal} "
-        f"--test-windows {args.test_windows} --rounds {args.rounds} --prompts {args.prompts} --new-tokens "
-        f"{args.new_tokens}" + ("" if args.speed is None else f" --speed {args.speed}")
-        + ("" if args.weights == "float" else f" --weights {args.weights}") + "`",
+        "rounds. " + command_line(
+            f"python bench/model_wide.py --points {args.points} --calibration-windows {n_cal} --test-windows "
+            f"{args.test_windows} --rounds {args.rounds} --prompts {args.prompts} --new-tokens {args.new_tokens}"
+            + ("" if args.speed is None else f" --speed {args.speed}")
+            + ("" if args.weights == "float" else f" --weights {args.weights}")),
         "",
         f"Dense: WikiText-2 test perplexity {dense_ppl:.2f} ({args.test_windows} x {WINDOW} tokens), decode "
         f"{speed['dense']:.1f} tok/s (median of {args.rounds} interleaved rounds). Thresholds calibrated on "

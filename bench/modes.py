@@ -49,7 +49,7 @@ from jpinfer.bench.protocol import (  # noqa: E402
     pooled_positions_agreement,
     positions_agreement,
 )
-from jpinfer.bench.results import publish  # noqa: E402
+from jpinfer.bench.results import command_line, publish  # noqa: E402
 from jpinfer.data import chatgpt_prompts  # noqa: E402
 from jpinfer.ffn import PredictorMaskFFN, evaluate, layer_capacities, mask_states, part_capacities  # noqa: E402
 from jpinfer.models import transformer  # noqa: E402
@@ -267,8 +267,8 @@ def main() -> None:
 def render(r: dict, args) -> str:
     lines = [
         "# Engine modes on the default model (CPU)", "",
-        "Command: `python bench/modes.py " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out" and v is not None) + "`", "",
+        command_line("python bench/modes.py " + " ".join(
+            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out" and v is not None)), "",
         f"{machine_line(r['machine'])} WikiText-2 test perplexity over {args.test_windows} windows of 512 tokens; "
         f"decode tok/s median of {args.rounds} interleaved rounds (the order rotating) over {args.prompts} ChatGPT "
         f"prompts x {args.new_tokens} tokens; vs dense: median of same-round ratios. "

@@ -25,7 +25,7 @@ import numpy as np  # noqa: E402
 
 import jpinfer  # noqa: E402
 from jpinfer.bench.protocol import machine, machine_line  # noqa: E402
-from jpinfer.bench.results import publish  # noqa: E402
+from jpinfer.bench.results import command_line, publish  # noqa: E402
 from jpinfer.cache import cache_dir  # noqa: E402
 from jpinfer.profiler import ActivationProfile, profile  # noqa: E402
 
@@ -91,7 +91,7 @@ def main() -> None:
     lines = [
         "# Power law of FFN neuron activity (SmolLM2-135M-Instruct, float32)",
         "",
-        f"Command: `python bench/power_law.py {' '.join(a for a in sys.argv[1:] if a != '--reuse')}`"
+        command_line(f"python bench/power_law.py {' '.join(a for a in sys.argv[1:] if a != '--reuse')}")
         + (" (this page redrawn from its saved profile with `--reuse`)" if args.reuse else ""),
         "",
         machine_line(machine()),

@@ -30,7 +30,7 @@ import numpy as np
 
 import jpinfer
 from jpinfer.bench.protocol import machine, machine_line
-from jpinfer.bench.results import publish
+from jpinfer.bench.results import command_line, publish
 from jpinfer.models import transformer
 from jpinfer.predictor import LayerData, TrainConfig, cutoff_for_recall, predict_logits, train_layer
 from jpinfer.predictor.train import score
@@ -108,8 +108,8 @@ def main() -> None:
 
     lines = [
         "# Predictor input: FFN input vs lookahead vs previous layer (default model)", "",
-        f"Command: `python bench/predictor_inputs.py --layers {args.layers} --rank {args.rank} --windows "
-        f"{args.windows} --sparsity {args.sparsity} --epochs {args.epochs}`", "",
+        command_line(f"python bench/predictor_inputs.py --layers {args.layers} --rank {args.rank} --windows "
+                     f"{args.windows} --sparsity {args.sparsity} --epochs {args.epochs}"), "",
         f"{machine_line(machine())} {args.windows * 512} tokens of WikiText-2 valid (held-out tail "
         f"{config.held_out:.0%}), labels at "
         f"{args.sparsity:.0%} uniform sparsity, width {args.rank}, {time.perf_counter() - t0:.0f} s.", "",

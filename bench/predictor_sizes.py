@@ -22,7 +22,7 @@ import numpy as np
 
 import jpinfer
 from jpinfer.bench.protocol import load_average, machine, machine_line
-from jpinfer.bench.results import publish
+from jpinfer.bench.results import command_line, publish
 from jpinfer.cache import cache_dir
 from jpinfer.errors import ArtifactError
 from jpinfer.pack import Pack, pack_for
@@ -96,7 +96,7 @@ def main() -> None:
     m = machine(load_before)
     lines = [
         "# Predictor size and recall per layer: adaptive against fixed widths (SmolLM2-135M-Instruct)", "",
-        f"Command: `{command}`. {machine_line(m)}", "",
+        f"{command_line(command)}. {machine_line(m)}", "",
         f"Pack `{pack.path.name}`: {s.n_samples} samples per layer "
         f"({pack.predictors.meta['train_config']['held_out']:.0%} "
         f"held out), recall {s.recall}, strong recall {s.strong_recall}, adaptive budget {s.predictor_budget:.0%} of "

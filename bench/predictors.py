@@ -38,7 +38,7 @@ from jpinfer.bench.protocol import (
     matching_prefix,
     pooled_positions_agreement,
 )
-from jpinfer.bench.results import publish
+from jpinfer.bench.results import command_line, publish
 from jpinfer.data import chatgpt_prompts
 from jpinfer.ffn import PredictorMaskFFN, evaluate, mask_states, perplexity
 from jpinfer.predictor import Predictors
@@ -142,9 +142,9 @@ def main() -> None:
     meta = adaptive.meta
     lines = [
         "# Activation predictors on the default model", "",
-        f"Command: `python bench/predictors.py --samples {args.samples} --test-windows {args.test_windows} "
-        f"--points {args.points} --prompts {args.prompts} --new-tokens {args.new_tokens} --rounds {args.rounds}"
-        f"{' --reuse' if args.reuse else ''}`", "",
+        command_line(f"python bench/predictors.py --samples {args.samples} --test-windows {args.test_windows} "
+                     f"--points {args.points} --prompts {args.prompts} --new-tokens {args.new_tokens} "
+                     f"--rounds {args.rounds}{' --reuse' if args.reuse else ''}"), "",
         f"{machine_line(machine(load_before))} Labels: |silu(g)*u| over the "
         f"profile's uniform 50% thresholds; {meta['n_samples']} samples per layer (held-out tail "
         f"{meta['train_config']['held_out']:.0%}).", "",

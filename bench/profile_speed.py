@@ -25,7 +25,7 @@ import numpy as np
 
 import jpinfer
 from jpinfer.bench.protocol import interleaved_rounds, load_average, machine, machine_line
-from jpinfer.bench.results import publish
+from jpinfer.bench.results import command_line, publish
 from jpinfer.models import transformer
 from jpinfer.profiler import profile, score_histogram, token_windows, uniform
 from jpinfer.profiler.passes import batches
@@ -94,7 +94,7 @@ def main() -> None:
     lines = [
         "# Profiling throughput vs dense prefill (SmolLM2-135M-Instruct, float32, CPU)",
         "",
-        f"Command: `python bench/profile_speed.py {' '.join(sys.argv[1:])}`",
+        command_line(f"python bench/profile_speed.py {' '.join(sys.argv[1:])}"),
         "",
         f"{args.windows} windows x {args.window} tokens of WikiText-2 valid, batch {args.batch_size}; best of "
         f"{args.reps} interleaved rounds (jpinfer.bench.protocol). {machine_line(machine(load_before))} The machine "

@@ -41,7 +41,7 @@ from jpinfer.bench.protocol import (
     pooled_positions_agreement,
     positions_agreement,
 )
-from jpinfer.bench.results import publish
+from jpinfer.bench.results import command_line, publish
 from jpinfer.data import chatgpt_prompts
 from jpinfer.ffn import ThresholdRowsFFN, evaluate
 from jpinfer.models import quantized, smoothquant
@@ -185,10 +185,9 @@ def main() -> None:
         "# Quantized weights (int8 W8A8, int4 W4A8) against float32 and llama.cpp, default model",
         "",
         f"{machine_line(machine(load_before))} Load average {min(loads):.1f}-{max(loads):.1f} during the speed "
-        "rounds. Command: "
-        f"`python bench/quantized.py --points '{args.points}' --test-windows {args.test_windows} "
-        f"--rounds {args.rounds} "
-        f"--prompts {args.prompts} --new-tokens {args.new_tokens} --threads {args.threads}`",
+        "rounds. " + command_line(f"python bench/quantized.py --points '{args.points}' --test-windows "
+                                  f"{args.test_windows} --rounds {args.rounds} --prompts {args.prompts} "
+                                  f"--new-tokens {args.new_tokens} --threads {args.threads}"),
         "",
         f"Perplexity: WikiText-2 test, {args.test_windows} x {WINDOW} tokens (llama.cpp's from its own logits on the "
         f"same windows). Speed: {args.prompts} ChatGPT prompts x {args.new_tokens} greedy tokens, median of "

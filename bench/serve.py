@@ -36,7 +36,7 @@ import numpy as np
 import jpinfer
 from jpinfer.bench.prompts import instruction_pool
 from jpinfer.bench.protocol import interleaved_rounds, load_average, log, machine, machine_line
-from jpinfer.bench.results import markdown_table, publish
+from jpinfer.bench.results import command_line, markdown_table, publish
 from jpinfer.runtime.generation import GenerationConfig
 
 
@@ -203,7 +203,8 @@ def report(data: dict) -> str:
         "",
         machine_line(data["machine"]),
         "",
-        f"Command: `python bench/serve.py` ({data['clients']} clients at once, one streamed greedy chat request of "
+        command_line("python bench/serve.py")
+        + f" ({data['clients']} clients at once, one streamed greedy chat request of "
         f"{data['tokens']} tokens each, default model, loopback). Output tok/s: all completion tokens over the wall "
         "time of the load; TTFT and TPOT (time per output token after the first) in ms, p50 / p99 over requests; "
         "'equal': greedy texts equal to the request run alone; step: the batched decode step with every slot full, "

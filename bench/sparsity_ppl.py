@@ -22,7 +22,7 @@ import numpy as np
 import jpinfer
 from jpinfer.bench.accuracy import wikitext_windows
 from jpinfer.bench.protocol import TEST_WINDOWS, load_average, machine, machine_line
-from jpinfer.bench.results import publish
+from jpinfer.bench.results import command_line, publish
 from jpinfer.cache import cache_dir
 from jpinfer.ffn import perplexity
 from jpinfer.profiler import ScoreHistogram, Sensitivity, greedy, score_histogram, sensitivity, token_windows, uniform
@@ -126,7 +126,7 @@ def write_markdown(args, rows, check: dict, sens, sens_s, total_s, load_before) 
     lines = [
         "# Oracle-sparse perplexity vs FFN sparsity (SmolLM2-135M-Instruct, default model, float32)",
         "",
-        f"Command: `{cmd}`",
+        command_line(cmd),
         "",
         machine_line(machine(load_before)),
         "",

@@ -47,7 +47,7 @@ from jpinfer.bench.protocol import (  # noqa: E402
     pooled_positions_agreement,
     positions_agreement,
 )
-from jpinfer.bench.results import publish  # noqa: E402
+from jpinfer.bench.results import command_line, publish  # noqa: E402
 from jpinfer.data import chatgpt_prompts  # noqa: E402
 from jpinfer.ffn import PredictorMaskFFN, ThresholdRowsFFN, evaluate, layer_capacities, mask_states  # noqa: E402
 from jpinfer.modes import build_engine  # noqa: E402
@@ -139,9 +139,9 @@ def main() -> None:
         "# Threshold mode (training-free) against dense and the predictor mode, default model",
         "",
         f"{machine_line(machine(load_before))} Load average {min(loads):.1f}-{max(loads):.1f} during the speed "
-        "rounds. Command: "
-        f"`python bench/threshold.py --points {args.points} --test-windows {args.test_windows} --rounds "
-        f"{args.rounds} --prompts {args.prompts} --new-tokens {args.new_tokens}`",
+        "rounds. " + command_line(f"python bench/threshold.py --points {args.points} --test-windows "
+                                  f"{args.test_windows} --rounds {args.rounds} --prompts {args.prompts} "
+                                  f"--new-tokens {args.new_tokens}"),
         "",
         f"Dense: WikiText-2 test perplexity {dense_ppl:.2f} ({args.test_windows} x {WINDOW} tokens), "
         f"decode {speed['dense']:.1f} tok/s (median of {args.rounds} interleaved rounds, {args.prompts} ChatGPT "
