@@ -41,7 +41,7 @@ from jpinfer.bench import chain_kernels, gpu_checks, synthetic
 from jpinfer.bench.fixed_list import fixed_list_engine, fixed_list_name, listed_count
 from jpinfer.bench.layer_offload import LLAMA2_7B, TINY, random_weights
 from jpinfer.bench.protocol import interleaved_rounds, load_average, log, machine, machine_line, matching_prefix
-from jpinfer.bench.results import error_text, markdown_table
+from jpinfer.bench.results import command_line, error_text, markdown_table
 from jpinfer.bench.results import format_cell as fmt
 from jpinfer.config import ModelConfig
 from jpinfer.errors import CheckpointError
@@ -332,7 +332,7 @@ def part_note(part: dict) -> str:
 
 
 def markdown(data: dict) -> str:
-    lines = ["# GPU suite", "", f"- {machine_line(data['machine'])}", f"- command: `{data['command']}`",
+    lines = ["# GPU suite", "", f"- {machine_line(data['machine'])}", f"- {command_line(data['command'])}",
              f"- --max-seconds {data['max_seconds']:g}; elapsed {data['elapsed_s']:.0f} s"
              + ("; --tiny: shrunk shapes on the CPU, Pallas in interpret mode: a check of the suite, not a timing"
                 if data["tiny"] else ""), "", "| part | status | seconds (estimate) | note |", "|---|---|---|---|"]

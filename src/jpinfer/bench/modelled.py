@@ -17,6 +17,7 @@ from typing import Sequence
 import numpy as np
 
 from jpinfer.bench.protocol import machine, machine_line
+from jpinfer.bench.results import command_line
 from jpinfer.config import ModelConfig
 from jpinfer.models.loading import load_model
 from jpinfer.models.params import nbytes
@@ -204,7 +205,7 @@ def header_lines(title: str, argv: Sequence[str], script: str, presets: Sequence
     return [
         f"# {title}",
         "",
-        f"- command: `python bench/{script} {shlex.join(argv)}`",
+        f"- {command_line(f'python bench/{script} {shlex.join(argv)}')}",
         f"- {machine_line(machine())}",
         "- solver: cvxpy + HiGHS",
         "- times are MODELLED by the solver's cost model (src/jpinfer/solver/latency.py) from datasheet presets "
