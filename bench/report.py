@@ -263,6 +263,7 @@ def speed() -> list[str]:
         out += per_length(bench, lambda r: f"{r['decode_tok_s']:.1f} ({r['decode_vs_dense']:.2f}x), TTFT "
                                            f"{r['ttft_ms']:.0f} ms")
         out += ["", source("bench"), ""]
+        out += same_machine_runs("bench")
         out += same_command_elsewhere("bench", bench)
     out += [f"### Long prompts (measured on {ran_on('long_context')})", ""]
     long = load("long_context")
@@ -322,6 +323,23 @@ def speed() -> list[str]:
                     "one, then `" + COMMANDS["modelled_speed"] + "`)."]
         out += ["", source("modelled_speed"), ""]
     return out
+
+
+RUNS_HEADING = "## Runs recorded on this machine"
+
+
+def same_machine_runs(name: str) -> list[str]:
+    """The section of ``name``.md, written by hand, that lists every recorded run of its command on its machine
+    with their median and range: the JSON keeps the last run only, and the headline rule quotes the median of
+    all of them, so the report shows that section beside the run its tables copy."""
+    path = RESULTS / f"{name}.md"
+    _, found, rest = (path.read_text() if path.is_file() else "").partition(RUNS_HEADING + "\n")
+    if not found:
+        return []
+    anchor = RUNS_HEADING.lstrip("# ").lower().replace(" ", "-")
+    body = rest.split("\n## ")[0].strip()
+    return [f"The runs of this command recorded on this machine, their median and range (from [`{name}.md`]"
+            f"({name}.md#{anchor})):", "", *body.splitlines(), ""]
 
 
 def same_command_elsewhere(name: str, here: dict[str, Any]) -> list[str]:
@@ -585,7 +603,9 @@ def render() -> str:
              "`bench/results/`: every number below is copied from one of them (named in each section, with the "
              "machine and date of its run; `INDEX.md` lists every file).", "",
              "How to read a figure: each table is one recorded run of the machine named with it, never the best "
-             "of several; a speed-up 'x' is the median of same-round ratios over the run's interleaved rounds, "
+             "of several (where a file records several runs of one machine, their median and range stand beside "
+             "it: the headline rule of docs/bench.md); a speed-up 'x' is the median of same-round ratios over the "
+             "run's interleaved rounds, "
              "with their range beside it where the file records the rounds; where the same script ran on other "
              "machines their figures stand beside it, named; a comparison with llama.cpp says how llama.cpp ran "
              "(its weight repacking on, its default, or off).", ""]
