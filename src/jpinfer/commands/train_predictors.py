@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from jpinfer.cli_args import add_model_arguments
+from jpinfer.commands.args import add_model_arguments
 
 
 def add_arguments(p: argparse.ArgumentParser, command: str = "train-predictors") -> None:

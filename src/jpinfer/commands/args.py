@@ -1,5 +1,5 @@
-"""Command-line arguments shared by several subcommands (kept apart from ``cli.py`` so that a stage's
-subcommand does not import the top-level CLI; the CLIs' level, above every stage)."""
+"""Command-line arguments shared by several subcommands (``jpinfer.commands`` and the bench's), so that each
+option is spelled, checked and explained once."""
 
 from __future__ import annotations
 

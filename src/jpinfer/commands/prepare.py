@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from jpinfer.cli_args import add_model_arguments
+from jpinfer.commands.args import add_model_arguments
 from jpinfer.pack.settings import AUTO, AUTO_TARGET, HEAD_AUTO_TARGET, OBJECTIVES, PackSettings
 
 DEFAULTS = PackSettings()

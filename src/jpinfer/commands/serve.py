@@ -8,7 +8,7 @@ import re
 import sys
 import time
 
-from jpinfer.cli_args import add_mode_arguments, add_model_arguments, mode_options, prepare_devices
+from jpinfer.commands.args import add_mode_arguments, add_model_arguments, mode_options, prepare_devices
 from jpinfer.runtime.batch import MAX_SLOTS
 
 DEFAULT_CONTEXT = 2048  # per slot: the default model's KV cache is 46 KB a position, 94 MB a slot
