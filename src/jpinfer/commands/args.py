@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from jpinfer.config import WEIGHT_FORMATS
-from jpinfer.modes.catalog import MODE_NAMES, get_mode
+from jpinfer.modes.catalog import FORMAT_MODES, MODE_NAMES, get_mode, listing
 
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 
@@ -22,10 +22,10 @@ def add_model_arguments(p: argparse.ArgumentParser, weights: bool = True) -> Non
     if weights:
         p.add_argument(
             "--weights", default="float", choices=WEIGHT_FORMATS,
-            help="float (default: every tensor in --dtype), int8 (W8A8, quantized at load; modes dense and "
-                 "threshold) or int4 (W4A8 in 4-bit blocks of 32: a GGUF's own Q4_0/Q4_1, else quantized at load; "
-                 "modes dense, sparse and threshold, whose layouts hold int8 copies of the matrices they read by "
-                 "input rows or neuron columns)",
+            help=f"float (default: every tensor in --dtype), int8 (W8A8, quantized at load; modes "
+                 f"{listing(FORMAT_MODES['int8'])}) or int4 (W4A8 in 4-bit blocks of 32: a GGUF's own Q4_0/Q4_1, else "
+                 f"quantized at load; modes {listing(FORMAT_MODES['int4'])}, whose layouts hold int8 copies of the "
+                 "matrices they read by input rows or neuron columns)",
         )
 
 
