@@ -4,6 +4,7 @@ option is spelled, checked and explained once."""
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from jpinfer.config import WEIGHT_FORMATS
 from jpinfer.modes.catalog import FORMAT_MODES, MODE_NAMES, get_mode, listing
@@ -74,6 +75,17 @@ def prepare_devices(modes: list[str]) -> None:
         import jax
 
         jax.config.update("jax_num_cpu_devices", 2)
+
+
+def load_engine(args: argparse.Namespace, *, with_mode: bool = False) -> Any:
+    """The ``jpinfer.Engine`` that ``add_model_arguments``' options name (with ``with_mode``, in the mode
+    ``add_mode_arguments``' options name, the devices prepared for it): every command loads its model here."""
+    from jpinfer.api import load
+
+    if not with_mode:
+        return load(args.model, dtype=args.dtype, weights=args.weights)
+    prepare_devices([args.mode])
+    return load(args.model, dtype=args.dtype, weights=args.weights, mode=args.mode, **mode_options(args))
 
 
 def mode_options(args: argparse.Namespace) -> dict:

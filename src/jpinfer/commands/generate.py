@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jpinfer.commands.args import add_mode_arguments, add_model_arguments, mode_options, prepare_devices
+from jpinfer.commands.args import add_mode_arguments, add_model_arguments, load_engine
 
 
 def add_arguments(p: argparse.ArgumentParser, command: str) -> None:
@@ -30,17 +30,15 @@ def add_arguments(p: argparse.ArgumentParser, command: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jpinfer.api import load
     from jpinfer.runtime.generation import GenerationConfig
 
     if args.command == "info":
-        return _info(load(args.model, dtype=args.dtype, weights=args.weights), args)
+        return _info(load_engine(args), args)
     config = GenerationConfig(  # checked before the model loads: bad settings fail fast
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
         top_p=args.top_p, seed=args.seed, stop=tuple(args.stop), chat=args.command == "chat" or args.chat,
     )
-    prepare_devices([args.mode])
-    engine = load(args.model, dtype=args.dtype, weights=args.weights, mode=args.mode, **mode_options(args))
+    engine = load_engine(args, with_mode=True)
     if args.command == "chat":
         return _chat(engine, config, args.system)
     result = None
