@@ -56,12 +56,12 @@ from jpinfer.bench.results import publish
 from jpinfer.config import ModelConfig
 from jpinfer.runtime.generation import MIN_PROMPT_BUCKET, attend_length, generation_shapes
 from jpinfer.solver import InfeasibleBudgetError, ModelSizes, model_sizes, preset, solve_placement
-from jpinfer.solver.cli import SHAPES
+from jpinfer.solver.shapes import SHAPES
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 PRESETS = ("rtx4090", "a100-80gb", "h200")
-RUNS = ("latency", "greedy", "layers")  # names of jpinfer.solver.cli.RUNS
+RUNS = ("latency", "greedy", "layers")  # names of jpinfer.solver.shapes.RUNS
 RUN_LABELS = {"latency": "jpinfer (milp, latency)", "greedy": "greedy", "layers": "layer offload"}
 # Llama-2-13B: hidden 5120, FFN 13824, 40 layers of 40 heads of 128 (Touvron et al., 2023; the released
 # config.json); the other dimensions as the 7B shape.

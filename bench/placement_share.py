@@ -66,7 +66,7 @@ from jpinfer.solver import (
     ModelSizes,
     preset,
 )
-from jpinfer.solver.cli import RUNS, SHAPES
+from jpinfer.solver.shapes import RUNS, SHAPES
 
 # ----- this script
 

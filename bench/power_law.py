@@ -27,7 +27,7 @@ import jpinfer  # noqa: E402
 from jpinfer.bench.protocol import machine, machine_line  # noqa: E402
 from jpinfer.bench.results import command_line, publish  # noqa: E402
 from jpinfer.cache import cache_dir  # noqa: E402
-from jpinfer.profiler import ActivationProfile, profile  # noqa: E402
+from jpinfer.profiler import ActivationProfile, ProfileSettings, profile  # noqa: E402
 
 SHARES = (0.5, 0.8, 0.9)
 
@@ -72,8 +72,9 @@ def main() -> None:
     elif args.reuse and saved.is_file():
         prof = ActivationProfile.load(saved)
     else:
-        prof = profile(jpinfer.load(), "wikitext2-valid", n_tokens=args.n_tokens, window=args.window,
-                       sparsity=args.sparsity, n_samples=args.n_samples, batch_size=args.batch_size, progress=True)
+        settings = ProfileSettings(n_tokens=args.n_tokens, window=args.window, sparsity=args.sparsity,
+                                   n_samples=args.n_samples, batch_size=args.batch_size)
+        prof = profile(jpinfer.load(), "wikitext2-valid", settings, progress=True)
         prof.save(saved)
 
     layers = [int(v) for v in args.layers.split(",")]

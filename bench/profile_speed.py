@@ -13,8 +13,8 @@ shared machine.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
-import inspect
 import pathlib
 import sys
 import time
@@ -27,7 +27,7 @@ import jpinfer
 from jpinfer.bench.protocol import interleaved_rounds, load_average, machine, machine_line
 from jpinfer.bench.results import command_line, publish
 from jpinfer.models import transformer
-from jpinfer.profiler import profile, score_histogram, token_windows, uniform
+from jpinfer.profiler import ProfileSettings, profile, score_histogram, token_windows, uniform
 from jpinfer.profiler.passes import batches
 
 
@@ -69,19 +69,21 @@ def main() -> None:
     tokens = token_windows("wikitext2-valid", engine.tokenizer, window=args.window,
                            n_tokens=args.windows * args.window, seed=0).tokens
     cal = uniform(score_histogram(engine, tokens[: args.batch_size]), 0.5)
-    kw = dict(thresholds=cal, batch_size=args.batch_size, progress=False)
-    profile(engine, tokens[: args.batch_size], **kw)  # compile everything once
+    kw = dict(thresholds=cal, progress=False)
+    plain = ProfileSettings(batch_size=args.batch_size)
+    sampled = dataclasses.replace(plain, n_samples=8)
+    profile(engine, tokens[: args.batch_size], plain, **kw)  # compile everything once
     dense_seconds(engine, tokens[: args.batch_size], args.batch_size, False)
     dense_seconds(engine, tokens[: args.batch_size], args.batch_size, True)
-    profile(engine, tokens[: args.batch_size], n_samples=8, **kw)
+    profile(engine, tokens[: args.batch_size], sampled, **kw)
     score_histogram(engine, tokens[: args.batch_size], batch_size=args.batch_size)
     b = args.batch_size
     runs = {
         "dense prefill (transformer.forward, no LM head)": lambda: dense_seconds(engine, tokens, b, False),
         "dense prefill + logits (transformer.score)": lambda: dense_seconds(engine, tokens, b, True),
-        "profile pass (counts + histogram)": lambda: profile(engine, tokens, **kw).meta["seconds"]["pass"],
+        "profile pass (counts + histogram)": lambda: profile(engine, tokens, plain, **kw).meta["seconds"]["pass"],
         f"profile pass + {args.n_samples} predictor samples": lambda: profile(
-            engine, tokens, n_samples=args.n_samples, **kw).meta["seconds"]["pass"],
+            engine, tokens, dataclasses.replace(plain, n_samples=args.n_samples), **kw).meta["seconds"]["pass"],
         "calibration pass (score histogram)": lambda: timed(score_histogram, engine, tokens, batch_size=b),
     }
     measured = interleaved_rounds({name: (lambda r, run=run: run()) for name, run in runs.items()}, args.reps,
@@ -105,8 +107,7 @@ def main() -> None:
     ]
     for name, seconds in best.items():
         lines.append(f"| {name} | {tokens.size / seconds:.1f} | {seconds / base:.2f}x |")
-    defaults = inspect.signature(profile).parameters
-    calib, n = defaults["calibration_tokens"].default, defaults["n_tokens"].default
+    calib, n = ProfileSettings().calibration_tokens, ProfileSettings().n_tokens
     names = list(best)
     whole = (best[names[2]] + best[names[4]] * calib / n) / base
     lines += ["", f"A default profile() of {n} tokens first calibrates on {calib} of them: end to end it costs "

@@ -1,6 +1,6 @@
 """Placement solver at full model scale: 7B and 70B shapes, four methods, one table each.
 
-Runs ``python -m jpinfer.solver --json`` per case (so the CLI's stdout must stay clean)
+Runs ``python -m jpinfer place --json`` per case (so the CLI's stdout must stay clean)
 and writes a markdown report. Frequencies are synthetic (Zipf-like, --skew); pass
 --freq SHAPE=FILE.npy to use measured ones.
 
@@ -40,9 +40,9 @@ CASES = [
 
 def run_case(shape: str, args: list[str], time_limit: int, common: list[str]) -> tuple[str, list[dict], float]:
     argv = ["--shape", shape, *args, *common, "--time-limit", str(time_limit), "--json"]
-    command = "python -m jpinfer.solver " + shlex.join(argv)
+    command = "python -m jpinfer place " + shlex.join(argv)
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "jpinfer.solver", *argv], capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "jpinfer", "place", *argv], capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"{command} failed:\n{done.stderr}")
     rows = [json.loads(line) for line in done.stdout.splitlines()]  # fails if anything else was printed

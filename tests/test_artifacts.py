@@ -34,7 +34,14 @@ from jpinfer.cache import CacheWarning
 from jpinfer.errors import ArtifactError, CacheError
 from jpinfer.models import gguf_loader, loading, params
 from jpinfer.predictor import PredictorError, PredictorMismatchError, Predictors, PredictorWeights, profile_fingerprint
-from jpinfer.profiler import ActivationProfile, ProfileError, ProfileMismatchError, SamplesError, profile
+from jpinfer.profiler import (
+    ActivationProfile,
+    ProfileError,
+    ProfileMismatchError,
+    ProfileSettings,
+    SamplesError,
+    profile,
+)
 from jpinfer.solver import Placement, PlacementError, PlacementVersionError
 
 import gguf_fixtures as fx
@@ -97,8 +104,9 @@ def world(tmp_path_factory) -> World:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("JPINFER_CACHE", str(root / "cache"))
         gguf_cfg = loading.load_model(gguf).cfg  # read from the file: the cache was empty
-        prof = profile(engine, windows(), n_samples=N_SAMPLES, batch_size=2, progress=False)
-        other = profile(tiny_engine("reglu", seed=7), windows(), n_samples=N_SAMPLES, batch_size=2, progress=False)
+        settings = ProfileSettings(n_samples=N_SAMPLES, batch_size=2)
+        prof = profile(engine, windows(), settings, progress=False)
+        other = profile(tiny_engine("reglu", seed=7), windows(), settings, progress=False)
     placement = random_placement(engine.cfg.n_layers, engine.cfg.d_ff, seed=0)
     predictors = random_predictors(engine, prof, seed=0)
     return World(root, gguf, gguf_cfg, root / "cache", engine, prof, prof.save(root / "profile.npz"),
@@ -514,10 +522,10 @@ def test_samples_in_a_cache_that_cannot_be_created_or_written(world, tmp_path, m
     (tmp_path / "not-a-dir").write_text("")
     monkeypatch.setenv("JPINFER_CACHE", str(tmp_path / "not-a-dir"))
     with pytest.raises(CacheError, match="not-a-dir.*JPINFER_CACHE"):
-        profile(world.engine, windows(), n_samples=N_SAMPLES, batch_size=2, progress=False)
+        profile(world.engine, windows(), ProfileSettings(n_samples=N_SAMPLES, batch_size=2), progress=False)
     monkeypatch.setenv("JPINFER_CACHE", str(tmp_path / "cache"))
     with disk_full_beyond(1 << 10), pytest.raises(CacheError, match="cannot write predictor samples.*JPINFER_CACHE"):
-        profile(world.engine, windows(), n_samples=N_SAMPLES, batch_size=2, progress=False)
+        profile(world.engine, windows(), ProfileSettings(n_samples=N_SAMPLES, batch_size=2), progress=False)
     assert list((tmp_path / "cache" / "samples").iterdir()) == []
 
 
@@ -569,10 +577,10 @@ def test_an_interrupted_cache_write_leaves_nothing(world, tmp_path, monkeypatch)
 
 
 def test_an_interrupted_profile_leaves_no_samples_and_keeps_older_ones(world, monkeypatch, tmp_path):
-    first = profile(world.engine, windows(), n_samples=N_SAMPLES, batch_size=2, progress=False)
+    first = profile(world.engine, windows(), ProfileSettings(n_samples=N_SAMPLES, batch_size=2), progress=False)
     monkeypatch.setattr(artifacts, "publish", interrupt)
     with pytest.raises(KeyboardInterrupt):  # the same profile again: the same sample directory
-        profile(world.engine, windows(), n_samples=N_SAMPLES, batch_size=2, progress=False)
+        profile(world.engine, windows(), ProfileSettings(n_samples=N_SAMPLES, batch_size=2), progress=False)
     monkeypatch.setattr(artifacts, "publish", PUBLISH)
     samples = first.samples()
     for layer in range(first.n_layers):
@@ -605,7 +613,7 @@ def test_stale_temporaries_are_removed_and_live_ones_kept(kind):
         if kind.name == "gguf-cache":
             kind.read(path)  # a cache hit sweeps too
         elif kind.name == "samples":
-            profile(kind.world.engine, windows(), n_samples=N_SAMPLES, batch_size=2, progress=False)
+            profile(kind.world.engine, windows(), ProfileSettings(n_samples=N_SAMPLES, batch_size=2), progress=False)
         else:
             kind.save_other(path)
 

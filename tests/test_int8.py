@@ -17,7 +17,7 @@ from jpinfer import GenerationConfig, JpinferError
 from jpinfer.cache import CacheWarning
 from jpinfer.models import loading, params, quantized, smoothquant, transformer
 from jpinfer.modes import build_engine
-from jpinfer.profiler import ProfileMismatchError, profile, smoothing
+from jpinfer.profiler import ProfileMismatchError, SparsityTargets, profile, smoothing
 from jpinfer.quant import int8
 from jpinfer.quant.int8 import Int8Matrix
 from jpinfer.sparse import ROWS_BACKENDS, sparse_rows_product, threshold_ffn, threshold_layout
@@ -404,9 +404,9 @@ def test_the_int8_model_is_profiled_on_its_own():
     with pytest.raises(ProfileMismatchError, match=r"differs in weights format float there, int8 here: make one for "
                                                    r"this model \(jpinfer profile --out PATH --model tiny-swiglu "
                                                    r"--weights int8\)"):
-        build_engine(int8_form.model, "threshold", profile=profile(dense, tokens, activation_sparsity=0.4,
-                                                                    progress=False))
-    prof = profile(int8_form, tokens, activation_sparsity=0.4, progress=False)
+        build_engine(int8_form.model, "threshold",
+                     profile=profile(dense, tokens, targets=SparsityTargets(activation=0.4), progress=False))
+    prof = profile(int8_form, tokens, targets=SparsityTargets(activation=0.4), progress=False)
     engine = build_engine(int8_form.model, "threshold", profile=prof)
     assert engine.stepper.name == "threshold"
     assert engine.generate(PROMPT, GenerationConfig(max_new_tokens=6)).token_ids

@@ -26,7 +26,7 @@ from jpinfer.predictor import (
     train_predictors,
 )
 from jpinfer.predictor.fit import retune
-from jpinfer.profiler import profile
+from jpinfer.profiler import ProfileSettings, profile
 
 from profiler_fixtures import ffn_inputs, tiny_engine
 from tolerances import KERNEL_ATOL, KERNEL_RTOL
@@ -48,7 +48,7 @@ def relu_setup(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setenv("JPINFER_CACHE", str(tmp_path_factory.mktemp("cache")))
     engine = tiny_engine("relu")
-    prof = profile(engine, windows(192), n_samples=6144, progress=False)
+    prof = profile(engine, windows(192), ProfileSettings(n_samples=6144), progress=False)
     config = TrainConfig(recall=0.97, max_epochs=30, batch_size=128, learning_rate=1e-2)  # ~1200 steps
     predictors = train_predictors(engine, prof, ranks=32, config=config,
                                   progress=False)

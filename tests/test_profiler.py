@@ -14,6 +14,7 @@ from jpinfer.profiler import (
     PredictorSamples,
     ProfileError,
     ProfileMismatchError,
+    ProfileSettings,
     Sensitivity,
     calibrate,
     greedy,
@@ -45,10 +46,11 @@ def test_counts_and_histogram_equal_brute_force(kind):
     scores = reference_scores(engine, tokens)
     if kind in SMOOTH:
         thr = thresholds_in_gaps(scores, 0.6)
-        prof = profile(engine, tokens, thresholds=thr, batch_size=2, progress=False)  # 5 windows: a padded batch
+        # 5 windows: a padded batch
+        prof = profile(engine, tokens, ProfileSettings(batch_size=2), thresholds=thr, progress=False)
     else:
         thr = np.zeros(len(scores))
-        prof = profile(engine, tokens, batch_size=2, progress=False)
+        prof = profile(engine, tokens, ProfileSettings(batch_size=2), progress=False)
     assert prof.n_tokens == tokens.size
     for layer, s in enumerate(scores):
         active = s > thr[layer]
@@ -78,13 +80,13 @@ def test_swiglu_thresholds_hit_the_requested_sparsity(sparsity, score):
     cal = calibrate(engine, tokens, sparsity, score=score, batch_size=3)
     for layer, s in enumerate(reference_scores(engine, tokens, score)):
         assert abs((s <= cal.thresholds[layer]).mean() - sparsity) <= SPARSITY_ATOL
-    prof = profile(engine, tokens, thresholds=cal, score=score, progress=False)
+    prof = profile(engine, tokens, ProfileSettings(score=score), thresholds=cal, progress=False)
     np.testing.assert_allclose(prof.sparsity(), sparsity, atol=SPARSITY_ATOL)
 
 
 def test_profile_calibrates_uniform_thresholds_on_its_first_tokens():
     engine, tokens = tiny_engine("swiglu"), windows(6, 32, seed=4)
-    prof = profile(engine, tokens, sparsity=0.7, calibration_tokens=64, progress=False)
+    prof = profile(engine, tokens, ProfileSettings(sparsity=0.7, calibration_tokens=64), progress=False)
     assert prof.meta["calibration"]["calibration_tokens"] == 64
     for layer, s in enumerate(reference_scores(engine, tokens[:2])):
         assert abs((s <= prof.thresholds[layer]).mean() - 0.7) <= SPARSITY_ATOL
@@ -257,7 +259,7 @@ def test_oracle_sparse_perplexity_matches_a_precomputed_mask():
 
 def test_predictor_samples_are_real_tokens_with_their_masks(tmp_path):
     engine, tokens = tiny_engine("reglu"), windows(5, 16)
-    prof = profile(engine, tokens, n_samples=30, batch_size=2, progress=False)
+    prof = profile(engine, tokens, ProfileSettings(n_samples=30, batch_size=2), progress=False)
     assert prof.meta["samples"].startswith(str(tmp_path / "cache" / "samples"))
     samples = PredictorSamples.open(prof.meta["samples"])
     assert len(samples) == 30
@@ -274,7 +276,7 @@ def test_predictor_samples_are_real_tokens_with_their_masks(tmp_path):
 
 def test_save_load_round_trip_and_model_check(tmp_path):
     engine = tiny_engine("swiglu")
-    prof = profile(engine, windows(), sparsity=0.4, progress=False)
+    prof = profile(engine, windows(), ProfileSettings(sparsity=0.4), progress=False)
     path = prof.save(tmp_path / "profile")
     assert path.suffix == ".npz"
     back = ActivationProfile.load(path, model=engine)
@@ -324,6 +326,6 @@ def test_bad_arguments_are_clear_errors():
     with pytest.raises(ValueError, match=r"\[0, 40\)"):
         profile(swiglu, windows() + 40, progress=False)
     with pytest.raises(ValueError, match="batch_size"):
-        profile(swiglu, windows(), batch_size=0, progress=False)
+        profile(swiglu, windows(), ProfileSettings(batch_size=0), progress=False)
     with pytest.raises(ValueError, match="unknown activity score"):
-        profile(swiglu, windows(), score="up", progress=False)
+        profile(swiglu, windows(), ProfileSettings(score="up"), progress=False)

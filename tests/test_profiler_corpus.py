@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jpinfer.data import BUNDLED_CORPORA, CHATGPT_PROMPTS, WIKITEXT2_VALID
-from jpinfer.profiler import Corpus, CorpusError, profile, token_windows
+from jpinfer.profiler import Corpus, CorpusError, ProfileSettings, profile, token_windows
 
 from profiler_fixtures import CharTokenizer, tiny_engine
 
@@ -82,7 +82,7 @@ def test_csv_and_tsv_fields(tmp_path):
 def test_profile_reads_a_corpus_file(tmp_path):
     path = tmp_path / "c.txt"
     path.write_text("the quick brown fox jumps over the lazy dog " * 4)
-    prof = profile(tiny_engine("relu"), path, window=16, n_tokens=64, seed=None, progress=False)
+    prof = profile(tiny_engine("relu"), path, ProfileSettings(window=16, n_tokens=64, seed=None), progress=False)
     assert prof.n_tokens == 64 and prof.meta["corpus"]["source"] == str(path)
 
 

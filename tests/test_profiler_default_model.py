@@ -5,7 +5,7 @@ import pytest
 
 import jpinfer
 from jpinfer.ffn import perplexity
-from jpinfer.profiler import ActivationProfile, PredictorSamples, profile, token_windows
+from jpinfer.profiler import ActivationProfile, PredictorSamples, ProfileSettings, profile, token_windows
 
 from tolerances import SPARSITY_ATOL
 
@@ -15,7 +15,8 @@ pytestmark = pytest.mark.slow
 def test_profile_calibrates_counts_and_round_trips(tmp_path, monkeypatch):
     monkeypatch.setenv("JPINFER_CACHE", str(tmp_path))
     engine = jpinfer.load()
-    prof = profile(engine, "wikitext2-valid", n_tokens=256, window=128, sparsity=0.5, n_samples=32, progress=False)
+    settings = ProfileSettings(n_tokens=256, window=128, sparsity=0.5, n_samples=32)
+    prof = profile(engine, "wikitext2-valid", settings, progress=False)
     assert prof.n_tokens == 256 and prof.d_ff == engine.cfg.d_ff
     # calibrated on these same 256 tokens: every layer skips half its neurons
     np.testing.assert_allclose(prof.sparsity(), 0.5, atol=SPARSITY_ATOL)

@@ -22,9 +22,9 @@ from jpinfer.solver import (
     solve_placement,
     synthetic_frequencies,
 )
-from jpinfer.solver.cli import SHAPES
 from jpinfer.solver.memory import model_sizes
 from jpinfer.solver.result import JSON_NAME
+from jpinfer.solver.shapes import SHAPES
 
 SMALL_CFG = dataclasses.replace(SHAPES["llama2-7b"], n_layers=4, d_ff=256)
 SMALL = ["place", "--shape", "llama2-7b", "--layers", "4", "--d-ff", "256", "--context", "64", "--hardware", "rtx4090"]

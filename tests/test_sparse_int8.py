@@ -31,7 +31,7 @@ from jpinfer.models import quantized, transformer
 from jpinfer.modes import build_engine
 from jpinfer.native import kernels as K
 from jpinfer.predictor import PredictorMismatchError, TrainConfig, train_predictors
-from jpinfer.profiler import ProfileMismatchError, profile
+from jpinfer.profiler import ProfileMismatchError, ProfileSettings, profile
 from jpinfer.quant.int8 import Int8Matrix
 from jpinfer.sparse import all_rows_ffn, neurons, sparse_ffn
 
@@ -333,7 +333,7 @@ def test_int8_needs_its_own_profile_and_predictors():
     with pytest.raises(ProfileMismatchError, match=r"make one for this model \(jpinfer profile.* --weights int8"):
         build_engine(int8_form.model, "sparse", predictors=all_active(int8_form),
                      profile=profile(float_engine, tokens[:4], progress=False))
-    prof = profile(int8_form, tokens, n_samples=1024, progress=False)
+    prof = profile(int8_form, tokens, ProfileSettings(n_samples=1024), progress=False)
     predictors = train_predictors(int8_form, prof, ranks=8, config=TrainConfig(max_epochs=1), progress=False)
     assert predictors.meta["model"]["weights"] == "int8"
     engine = build_engine(int8_form.model, "sparse", predictors=predictors, profile=prof)

@@ -14,7 +14,14 @@ import jpinfer
 from jpinfer import GenerationConfig, JpinferError
 from jpinfer.models import transformer
 from jpinfer.modes import build_engine
-from jpinfer.profiler import ActivationProfile, ProfileError, SparsityThresholds, calibrate_sparsity, profile
+from jpinfer.profiler import (
+    ActivationProfile,
+    ProfileError,
+    SparsityTargets,
+    SparsityThresholds,
+    calibrate_sparsity,
+    profile,
+)
 from jpinfer.profiler import calibration as calibration_module
 from jpinfer.runtime.engine import FfnStrategy
 from jpinfer.sparse import ROWS_BACKENDS, sparse_rows_product, threshold_ffn, threshold_layout
@@ -324,12 +331,12 @@ def test_thresholds_round_trip_through_the_profile_and_load_the_mode(tmp_path):
 
 
 def test_profile_calibrates_the_threshold_mode_like_calibrate_sparsity():
-    """profile(activation_sparsity=, input_sparsity=) calibrates on its calibration windows (here all of them)
+    """profile(targets=SparsityTargets(activation=, input=)) calibrates on its calibration windows (here all of them)
     from the histogram pass it takes for its own thresholds: the same thresholds as calibrate_sparsity there.
     mode="hybrid" then reads them with thresholds="profile"."""
     dense = tiny_engine("swiglu")
     tokens = windows(4, 16, seed=9)
-    prof = profile(dense, tokens, activation_sparsity=0.4, input_sparsity=0.2, progress=False)
+    prof = profile(dense, tokens, targets=SparsityTargets(activation=0.4, input=0.2), progress=False)
     expected = calibrate_sparsity(dense, tokens, activation=0.4, input=0.2)
     np.testing.assert_array_equal(prof.sparsity_thresholds().activation, expected.activation)
     np.testing.assert_array_equal(prof.sparsity_thresholds().input, expected.input)
@@ -337,7 +344,7 @@ def test_profile_calibrates_the_threshold_mode_like_calibrate_sparsity():
                        placement=[np.random.default_rng(1).random(48) < 0.5] * 2)
     assert_decodes_alike(two, build_engine(dense.model, "threshold", thresholds=expected), 16, 8)
     with pytest.raises(ValueError, match="greedy allocation holds out"):
-        profile(dense, tokens, input_sparsity=0.2, allocation="greedy", progress=False)
+        profile(dense, tokens, targets=SparsityTargets(input=0.2, allocation="greedy"), progress=False)
 
 
 def test_bad_threshold_mode_arguments_are_clear_errors():

@@ -17,7 +17,7 @@ from jpinfer.models import quantized, transformer
 from jpinfer.modes import build_engine
 from jpinfer.modes.engines import threshold_states
 from jpinfer.pack.settings import PackSettings, stage_keys
-from jpinfer.profiler import SparsityThresholds, calibrate_sparsity, profile
+from jpinfer.profiler import ProfileSettings, SparsityTargets, SparsityThresholds, calibrate_sparsity, profile
 from jpinfer.profiler import calibration as calibration_module
 from jpinfer.profiler import sparsity as sparsity_module
 from jpinfer.runtime.engine import Engine, FfnStrategy
@@ -217,7 +217,7 @@ def test_attention_thresholds_round_trip_and_older_records_load():
     assert back.input is None and back.describe() == "activation 40% + qkv 30% + o 30% (uniform)"
     older = {k: v for k, v in th.to_dict().items() if k not in NAMES}  # written before the attention kinds
     assert SparsityThresholds.from_dict(older).qkv is None
-    prof = profile(dense, tokens, activation_sparsity=0.4, attention_sparsity=0.3, progress=False)
+    prof = profile(dense, tokens, targets=SparsityTargets(activation=0.4, attention=0.3), progress=False)
     np.testing.assert_array_equal(prof.sparsity_thresholds().qkv, th.qkv)
     with pytest.raises(ValueError, match="one entry per layer"):
         SparsityThresholds(np.zeros(2, np.float32), None, {}, {}, "given", {}, np.zeros(3, np.float32))
@@ -274,7 +274,8 @@ def test_model_wide_thresholds_skip_the_target_share_of_the_bytes():
             np.testing.assert_array_equal(getattr(candidate, kind), expected)
     assert len({float(v) for k in kinds for v in fisher.layer_sparsity[k]}) > 1  # not uniform
     assert all(len(set(curves.layer_sparsity[k])) == 1 for k in kinds)  # one fraction per kind in every layer
-    prof = profile(dense, np.concatenate([cal, held]), calibration_tokens=32, model_wide_sparsity=0.4, progress=False)
+    prof = profile(dense, np.concatenate([cal, held]), ProfileSettings(calibration_tokens=32),
+                   targets=SparsityTargets(model_wide=0.4), progress=False)
     np.testing.assert_array_equal(prof.sparsity_thresholds().qkv, th.qkv)
     assert sparsity_module.model_wide_kinds("relu") == ("input", "qkv", "o")  # exact zeros: activation stays 0
     with pytest.raises(ValueError, match="without the per-kind targets"):

@@ -18,7 +18,7 @@ from jpinfer.ffn import ThresholdRowsFFN
 from jpinfer.models import params, quantized, transformer
 from jpinfer.modes import build_engine
 from jpinfer.pack.settings import HEAD_AUTO_TARGET, PackSettings, stage_keys
-from jpinfer.profiler import SparsityThresholds, calibrate_sparsity, profile
+from jpinfer.profiler import SparsityTargets, SparsityThresholds, calibrate_sparsity, profile
 
 from profiler_fixtures import thresholds_in_gaps, tiny_engine
 from tolerances import DECODER_ATOL, KERNEL_ATOL, KERNEL_RTOL, SPARSITY_ATOL, U32
@@ -164,7 +164,7 @@ def test_head_calibration_skips_the_target_fraction_and_travels_with_the_profile
     assert th.layer_sparsity["head"][0] == pytest.approx(target, abs=SPARSITY_ATOL)
     with_ffn = calibrate_sparsity(dense, tokens, activation=0.4, head=target)
     assert with_ffn.head == th.head and with_ffn.describe() == f"activation 40% + head {target:.0%} (uniform)"
-    prof = profile(dense, tokens, activation_sparsity=0.4, head_sparsity=target, progress=False)
+    prof = profile(dense, tokens, targets=SparsityTargets(activation=0.4, head=target), progress=False)
     assert prof.sparsity_thresholds().head == th.head  # the profile calibrates on the same windows here
     back = SparsityThresholds.from_dict(th.to_dict())
     assert back.head == th.head and back.describe() == th.describe()  # float32 through JSON: exact
@@ -181,7 +181,7 @@ def test_bad_head_settings_are_clear_errors():
     with pytest.raises(ValueError, match="head sparsity is the fraction skipped"):  # beside a model-wide target
         calibrate_sparsity(dense, windows(), model_wide=0.3, head=-0.1, heldout=windows(seed=2))
     with pytest.raises(ValueError, match="head sparsity is the fraction skipped"):  # before the model loads
-        profile("/nonexistent/m.gguf", windows(), model_wide_sparsity=0.3, head_sparsity=2.0, progress=False)
+        profile("/nonexistent/m.gguf", windows(), targets=SparsityTargets(model_wide=0.3, head=2.0), progress=False)
     with pytest.raises(ValueError, match="greedy allocation spreads per-layer kinds"):
         calibrate_sparsity(dense, windows(), head=0.2, method="greedy", heldout=windows(seed=2))
     with pytest.raises(ValueError, match="head's threshold must be finite"):

@@ -13,14 +13,14 @@ from jpinfer.api import generate, load
 from jpinfer.config import ModelConfig
 from jpinfer.errors import ArtifactError, CacheError, CheckpointError, JpinferError
 from jpinfer.models.loading import LoadedModel, load_model
-from jpinfer.profiler import ActivationProfile, profile
+from jpinfer.profiler import ActivationProfile, ProfileSettings, SparsityTargets, profile
 from jpinfer.runtime.engine import Engine, FfnStrategy
 from jpinfer.runtime.generation import GenerationConfig, GenerationResult
 
 __all__ = [
     "load", "load_model", "generate", "Engine", "FfnStrategy", "GenerationConfig", "GenerationResult", "ModelConfig",
-    "LoadedModel", "JpinferError", "CheckpointError", "ArtifactError", "CacheError", "profile", "ActivationProfile",
-    "train_predictors", "Predictors", "prepare",
+    "LoadedModel", "JpinferError", "CheckpointError", "ArtifactError", "CacheError", "profile", "ProfileSettings",
+    "SparsityTargets", "ActivationProfile", "train_predictors", "Predictors", "prepare",
 ]
 __version__ = "0.1.0"
 

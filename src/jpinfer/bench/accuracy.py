@@ -23,7 +23,7 @@ from jpinfer.ffn import evaluate
 from jpinfer.models.loading import LoadedModel
 from jpinfer.modes.evaluation import decode_equivalent
 from jpinfer.predictor import Predictors, train_predictors
-from jpinfer.profiler import ActivationProfile, profile, token_windows
+from jpinfer.profiler import ActivationProfile, ProfileSettings, profile, token_windows
 
 WINDOW = 512  # tokens per perplexity window (fewer when the model's context is shorter)
 
@@ -91,7 +91,7 @@ def cached_profile(engine: Any, n_samples: int) -> ActivationProfile:
             return prof
         except ArtifactError as e:  # an older format, or samples deleted or damaged: profile again
             print(f"profiling again: {e}")
-    prof = profile(engine, n_samples=n_samples)
+    prof = profile(engine, settings=ProfileSettings(n_samples=n_samples))
     prof.save(path)
     return prof
 

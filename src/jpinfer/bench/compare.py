@@ -40,7 +40,7 @@ from jpinfer.bench.protocol import (
     prefix_agreement,
 )
 from jpinfer.bench.results import format_cell, markdown_table
-from jpinfer.cli_args import add_mode_arguments, mode_options, prepare_devices
+from jpinfer.commands.args import add_mode_arguments, mode_options, prepare_devices
 from jpinfer.config import WEIGHT_FORMATS
 from jpinfer.modes import FORMAT_MODES, MODE_NAMES, REFERENCE_MODE, ModeInputs, get_mode, listing
 

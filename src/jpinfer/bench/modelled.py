@@ -32,7 +32,7 @@ from jpinfer.solver import (
     solve_placement,
     synthetic_frequencies,
 )
-from jpinfer.solver.cli import RUNS
+from jpinfer.solver.shapes import RUNS
 
 GiB = 2**30
 CONTEXT = 2048
@@ -186,7 +186,7 @@ def shape_sizes(cfg: ModelConfig, weight: float, kv: float, predictor_fraction: 
 
 def solve_runs(frequency: Sequence[np.ndarray], sizes: ModelSizes, hardware: HardwareProfile, runs: Sequence[str],
                time_limit: float) -> dict[str, Placement]:
-    """One placement per run name of ``jpinfer.solver.cli.RUNS`` (mass, latency, greedy, layers)."""
+    """One placement per run name of ``jpinfer.solver.shapes.RUNS`` (mass, latency, greedy, layers)."""
     out = {}
     for run in runs:
         method, objective = RUNS[run]

@@ -33,7 +33,7 @@ from jpinfer.pack.settings import DEPENDS, STAGES, PackSettings, stage_inputs, s
 from jpinfer.pack.store import FILES, Pack, PackError, PackMismatchError
 from jpinfer.predictor import SearchConfig, TrainConfig, train_predictors
 from jpinfer.predictor.store import Predictors
-from jpinfer.profiler import ActivationProfile, Corpus, SamplesError, profile, token_windows, uniform
+from jpinfer.profiler import ActivationProfile, Corpus, ProfileSettings, SamplesError, profile, token_windows, uniform
 from jpinfer.profiler.calibration import ATTENTION, HEAD
 from jpinfer.profiler.sparsity import from_histograms, greedy_thresholds, histograms, model_wide_greedy, with_head
 from jpinfer.solver import Placement, measure_hardware, preset
@@ -82,8 +82,9 @@ def _profile(run: _Run) -> ActivationProfile:
     thresholds = None  # ReLU kinds: active = non-zero
     if run.model.cfg.ffn_kind in SMOOTH_KINDS:
         thresholds = uniform(run.result("calibration")["activation"], s.sparsity)
-    prof = profile(run.model, s.corpus, fields=list(s.fields) or None, n_tokens=s.n_tokens, window=s.window,
-                   seed=s.seed, thresholds=thresholds, n_samples=s.n_samples, progress=run.progress)
+    settings = ProfileSettings(n_tokens=s.n_tokens, window=s.window, seed=s.seed, n_samples=s.n_samples)
+    prof = profile(run.model, Corpus.of(s.corpus, list(s.fields) or None), settings, thresholds=thresholds,
+                   progress=run.progress)
     prof.save(run.path / FILES["profile"])
     return prof
 

@@ -28,7 +28,7 @@ from jpinfer.models.params import Layer
 from jpinfer.predictor import sizing
 from jpinfer.predictor.store import Predictors, profile_fingerprint
 from jpinfer.predictor.train import LayerData, TrainConfig, train_layer, with_cutoff
-from jpinfer.profiler import ActivationProfile, PredictorSamples
+from jpinfer.profiler import ActivationProfile, PredictorSamples, ProfileSettings
 from jpinfer.profiler import profile as run_profile
 
 DEFAULT_SAMPLES = 65536
@@ -125,7 +125,7 @@ def train_predictors(
     loaded = resolve_model(model)
     cfg = loaded.cfg
     if profile is None:
-        profile = run_profile(loaded, n_samples=DEFAULT_SAMPLES, progress=progress)
+        profile = run_profile(loaded, settings=ProfileSettings(n_samples=DEFAULT_SAMPLES), progress=progress)
     profile.check_model(loaded)
     fingerprint = profile.model_fingerprint
     samples = profile.samples()

@@ -7,7 +7,7 @@ import hashlib
 import json
 import os
 import time
-from typing import Any, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +24,7 @@ from jpinfer.models.params import Layer
 from jpinfer.profiler import calibration, passes, samples
 from jpinfer.profiler.activity import Score, activation_and_score, check_score
 from jpinfer.profiler.corpus import Corpus, TokenWindows, token_windows
-from jpinfer.profiler.sparsity import HEAD, KINDS, calibrate_sparsity, check_model_wide, check_targets
+from jpinfer.profiler.sparsity import HEAD, KINDS, SparsityTargets, calibrate_sparsity
 from jpinfer.profiler.stats import ActivationProfile
 
 DEFAULT_CORPUS = "wikitext2-valid"
@@ -54,13 +54,13 @@ class _StatsFFN:
         return transformer.ffn_down(layer, a), aux
 
 
-def _windows(loaded: LoadedModel, corpus: Any, fields, n_tokens, window, seed, bos) -> TokenWindows:
+def _windows(loaded: LoadedModel, corpus: Any, s: ProfileSettings) -> TokenWindows:
     if isinstance(corpus, TokenWindows):
         return corpus
     if isinstance(corpus, np.ndarray):
         return TokenWindows(passes.as_tokens(corpus, loaded.cfg.vocab_size), {"source": "token array"})
-    corpus = Corpus.of(corpus, fields)
-    return token_windows(corpus, loaded.tokenizer, window=window, n_tokens=n_tokens, seed=seed, bos=bos)
+    return token_windows(Corpus.of(corpus), loaded.tokenizer, window=s.window, n_tokens=s.n_tokens, seed=s.seed,
+                         bos=s.bos)
 
 
 def _thresholds(loaded, thresholds, sparsity, score, hist):
@@ -84,93 +84,88 @@ def _thresholds(loaded, thresholds, sparsity, score, hist):
     return cal.thresholds, cal.to_dict() | {"calibration_tokens": hist.n_tokens}
 
 
+@dataclasses.dataclass(frozen=True)
+class ProfileSettings:
+    """How ``profile`` reads its corpus and what it keeps. ``n_tokens`` in windows of ``window`` tokens
+    (``seed``: which documents, None: in order; ``bos``: a BOS token first). SwiGLU-like models
+    (``activations.SMOOTH_KINDS``: no exact zeros) take uniform activity thresholds calibrated for ``sparsity``
+    (fraction inactive) on the first ``calibration_tokens``, unless ``profile`` is given thresholds;
+    ``score`` is what "active" measures (``profiler.activity``). ``n_samples`` > 0 also keeps that many
+    (input, active mask) pairs per layer for the predictors. ``batch_size`` windows run through the model
+    at a time."""
+
+    n_tokens: int | None = 131072
+    window: int = 512
+    seed: int | None = 0
+    bos: bool = False
+    sparsity: float = 0.5
+    score: Score = "product"
+    calibration_tokens: int = 16384
+    n_samples: int = 0
+    batch_size: int = 4
+
+
 def profile(
     model: ModelArg = None,
     corpus: Corpus | str | os.PathLike | TokenWindows | np.ndarray = DEFAULT_CORPUS,
+    settings: ProfileSettings = ProfileSettings(),
     *,
-    fields: Sequence[str] | str | None = None,
-    n_tokens: int | None = 131072,
-    window: int = 512,
-    seed: int | None = 0,
-    bos: bool = False,
-    sparsity: float = 0.5,
+    targets: SparsityTargets = SparsityTargets(),
     thresholds: calibration.Calibration | np.ndarray | None = None,
-    score: Score = "product",
-    calibration_tokens: int = 16384,
-    n_samples: int = 0,
-    activation_sparsity: float | None = None,
-    input_sparsity: float | None = None,
-    attention_sparsity: float | None = None,
-    model_wide_sparsity: float | None = None,
-    head_sparsity: float | None = None,
-    allocation: str = "uniform",
-    batch_size: int = 4,
     progress: bool = True,
 ) -> ActivationProfile:
     """Profile neuron activity of ``model`` (Engine, checkpoint path, or None: default model).
 
-    ``corpus``: a file, bundled or ``datasets`` name, Corpus, or token windows (n, window).
-    SwiGLU-like models (``activations.SMOOTH_KINDS``: no exact zeros) need thresholds: give a Calibration
-    (calibration.py) or an array, or let the profile calibrate uniform ones for ``sparsity`` on its first
-    ``calibration_tokens``.
-    ``n_samples`` > 0 also stores that many (input, active mask) pairs per layer for the
-    predictors (``meta["samples"]``, open with ``ActivationProfile.samples``).
-    ``activation_sparsity`` / ``input_sparsity`` / ``attention_sparsity`` (fractions skipped; attention: the
-    inputs of its q|k|v and output products), or ``model_wide_sparsity`` instead (that fraction of the bytes of
-    every matrix read by rows, spread over layers and kinds: ``profiler.sparsity.model_wide_greedy``;
-    held out like greedy allocation), and ``head_sparsity`` (of the head's inputs), also calibrate the threshold
-    mode's thresholds (``calibrate_sparsity``, ``allocation`` uniform or greedy) on the first
-    ``calibration_tokens`` (greedy: held out on the next as many) and store them with the profile.
+    ``corpus``: a file, bundled or ``datasets`` name, Corpus (with its text columns), or token windows (n,
+    window); ``settings``: how much of it, and what is kept (``ProfileSettings``).
+    SwiGLU-like models' activity thresholds: a Calibration (calibration.py) or an array given as
+    ``thresholds``, else calibrated for ``settings.sparsity``. Predictor samples: ``meta["samples"]``, open with
+    ``ActivationProfile.samples``.
+    ``targets`` (``SparsityTargets``) also calibrates the threshold mode's thresholds (``calibrate_sparsity``)
+    on the first ``calibration_tokens`` (greedy allocation: held out on the next as many) and stores them with
+    the profile.
     """
-    per_kind = (activation_sparsity, input_sparsity, attention_sparsity)
-    threshold_mode = any(t is not None for t in (*per_kind, model_wide_sparsity, head_sparsity))
-    if model_wide_sparsity is not None:  # before the model loads and the pass runs
-        check_model_wide(model_wide_sparsity, per_kind, head_sparsity)
-        allocation = "greedy"  # held out the same way
-    elif threshold_mode:
-        check_targets(activation_sparsity, input_sparsity, allocation, attention=attention_sparsity,
-                      head=head_sparsity)
+    s = settings
     loaded = resolve_model(model)
     cfg = loaded.cfg
-    check_score(score, cfg)
-    if threshold_mode and model_wide_sparsity is None:
-        check_targets(activation_sparsity, input_sparsity, allocation, cfg.ffn_kind, attention=attention_sparsity,
-                      head=head_sparsity)
-    windows = _windows(loaded, corpus, fields, n_tokens, window, seed, bos)
+    check_score(s.score, cfg)
+    targets.check(cfg.ffn_kind)
+    windows = _windows(loaded, corpus, s)
     tokens = windows.tokens
     fingerprint = model_fingerprint(cfg, loaded.weights)
-    n = max(1, min(len(tokens), calibration_tokens // tokens.shape[1]))  # calibration windows
-    if threshold_mode and allocation == "greedy" and len(tokens) < 2 * n:
+    n = max(1, min(len(tokens), s.calibration_tokens // tokens.shape[1]))  # calibration windows
+    if targets.on and targets.method == "greedy" and len(tokens) < 2 * n:
         raise ValueError(f"greedy allocation holds out {n} windows after the {n} it calibrates on; the corpus "
                          f"gave {len(tokens)}: profile more tokens or lower calibration_tokens")
     t0 = time.perf_counter()
     # one histogram pass over the calibration windows serves the activity thresholds and the threshold mode's
-    take_hists = lambda: calibration.histograms(loaded, tokens[:n], score=score, batch_size=batch_size,
+    take_hists = lambda: calibration.histograms(loaded, tokens[:n], score=s.score, batch_size=s.batch_size,
                                                 progress=progress)
     hists = take_hists() if cfg.ffn_kind in SMOOTH_KINDS and thresholds is None else None
-    thr, calibration_record = _thresholds(loaded, thresholds, sparsity, score, None if hists is None else hists[0])
+    thr, calibration_record = _thresholds(loaded, thresholds, s.sparsity, s.score, None if hists is None else hists[0])
     t1 = time.perf_counter()
 
     writer = sample_plan = None
-    if n_samples:
-        sample_plan = samples.plan(n_samples, len(tokens), tokens.shape[1], batch_size, seed or 0)
-        key = json.dumps([windows.origin, thr.tolist(), n_samples, score, seed]).encode() + tokens.tobytes()
+    if s.n_samples:
+        sample_plan = samples.plan(s.n_samples, len(tokens), tokens.shape[1], s.batch_size, s.seed or 0)
+        key = json.dumps([windows.origin, thr.tolist(), s.n_samples, s.score, s.seed]).encode() + tokens.tobytes()
         name = f"{fingerprint[:16]}-{hashlib.blake2b(key, digest_size=8).hexdigest()}"
         root = cache_dir("samples")
         artifacts.remove_stale_temps(root)  # what killed profiling runs left
         directory = root / name
-        meta = {"model_fingerprint": fingerprint, "thresholds": thr.tolist(), "score": score, "corpus": windows.origin}
+        meta = {"model_fingerprint": fingerprint, "thresholds": thr.tolist(), "score": s.score,
+                "corpus": windows.origin}
         writer = samples.SampleWriter(directory, cfg.n_layers, sample_plan.total, cfg.d_model, cfg.d_ff, meta)
-    batch = min(batch_size, len(tokens))
+    batch = min(s.batch_size, len(tokens))
 
     def extra(start: int, valid: np.ndarray):
         return None if sample_plan is None else jnp.asarray(sample_plan.local[start // batch])
 
     counts = np.zeros((cfg.n_layers, cfg.d_ff), np.int64)
     hist = np.zeros((cfg.n_layers, cfg.d_ff + 1), np.int64)
-    collector = _StatsFFN(cfg, score)
+    collector = _StatsFFN(cfg, s.score)
     try:
-        for start, _, aux in passes.run(loaded, tokens, collector, thr, batch_size, progress, "profiling", extra):
+        for start, _, aux in passes.run(loaded, tokens, collector, thr, s.batch_size, progress, "profiling", extra):
             counts += np.stack([a["counts"] for a in aux])
             hist += np.stack([a["hist"] for a in aux])
             if writer is not None:
@@ -184,21 +179,22 @@ def profile(
     t2 = time.perf_counter()
 
     mode_thresholds = None
-    if threshold_mode:
+    if targets.on:
         shared = None  # the threshold mode's activation histogram is of score "product"
-        if score == "product":
+        if s.score == "product":
             shared = dict(zip((*KINDS, HEAD), hists if hists is not None else take_hists()))
         mode_thresholds = calibrate_sparsity(
-            loaded, tokens[:n], activation=activation_sparsity, input=input_sparsity, attention=attention_sparsity,
-            model_wide=model_wide_sparsity, head=head_sparsity, method=allocation,
-            heldout=tokens[n : 2 * n] if allocation == "greedy" else None, batch_size=batch_size, progress=progress,
+            loaded, tokens[:n], activation=targets.activation, input=targets.input, attention=targets.attention,
+            model_wide=targets.model_wide, head=targets.head, method=targets.method,
+            heldout=tokens[n : 2 * n] if targets.method == "greedy" else None, batch_size=s.batch_size,
+            progress=progress,
             hists=shared)
     t3 = time.perf_counter()
 
     meta = {
         "model": model_record(loaded),
         "corpus": windows.origin,
-        "score": score,
+        "score": s.score,
         "calibration": calibration_record,
         "samples": samples_dir,
         "seconds": {"calibration": t1 - t0, "pass": t2 - t1, "threshold_mode": t3 - t2},

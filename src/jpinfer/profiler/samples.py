@@ -38,8 +38,8 @@ class SamplesError(ArtifactError):
     not the ones their profile was made with; the message says to profile again."""
 
 
-SAMPLES_REMAKE = ("profile again with n_samples > 0 (jpinfer.profile(model, n_samples=65536), or jpinfer profile "
-                  "--samples 65536) and use the new profile")
+SAMPLES_REMAKE = ("profile again with n_samples > 0 (jpinfer.profile(model, settings=jpinfer.ProfileSettings("
+                  "n_samples=65536)), or jpinfer profile --samples 65536) and use the new profile")
 
 
 @dataclasses.dataclass(frozen=True)

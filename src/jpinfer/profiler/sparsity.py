@@ -373,6 +373,50 @@ def check_model_wide(target: float, per_kind: tuple[float | None, ...], head: fl
     return _check_target(MODEL_WIDE, target)
 
 
+@dataclasses.dataclass(frozen=True)
+class SparsityTargets:
+    """The threshold mode's targets a profile calibrates (``collect.profile``; fractions skipped, None: that
+    kind off): ``activation`` of each layer's neurons, ``input`` of its FFN input dimensions, ``attention`` of
+    the inputs of its q|k|v and output products, spread over layers by ``allocation`` (uniform or greedy); or
+    ``model_wide`` instead of those three (that fraction of the bytes of every matrix read by rows, spread by
+    held-out loss estimates: allocated greedily); and ``head``, of the head's inputs. Checked when made, so a bad
+    target fails before a model loads; all None (the default): no threshold mode thresholds."""
+
+    activation: float | None = None
+    input: float | None = None
+    attention: float | None = None
+    model_wide: float | None = None
+    head: float | None = None
+    allocation: str = "uniform"
+
+    def __post_init__(self) -> None:
+        if self.model_wide is not None:
+            check_model_wide(self.model_wide, self.per_kind, self.head)
+        elif self.on:
+            check_targets(self.activation, self.input, self.allocation, attention=self.attention, head=self.head)
+
+    @property
+    def per_kind(self) -> tuple[float | None, float | None, float | None]:
+        return self.activation, self.input, self.attention
+
+    @property
+    def on(self) -> bool:
+        """True when any target is given (the profile then calibrates the threshold mode's thresholds)."""
+        return any(t is not None for t in (*self.per_kind, self.model_wide, self.head))
+
+    @property
+    def method(self) -> str:
+        """How the targets spread over layers: a model-wide target is held out like greedy allocation."""
+        return "greedy" if self.model_wide is not None else self.allocation
+
+    def check(self, ffn_kind: str) -> None:
+        """Raise ``ValueError`` when the targets do not suit a model of ``ffn_kind`` (an activation fraction
+        where inactive neurons are exact zeros)."""
+        if self.on and self.model_wide is None:
+            check_targets(self.activation, self.input, self.allocation, ffn_kind, attention=self.attention,
+                          head=self.head)
+
+
 def _calibrate_model_wide(model: ModelArg, windows: Any, target: float, per_kind: tuple, head: float | None,
                           heldout: Any, batch_size: int, progress: bool,
                           hists: dict[str, calibration.ScoreHistogram] | None) -> SparsityThresholds:

@@ -1,12 +1,13 @@
-"""Command-line arguments shared by several subcommands (kept apart from ``cli.py`` so that a stage's
-subcommand does not import the top-level CLI; the CLIs' level, above every stage)."""
+"""Command-line arguments shared by several subcommands (``jpinfer.commands`` and the bench's), so that each
+option is spelled, checked and explained once."""
 
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from jpinfer.config import WEIGHT_FORMATS
-from jpinfer.modes.catalog import MODE_NAMES, get_mode
+from jpinfer.modes.catalog import FORMAT_MODES, MODE_NAMES, get_mode, listing
 
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 
@@ -22,10 +23,10 @@ def add_model_arguments(p: argparse.ArgumentParser, weights: bool = True) -> Non
     if weights:
         p.add_argument(
             "--weights", default="float", choices=WEIGHT_FORMATS,
-            help="float (default: every tensor in --dtype), int8 (W8A8, quantized at load; modes dense and "
-                 "threshold) or int4 (W4A8 in 4-bit blocks of 32: a GGUF's own Q4_0/Q4_1, else quantized at load; "
-                 "modes dense, sparse and threshold, whose layouts hold int8 copies of the matrices they read by "
-                 "input rows or neuron columns)",
+            help=f"float (default: every tensor in --dtype), int8 (W8A8, quantized at load; modes "
+                 f"{listing(FORMAT_MODES['int8'])}) or int4 (W4A8 in 4-bit blocks of 32: a GGUF's own Q4_0/Q4_1, else "
+                 f"quantized at load; modes {listing(FORMAT_MODES['int4'])}, whose layouts hold int8 copies of the "
+                 "matrices they read by input rows or neuron columns)",
         )
 
 
@@ -74,6 +75,17 @@ def prepare_devices(modes: list[str]) -> None:
         import jax
 
         jax.config.update("jax_num_cpu_devices", 2)
+
+
+def load_engine(args: argparse.Namespace, *, with_mode: bool = False) -> Any:
+    """The ``jpinfer.Engine`` that ``add_model_arguments``' options name (with ``with_mode``, in the mode
+    ``add_mode_arguments``' options name, the devices prepared for it): every command loads its model here."""
+    from jpinfer.api import load
+
+    if not with_mode:
+        return load(args.model, dtype=args.dtype, weights=args.weights)
+    prepare_devices([args.mode])
+    return load(args.model, dtype=args.dtype, weights=args.weights, mode=args.mode, **mode_options(args))
 
 
 def mode_options(args: argparse.Namespace) -> dict:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from jpinfer.cli_args import add_model_arguments
+from jpinfer.commands.args import add_model_arguments, load_engine
 from jpinfer.pack.settings import AUTO, AUTO_TARGET, HEAD_AUTO_TARGET, OBJECTIVES, PackSettings
 
 DEFAULTS = PackSettings()
@@ -85,7 +85,6 @@ def add_arguments(p: argparse.ArgumentParser, command: str = "prepare") -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jpinfer.api import load
     from jpinfer.modes import FORMAT_MODES, REFERENCE_MODE
     from jpinfer.pack import prepare
 
@@ -100,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
         strong_recall=args.strong_recall, max_epochs=args.epochs, gpu_budget=args.gpu_budget,
         hardware=args.hardware, objective=args.objective, context=args.context,
     )
-    model = load(args.model, dtype=args.dtype, weights=args.weights).model  # int8: SmoothQuant's migration first
+    model = load_engine(args).model  # int8: SmoothQuant's migration first
     pack = prepare(model, args.out, settings, progress=args.progress)
     placement, scores = pack.placement, pack.predictors.meta["held_out_scores"]
     computed = sum(s["predicted"] for s in scores) / len(scores)

@@ -1,4 +1,4 @@
-"""jpinfer place (python -m jpinfer.solver): place neurons for a model shape and compare the methods.
+"""jpinfer place: place neurons for a model shape and compare the methods.
 
 Frequencies come from a (n_layers, d_ff) .npy file or a synthetic Zipf-like law.
 Example (Llama-2-7B fp16 on an RTX 2080 Ti, 4096-token KV cache):
@@ -13,28 +13,11 @@ import dataclasses
 import json
 import sys
 
-from jpinfer.config import ModelConfig
 from jpinfer.solver.frequencies import load_frequencies, synthetic_frequencies
 from jpinfer.solver.hardware import NUMERIC_FIELDS, PRESETS, measure_hardware, preset
 from jpinfer.solver.memory import InfeasibleBudgetError
+from jpinfer.solver.shapes import RUNS, SHAPES
 from jpinfer.solver.solve import solve_placement
-
-SHAPES = {
-    "llama2-7b": ModelConfig(
-        vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32, head_dim=128, d_ff=11008,
-        name="llama2-7b-shape",
-    ),
-    "llama2-70b": ModelConfig(
-        vocab_size=32000, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8, head_dim=128, d_ff=28672,
-        name="llama2-70b-shape",
-    ),
-}
-RUNS = {  # name -> (method, objective)
-    "mass": ("milp", "mass"),
-    "latency": ("milp", "latency"),
-    "greedy": ("greedy", "mass"),
-    "layers": ("layers", "mass"),
-}
 
 
 def add_arguments(p: argparse.ArgumentParser, command: str = "place") -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from jpinfer.cli_args import add_model_arguments
+from jpinfer.commands.args import add_model_arguments, load_engine
 
 
 def add_arguments(p: argparse.ArgumentParser, command: str = "profile") -> None:
@@ -48,23 +48,15 @@ def add_arguments(p: argparse.ArgumentParser, command: str = "profile") -> None:
 def run(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from jpinfer.api import load
-    from jpinfer.profiler import profile
-    from jpinfer.profiler.sparsity import check_targets
+    from jpinfer.profiler import Corpus, ProfileSettings, SparsityTargets, profile
 
-    targets = (args.activation_sparsity, args.input_sparsity, args.attention_sparsity, args.head_sparsity)
-    if any(t is not None for t in targets) and args.model_wide_sparsity is None:  # fail before the model loads
-        check_targets(args.activation_sparsity, args.input_sparsity, args.allocation,
-                      attention=args.attention_sparsity, head=args.head_sparsity)
-    engine = load(args.model, dtype=args.dtype, weights=args.weights)
-    prof = profile(
-        engine, args.corpus, fields=args.fields, n_tokens=args.n_tokens, window=args.window, seed=args.seed,
-        sparsity=args.sparsity, n_samples=args.samples, activation_sparsity=args.activation_sparsity,
-        input_sparsity=args.input_sparsity, attention_sparsity=args.attention_sparsity,
-        model_wide_sparsity=args.model_wide_sparsity, head_sparsity=args.head_sparsity, allocation=args.allocation,
-        batch_size=args.batch_size,
-        progress=args.progress,
-    )
+    targets = SparsityTargets(  # checked before the model loads
+        activation=args.activation_sparsity, input=args.input_sparsity, attention=args.attention_sparsity,
+        model_wide=args.model_wide_sparsity, head=args.head_sparsity, allocation=args.allocation)
+    settings = ProfileSettings(n_tokens=args.n_tokens, window=args.window, seed=args.seed, sparsity=args.sparsity,
+                               n_samples=args.samples, batch_size=args.batch_size)
+    engine = load_engine(args)
+    prof = profile(engine, Corpus.of(args.corpus, args.fields), settings, targets=targets, progress=args.progress)
     path = prof.save(args.out)
     sparsity = prof.sparsity()
     capacity = prof.capacity(0.99)

@@ -8,7 +8,7 @@ import re
 import sys
 import time
 
-from jpinfer.cli_args import add_mode_arguments, add_model_arguments, mode_options, prepare_devices
+from jpinfer.commands.args import add_mode_arguments, add_model_arguments, load_engine
 from jpinfer.runtime.batch import MAX_SLOTS
 
 DEFAULT_CONTEXT = 2048  # per slot: the default model's KV cache is 46 KB a position, 94 MB a slot
@@ -43,7 +43,6 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         raise ValueError("jpinfer serve needs its HTTP stack: pip install 'jpinfer[serve]'") from None
 
-    from jpinfer.api import load
     from jpinfer.serve.app import create_app
     from jpinfer.serve.scheduler import Scheduler
 
@@ -51,8 +50,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--slots must be in [1, {MAX_SLOTS}], got {args.slots}")
     if args.context < 16 or args.max_waiting < 0 or args.max_body < 1024:
         raise ValueError("--context must be >= 16, --max-waiting >= 0 and --max-body >= 1024")
-    prepare_devices([args.mode])
-    engine = load(args.model, dtype=args.dtype, weights=args.weights, mode=args.mode, **mode_options(args))
+    engine = load_engine(args, with_mode=True)
     scheduler = Scheduler(engine, args.slots, min(args.context, engine.cfg.max_position), args.max_waiting)
     scheduler.warmup()
     scheduler.start()

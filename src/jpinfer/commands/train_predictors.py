@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from jpinfer.cli_args import add_model_arguments
+from jpinfer.commands.args import add_model_arguments, load_engine
 
 
 def add_arguments(p: argparse.ArgumentParser, command: str = "train-predictors") -> None:
@@ -27,18 +27,17 @@ def add_arguments(p: argparse.ArgumentParser, command: str = "train-predictors")
 def run(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from jpinfer.api import load
     from jpinfer.cache import cache_dir
     from jpinfer.predictor import TrainConfig, profile_fingerprint, train_predictors
     from jpinfer.predictor.fit import model_params
-    from jpinfer.profiler import ActivationProfile, profile
+    from jpinfer.profiler import ActivationProfile, ProfileSettings, profile
 
     config = TrainConfig(recall=args.recall, max_epochs=args.epochs)
-    engine = load(args.model, dtype=args.dtype, weights=args.weights)
+    engine = load_engine(args)
     if args.profile is not None:
         prof = ActivationProfile.load(args.profile, engine)
     else:
-        prof = profile(engine, n_samples=args.samples, progress=args.progress)
+        prof = profile(engine, settings=ProfileSettings(n_samples=args.samples), progress=args.progress)
     predictors = train_predictors(engine, prof, ranks=args.rank, budget=args.budget, config=config,
                                           progress=args.progress)
     out = args.out or cache_dir("predictors") / (f"{predictors.meta['model_fingerprint'][:16]}-"
