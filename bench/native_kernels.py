@@ -8,7 +8,7 @@ machine hits all of them; the table shows medians over rounds):
      distinct layers chained so no cache holds them) at 50/80/90/95% sparsity, against XLA's dense FFN
      (efficiency = speedup / (1 / (1 - s)): 1.0 means reading the listed rows as fast as XLA reads the
      whole layer) and in GB/s against XLA's float32 W @ x in the same rounds; the native kernel also on one
-     thread, and the project's XLA chunk loop (jpinfer.sparse.cpu_backend.chunked) where it imports;
+     thread, and the project's XLA chunk loop (jpinfer.ops.chunked) where it imports;
   2. the same at the default model's shape (d 576, n 1536, 30 layers);
   3. dense int8 (W8A8) and 4-bit (Q4_0, Q4_1) matrix-vector products at 11008 x 4096, 1 and 8 tokens:
      GB/s of weight bytes against XLA's float32 W @ x and XLA's int8 product (int8 x int8 -> int32
@@ -96,7 +96,7 @@ def ffn_section(name: str, d: int, n: int, layers: int, rounds: int, sparsities,
 
     calls = {"xla dense FFN": lambda: dense(x, gate_up, down), "xla W@x": lambda: w_x(x, gate_up)}
     try:
-        from jpinfer.sparse.cpu_backend.chunked import sparse_ffn_chunked
+        from jpinfer.ops.chunked import sparse_ffn_chunked
     except ImportError:
         sparse_ffn_chunked = None
     rng = np.random.default_rng(seed)

@@ -7,9 +7,9 @@ import pytest
 
 from jpinfer.config import FFN_KINDS, UNGATED_KINDS, ModelConfig
 from jpinfer.models import params, transformer
+from jpinfer.pallas import KERNELS, MAX_TOKENS, listed_ffn, sparse_rows_ffn
 from jpinfer.sparse import neurons
 from jpinfer.sparse.op import all_rows_ffn, sparse_ffn
-from jpinfer.sparse.pallas_kernels import KERNELS, MAX_TOKENS, listed_ffn, sparse_rows_ffn
 
 from activation_reference import activation64
 from tolerances import KERNEL_ATOL, KERNEL_RTOL

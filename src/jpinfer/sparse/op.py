@@ -8,10 +8,10 @@ padding and contribute nothing, so one compiled function serves every token.
 
 Backends, picked per lowering platform (``backend="auto"``, so a function jitted for the CPU
 device on a GPU machine still gets the CPU kernel): on CUDA GPUs the Pallas kernel
-(``pallas_kernels.DEFAULT_KERNEL``) when this jax has the Triton lowering, else the XLA gather
+(``jpinfer.pallas.DEFAULT_KERNEL``) when this jax has the Triton lowering, else the XLA gather
 (``_gathered_ffn``: the listed rows taken at once, then products); on other accelerators the XLA
 gather; on the CPU the native fused kernel (``jpinfer.native``: float32 rows, the library loaded),
-else the chunked XLA loop (``cpu_backend``). ``backend="pallas"`` forces the kernel (interpret mode
+else the chunked XLA loop (``ops.chunked``). ``backend="pallas"`` forces the kernel (interpret mode
 on the CPU: tests); ``backend="xla"`` forces the platform's XLA form (the chunked loop on the CPU)
 and ``backend="gather"`` the XLA gather on any platform.
 
@@ -44,13 +44,13 @@ from jpinfer.activations import activate
 from jpinfer.models import quantized
 from jpinfer.native import kernels as native_kernels
 from jpinfer.native import native_available
+from jpinfer.ops.chunked import sparse_ffn_chunked
+from jpinfer.ops.chunked import sparse_rows_product as sparse_rows_chunked
 from jpinfer.ordering import after
+from jpinfer.pallas import DEFAULT_KERNEL, KERNELS, triton_available
 from jpinfer.quant import int8
 from jpinfer.quant.int8 import Int8Matrix
-from jpinfer.sparse.cpu_backend import sparse_ffn_chunked
-from jpinfer.sparse.cpu_backend import sparse_rows_product as sparse_rows_chunked
 from jpinfer.sparse.neurons import NeuronFFN, routing_of
-from jpinfer.sparse.pallas_kernels import DEFAULT_KERNEL, KERNELS, triton_available
 
 Backend = Literal["auto", "xla", "gather", "pallas"]
 BACKENDS: tuple[str, ...] = ("auto", "xla", "gather", "pallas")
@@ -322,7 +322,7 @@ def sparse_rows_product(
     matrix: (n, m), input-major (a row per input dimension), float, or int8 with an int8 x; x: (T, n);
     ids: (K,) row indices
     (padding past ``count``; valid ones in [0, n), clamped, not checked). Backends: ``loop``
-    (``cpu_backend.sparse_rows_product``, chunks read in place: for the CPU), ``gather`` (all
+    (``ops.chunked.sparse_rows_product``, chunks read in place: for the CPU), ``gather`` (all
     rows at once, then one product), ``auto`` (the loop on the CPU, the gather elsewhere).
     """
     if backend not in ROWS_BACKENDS:
