@@ -57,6 +57,10 @@ def test_weighted_all_rows_and_rows_products():
     assert pick("weighted", "float", "cuda", native=True, triton=True) == "xla"
     with pytest.raises(ValueError, match="routing weights"):
         pick("weighted", "float", "cpu", native=True, backend="pallas")
+    with pytest.raises(ValueError, match="routing weights"):
+        pick("weighted", "int8", "cuda", native=False, backend="pallas")
+    assert pick("weighted", "int8", "cpu", native=True) == "native"  # the int8 and 4-bit kernels take the weights
+    assert pick("weighted", "int4", "cuda", native=True) == "gather"
     for platform in ("cpu", "cuda"):  # an int4 model's records run the listed op, which picks per platform
         assert pick("all_rows", "int4", platform, native=False) == "listed"
     assert pick("all_rows", "int8", "cpu", native=True) == "listed"
