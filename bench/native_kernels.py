@@ -8,7 +8,7 @@ machine hits all of them; the table shows medians over rounds):
      distinct layers chained so no cache holds them) at 50/80/90/95% sparsity, against XLA's dense FFN
      (efficiency = speedup / (1 / (1 - s)): 1.0 means reading the listed rows as fast as XLA reads the
      whole layer) and in GB/s against XLA's float32 W @ x in the same rounds; the native kernel also on one
-     thread, and the project's XLA chunk loop (jpinfer.sparse.cpu_backend.chunked) where it imports;
+     thread, and the project's XLA chunk loop (jpinfer.ops.chunked) where it imports;
   2. the same at the default model's shape (d 576, n 1536, 30 layers);
   3. dense int8 (W8A8) and 4-bit (Q4_0, Q4_1) matrix-vector products at 11008 x 4096, 1 and 8 tokens:
      GB/s of weight bytes against XLA's float32 W @ x and XLA's int8 product (int8 x int8 -> int32
@@ -18,12 +18,12 @@ machine hits all of them; the table shows medians over rounds):
      float32 and int8 (one scale per column; XLA's int8 variant is the masked W8A8 product);
   5. attention over a KV cache at the default model's attention shape (9 query heads on 3 kv heads, head
      dim 64, one token, 30 layers chained, each reading a 3.5 MB weight matrix first as a decode step
-     does, so the caches come from memory): the native kernel (jpinfer.models.transformer.cached_attention
+     does, so the caches come from memory): the native kernel (jpinfer.ops.attention.cached_attention
      on the CPU) against the model's XLA form (xla_cached_attention, over the engine's attention length),
      at 128, 1024 and 4096 positions; per layer, the chain without attention subtracted;
   6. the attention of a prompt (prefill) at the same shape, 600, 1024 and 4096 tokens from position 0: the
-     native tiled kernel (transformer.cached_attention on the CPU past ONE_SOFTMAX_TOKENS) against
-     transformer.blocked_attention, one layer's call, GFLOP/s of the causal products (4 hd flops per
+     native tiled kernel (attention.cached_attention on the CPU past ONE_SOFTMAX_TOKENS) against
+     attention.blocked_attention, one layer's call, GFLOP/s of the causal products (4 hd flops per
      visible query-key pair and query head).
 """
 
@@ -43,9 +43,9 @@ import numpy as np
 from jpinfer.bench import protocol
 from jpinfer.bench.results import command_line
 from jpinfer.config import ModelConfig
-from jpinfer.models import transformer
 from jpinfer.native import kernels as K
 from jpinfer.native import library
+from jpinfer.ops import attention
 from jpinfer.quant import int8, q4
 from jpinfer.runtime.generation import attend_length
 
@@ -97,7 +97,7 @@ def ffn_section(name: str, d: int, n: int, layers: int, rounds: int, sparsities,
 
     calls = {"xla dense FFN": lambda: dense(x, gate_up, down), "xla W@x": lambda: w_x(x, gate_up)}
     try:
-        from jpinfer.sparse.cpu_backend.chunked import sparse_ffn_chunked
+        from jpinfer.ops.chunked import sparse_ffn_chunked
     except ImportError:
         sparse_ffn_chunked = None
     rng = np.random.default_rng(seed)
@@ -252,8 +252,8 @@ def attention_section(positions_list, layers: int, rounds: int, seed: int) -> di
                 return x
             return jax.jit(run)
 
-        runs = {"native": chain(lambda *a: transformer.cached_attention(*a, cfg, attend, window=None)),
-                "xla": chain(lambda *a: transformer.xla_cached_attention(*a, cfg=cfg, attend=attend, window=None)),
+        runs = {"native": chain(lambda *a: attention.cached_attention(*a, cfg, attend, window=None)),
+                "xla": chain(lambda *a: attention.xla_cached_attention(*a, cfg=cfg, attend=attend, window=None)),
                 "no attention": chain(None)}
         t = interleaved_medians({name: (lambda f=f: f(q, weights, caches)) for name, f in runs.items()}, rounds)
         per_layer = {name: (t[name] - t["no attention"]) / layers * 1e6 for name in ("native", "xla")}
@@ -274,9 +274,9 @@ def prefill_attention_section(tokens_list, rounds: int, seed: int) -> dict:
         q = normal(keys[0], (1, t, heads, hd), 1.0)
         k, v = (normal(keys[i], (1, kv_heads, t, hd), 1.0) for i in (1, 2))
         positions = jnp.arange(t, dtype=jnp.int32)
-        native = jax.jit(lambda q, k, v: transformer.cached_attention(q, k, v, positions, cfg, window=None))
+        native = jax.jit(lambda q, k, v: attention.cached_attention(q, k, v, positions, cfg, window=None))
         assert "jpinfer_prefill_attention" in native.lower(q, k, v).as_text()
-        xla = jax.jit(lambda q, k, v: transformer.blocked_attention(q, k, v, positions, cfg, window=None))
+        xla = jax.jit(lambda q, k, v: attention.blocked_attention(q, k, v, positions, cfg, window=None))
         times = interleaved_medians({"native": lambda: native(q, k, v), "xla": lambda: xla(q, k, v)}, rounds)
         flops = 4 * hd * heads * t * (t + 1) / 2
         err = float(jnp.abs(native(q, k, v) - xla(q, k, v)).max())

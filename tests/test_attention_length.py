@@ -1,6 +1,6 @@
 """Attention over the used part of the KV cache: the ladder of lengths, and decoding across its
 rungs equals scoring the whole sequence with full causal attention; long prompts' blocked attention
-(transformer.blocked_attention) against float64 and against the one-softmax form."""
+(ops.attention.blocked_attention) against float64 and against the one-softmax form."""
 
 import dataclasses
 
@@ -11,6 +11,7 @@ import pytest
 
 from jpinfer import Engine, GenerationConfig, LoadedModel, ModelConfig
 from jpinfer.models import params, transformer
+from jpinfer.ops import attention
 from jpinfer.runtime.generation import MIN_ATTEND, attend_length
 
 from attention_reference import U, attention_reference
@@ -86,15 +87,15 @@ BLOCKED_CASES = [  # T, S (cache slots), first position, H, KV, hd, window
 def test_blocked_attention_matches_float64(T, S, start, H, KV, hd, window):
     """Tolerance: attention_reference.py's bound with XLA's sums in any order (dot_terms = hd) and a
     rescale of the running sums per key block (8 u each) on top of its 40."""
-    assert T > transformer.QUERY_BLOCK  # several query blocks
+    assert T > attention.QUERY_BLOCK  # several query blocks
     cfg = ModelConfig(vocab_size=8, d_model=H * hd, n_layers=1, n_heads=H, n_kv_heads=KV, head_dim=hd, d_ff=8,
                       max_position=4096, sliding_window=window)
     rng = np.random.default_rng(T + S)
     q = (rng.standard_normal((1, T, H, hd)) * 1.5).astype(np.float32)
     k, v = (rng.standard_normal((1, KV, S, hd)).astype(np.float32) for _ in range(2))
     positions = np.arange(start, start + T, dtype=np.int32)
-    got = np.asarray(jax.jit(lambda *a: transformer.blocked_attention(*a, cfg, window=window))(q, k, v, positions))
-    key_blocks = -(-S // transformer.KEY_BLOCK)
+    got = np.asarray(jax.jit(lambda *a: attention.blocked_attention(*a, cfg, window=window))(q, k, v, positions))
+    key_blocks = -(-S // attention.KEY_BLOCK)
     ref, bound = attention_reference(q, k, v, positions, window, dot_terms=hd, combine_terms=40 + 8 * key_blocks)
     assert np.all(np.abs(got - ref) <= bound), float((np.abs(got - ref) / np.maximum(bound, 1e-30)).max())
 
@@ -111,7 +112,7 @@ def test_long_prompt_blocked_equals_one_softmax(monkeypatch):
                                            attend=attend_length(599, 1024))
     following, _ = transformer.decode_step(weights, jnp.asarray(tokens[:, 599]), cache, cfg,
                                            attend=attend_length(600, 1024))
-    monkeypatch.setattr(transformer, "ONE_SOFTMAX_TOKENS", 10**6)  # the one softmax (unjitted: traced anew)
+    monkeypatch.setattr(attention, "ONE_SOFTMAX_TOKENS", 10**6)  # the one softmax (unjitted: traced anew)
     cache = transformer.KVCache.create(cfg, 1, 600)
     h, _, _ = transformer.forward(weights, jnp.asarray(tokens), cache, cfg)
     one = np.asarray(transformer.logits(weights, h, cfg))[0]
@@ -131,11 +132,11 @@ def test_blocked_attention_gradient_matches_float64(monkeypatch):
     q = rng.standard_normal((1, T, 4, 8)).astype(np.float32)
     k, v = (rng.standard_normal((1, 2, S, 8)).astype(np.float32) for _ in range(2))
     positions = np.arange(T, dtype=np.int32)
-    grad = np.asarray(jax.grad(lambda q: transformer.blocked_attention(q, k, v, positions, cfg, window=None).sum())(q))
-    monkeypatch.setattr(transformer, "ONE_SOFTMAX_TOKENS", 10**6)  # the one softmax
+    grad = np.asarray(jax.grad(lambda q: attention.blocked_attention(q, k, v, positions, cfg, window=None).sum())(q))
+    monkeypatch.setattr(attention, "ONE_SOFTMAX_TOKENS", 10**6)  # the one softmax
     with jax.enable_x64(True):
         k64, v64 = jnp.asarray(k, jnp.float64), jnp.asarray(v, jnp.float64)
-        one = lambda q: transformer.xla_cached_attention(q, k64, v64, jnp.asarray(positions), cfg=cfg,
+        one = lambda q: attention.xla_cached_attention(q, k64, v64, jnp.asarray(positions), cfg=cfg,
                                                          attend=None, window=None).sum()
         ref = np.asarray(jax.grad(one)(jnp.asarray(q, jnp.float64)))
     assert ref.dtype == np.float64

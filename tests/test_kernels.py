@@ -7,9 +7,9 @@ import pytest
 
 from jpinfer.config import FFN_KINDS, UNGATED_KINDS, ModelConfig
 from jpinfer.models import params, transformer
+from jpinfer.pallas import KERNELS, MAX_TOKENS, listed_ffn, sparse_rows_ffn
 from jpinfer.sparse import neurons
 from jpinfer.sparse.op import all_rows_ffn, sparse_ffn
-from jpinfer.sparse.pallas_kernels import KERNELS, MAX_TOKENS, listed_ffn, sparse_rows_ffn
 
 from activation_reference import activation64
 from tolerances import KERNEL_ATOL, KERNEL_RTOL
@@ -317,9 +317,9 @@ def test_auto_backend_picks_the_kernel_per_lowering_platform():
 
 def test_auto_backend_falls_back_to_the_xla_gather_without_triton(monkeypatch):
     """A jax without the Pallas Triton lowering (deprecated since 0.11) still runs on a GPU: XLA's gather."""
-    import jpinfer.sparse.op as op
+    from jpinfer.ops import listed
 
-    monkeypatch.setattr(op, "triton_available", lambda: False)
+    monkeypatch.setattr(listed, "triton_available", lambda: False)
     ffn = jax.eval_shape(lambda: _layout("swiglu", _weights("swiglu")))
     with jax.sharding.use_abstract_mesh(GPU_TARGET):
         traced = jax.jit(lambda f, x, i, c: sparse_ffn(f, x, i, c)).trace(  # a capacity no other test traces

@@ -21,6 +21,7 @@ from jpinfer import ModelConfig
 from jpinfer.models import params, transformer
 from jpinfer.native import kernels as K
 from jpinfer.native import library
+from jpinfer.ops import attention
 
 from attention_reference import attention_reference
 from native_threads import on_one_thread
@@ -161,7 +162,7 @@ def test_decode_steps_with_native_attention_equal_the_xla_attention(sliding_wind
     tokens = np.random.default_rng(8).integers(0, cfg.vocab_size, size=60).astype(np.int32)
 
     def decode(native: bool) -> np.ndarray:
-        monkeypatch.setattr(transformer, "native_available", lambda: native)
+        monkeypatch.setattr(attention, "native_available", lambda: native)
         # a fresh jit per backend: decode_step's own cache would reuse the other backend's compilation
         step = jax.jit(lambda w, tok, c: transformer.decode_step.__wrapped__(w, tok, c, cfg))
         cache = transformer.KVCache.create(cfg, 1, 128)
@@ -264,10 +265,10 @@ def test_long_prefill_with_native_attention_equals_blocked_attention(sliding_win
 
     cfg, weights = _long_prompt_model(sliding_window)
     tokens = np.random.default_rng(10).integers(0, cfg.vocab_size, size=(1, 701)).astype(np.int32)
-    assert tokens.shape[1] - 1 > transformer.ONE_SOFTMAX_TOKENS
+    assert tokens.shape[1] - 1 > attention.ONE_SOFTMAX_TOKENS
 
     def prefill_and_step(native: bool) -> np.ndarray:
-        monkeypatch.setattr(transformer, "native_available", lambda: native)
+        monkeypatch.setattr(attention, "native_available", lambda: native)
         prefill = jax.jit(lambda w, tok, c: transformer.prefill.__wrapped__(w, tok, jnp.int32(700), c, cfg))
         step = jax.jit(lambda w, tok, c: transformer.decode_step.__wrapped__(w, tok, c, cfg))
         cache = transformer.KVCache.create(cfg, 1, 768)
@@ -290,8 +291,8 @@ def test_long_prompt_derivatives_through_the_native_attention_are_blocked_attent
     q, k, v = _operands(rng, 1, 600, 4, 2, 600, 16)
     positions = jnp.arange(600, dtype=jnp.int32)
     loss = lambda attend: lambda q, k: (attend(q, k) ** 2).sum()
-    model = loss(lambda q, k: transformer.cached_attention(q, k, v, positions, cfg, window=None))
-    blocked = loss(lambda q, k: transformer.blocked_attention(q, k, v, positions, cfg, window=None))
+    model = loss(lambda q, k: attention.cached_attention(q, k, v, positions, cfg, window=None))
+    blocked = loss(lambda q, k: attention.blocked_attention(q, k, v, positions, cfg, window=None))
     assert "jpinfer_prefill_attention" in jax.jit(model).lower(q, k).as_text()
     got = jax.jit(jax.grad(model, argnums=(0, 1)))(q, k)
     want = jax.jit(jax.grad(blocked, argnums=(0, 1)))(q, k)

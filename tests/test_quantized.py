@@ -22,6 +22,7 @@ from jpinfer.models import gguf_loader, loading, params, quantized, transformer
 from jpinfer.modes import build_engine, get_mode
 from jpinfer.native import kernels as native_kernels
 from jpinfer.native import library
+from jpinfer.ops import dense
 from jpinfer.quant import int8, q4
 from jpinfer.quant.int8 import Int8Matrix
 from jpinfer.quant.q4 import Q4Matrix
@@ -44,7 +45,7 @@ def native(request, monkeypatch):
     """Parametrized by BACKENDS: True runs the native kernels (skipped where the library is missing), False forces
     the XLA forms the way a missing library does."""
     if not request.param:
-        monkeypatch.setattr(quantized, "native_available", lambda: False)
+        monkeypatch.setattr(dense, "native_available", lambda: False)
     return request.param
 
 
@@ -92,7 +93,7 @@ def test_the_native_kernel_serves_decode_steps_and_xla_longer_prompts(kind):
     kernel (in groups of 8) up to ``Q4_NATIVE_PROMPT_TOKENS`` (short prompts too), XLA's dequantized GEMM beyond."""
     _, m = matrix_of(kind)
     name = "jpinfer_int8_matvec" if kind == "int8" else "jpinfer_q4_1_matvec"
-    limit = native_kernels.MAX_TOKENS if kind == "int8" else quantized.Q4_NATIVE_PROMPT_TOKENS
+    limit = native_kernels.MAX_TOKENS if kind == "int8" else dense.Q4_NATIVE_PROMPT_TOKENS
 
     def lowered(T):
         return jax.jit(quantized.matmul).lower(jnp.zeros((T, 256)), m).as_text()
@@ -209,7 +210,7 @@ def test_int4_model_follows_the_float_model_it_stands_for(tmp_path):
     assert 0 < np.abs(got - ref).max() < 0.05 * spread
     if library.native_available():
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(quantized, "native_available", lambda: False)
+            patch.setattr(dense, "native_available", lambda: False)
             xla_engine = jpinfer.load(path, weights="int4")
             assert xla_engine.generate(prompt, config).token_ids == tokens
             np.testing.assert_allclose(forced_logits(xla_engine, prompt, tokens), got, rtol=1e-5, atol=1e-5)

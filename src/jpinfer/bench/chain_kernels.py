@@ -3,7 +3,7 @@
 For one layer shape, ``n_layers`` layers with their own random weights run back to back in one
 compiled function (each layer's input is the previous layer's output, scaled to stay O(1)), as a
 decoder runs them. Per sparsity: the decoder's dense FFN (``transformer.ffn_dense``), every Pallas
-kernel variant (``pallas_kernels.KERNELS``: ``rows`` is the first kernel, the baseline) and XLA's
+kernel variant (``pallas.KERNELS``: ``rows`` is the first kernel, the baseline) and XLA's
 gather (``sparse_ffn(backend="gather")``), over random lists of (1 - s) * d_ff neurons per layer
 (random order, as top-k gives). Efficiency = speedup over dense x (1 - s): 1.0 reads the listed
 bytes as fast as dense reads all of them. GB/s counts the weight bytes each op must read; "copy"
@@ -24,8 +24,8 @@ import numpy as np
 from jpinfer.bench.protocol import fastest
 from jpinfer.config import UNGATED_KINDS, ModelConfig
 from jpinfer.models import params, transformer
+from jpinfer.pallas import KERNELS
 from jpinfer.sparse import NeuronFFN, sparse_ffn
-from jpinfer.sparse.pallas_kernels import KERNELS
 
 SCALE = 1e-3  # each layer adds SCALE * FFN(y) to the input: the chain stays O(1) and every layer depends on the last
 

@@ -1,6 +1,6 @@
 """The GPU suite's checks: every sparse FFN op and the sparse decodes against references, in bfloat16.
 
-Kernels: every Pallas variant (``pallas_kernels.KERNELS``) and XLA's gather (``sparse_ffn(backend=
+Kernels: every Pallas variant (``pallas.KERNELS``) and XLA's gather (``sparse_ffn(backend=
 "gather")``) over a random list whose last entries are padding (``count`` < K), for 1 and 4 tokens,
 against a float64 numpy evaluation of the listed-neuron FFN on the same bfloat16 values. The
 tolerance is a worst-case rounding bound (``listed_ffn_bound``) built from bfloat16's and float32's

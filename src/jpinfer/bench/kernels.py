@@ -29,9 +29,9 @@ from jpinfer.activations import activate
 from jpinfer.bench.protocol import fastest, load_average, machine, machine_line
 from jpinfer.config import UNGATED_KINDS, ModelConfig
 from jpinfer.models import params, transformer
+from jpinfer.ops.chunked import DEFAULT_CHUNK
 from jpinfer.sparse import neurons
 from jpinfer.sparse.cpu_backend import huge_page_array, huge_page_ffn
-from jpinfer.sparse.cpu_backend.chunked import DEFAULT_CHUNK
 from jpinfer.sparse.op import BACKENDS, sparse_ffn
 
 

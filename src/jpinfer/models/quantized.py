@@ -7,13 +7,8 @@ Formats (``config.WEIGHT_FORMATS``, ``jpinfer.load(weights=...)``):
   stays int8 per row, as llama.cpp keeps its output matrix at 6 to 8 bits (its Q4 files store the default
   model's tied head as Q8_0). Norms, biases and an untied input embedding stay float in both.
 
-``matmul`` is the one product of every quantized matrix. On the CPU, for up to
-``native.kernels.MAX_TOKENS`` tokens (every decode step), it runs the native kernel
-(``native.kernels.int8_matvec`` / ``q4_matvec``: weights read once for all tokens, on every core);
-elsewhere the XLA form of ``quant``: on an accelerator, for prompts of more tokens (one native call
-per 8 tokens would read the weights again for each group, where XLA's GEMM reads them once), for an
-input-major int8 copy, and when the native library is unavailable. The two compute the same
-integers (exactly) and scale them in another order (float32 rounding).
+``matmul`` is the one product of every quantized matrix: ``ops.dense.quantized_matmul``, where ``ops`` picks the
+native kernel or the XLA form of ``quant`` per platform and token count.
 """
 
 from __future__ import annotations
@@ -26,8 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jpinfer.models.params import Weights
-from jpinfer.native import kernels as native_kernels
-from jpinfer.native import native_available
+from jpinfer.ops.dense import quantized_matmul
 from jpinfer.quant import int8, q4
 from jpinfer.quant.int8 import Int8Matrix
 from jpinfer.quant.q4 import Q4Matrix
@@ -137,56 +131,7 @@ def rows(w: QuantizedMatrix, index: jax.Array, dtype=jnp.float32) -> jax.Array:
     return int8.rows(w, index, dtype) if isinstance(w, Int8Matrix) else q4.rows(w, index, dtype)
 
 
-def matmul(x: jax.Array, w: QuantizedMatrix) -> jax.Array:
-    """x (..., in) times the matrix ``w`` stands for, float32 (..., out): W @ x per token for an (out, in)
-    matrix, x @ M for an int8 (in, out) one (scale_axis 1).
-
-    Differentiable in x (the loss sensitivities of ``profiler.calibration`` run through it): the
-    derivative is the straight-through one, that of the dequantized matrix, since rounding x to
-    int8 has a zero derivative almost everywhere and would silently zero every gradient."""
-    if x.shape[-1] != w.inputs:
-        raise ValueError(f"x has {x.shape[-1]} features, the quantized matrix {w.shape} takes {w.inputs}")
-    y = _product(x.reshape(-1, w.inputs).astype(jnp.float32), w)
-    return y.reshape(*x.shape[:-1], w.outputs)
-
-
-def _xla_product(tokens: jax.Array, w: QuantizedMatrix) -> jax.Array:
-    return int8.product(tokens, w) if isinstance(w, Int8Matrix) else q4.product(w, tokens)
-
-
-def _native_product(tokens: jax.Array, w: QuantizedMatrix) -> jax.Array:
-    if isinstance(w, Int8Matrix):
-        return native_kernels.int8_matvec(w.values, w.scales, tokens, native=True)
-    return native_kernels.q4_matvec(w, tokens, native=True)
-
-
-# A 4-bit product of up to this many tokens (short prompts) runs the native kernel in groups of 8, each reading the
-# blocks once, rather than XLA's form, which dequantizes the whole matrix to float32 for one GEMM: the 7B-shaped
-# gate|up held 361 MB at a time, and short prompts ran slower. Default model, int4, prefill and one token (2-core
-# Zen 5 VM, 2026-12-05, two alternated runs): 8 tokens 47-63 -> 27-28 ms, 24 tokens 57-75 -> 40-45; at 64 and
-# 128 tokens the two measured alike (81-110 ms, 101-144), and each group is one more call to compile.
-Q4_NATIVE_PROMPT_TOKENS = 32
-
-
-@jax.custom_jvp
-def _product(tokens: jax.Array, w: QuantizedMatrix) -> jax.Array:
-    native_form = isinstance(w, Q4Matrix) or w.scale_axis == 0
-    limit = Q4_NATIVE_PROMPT_TOKENS if isinstance(w, Q4Matrix) else native_kernels.MAX_TOKENS
-    if tokens.shape[0] > limit or not native_form or not native_available():
-        return _xla_product(tokens, w)
-    return jax.lax.platform_dependent(tokens, w, cpu=_native_product, default=_xla_product)
-
-
-@_product.defjvp
-def _product_jvp(primals, tangents):
-    tokens, w = primals
-
-    def dequantized(t, m):  # the float product; linear in t and in the scales (and mins)
-        matrix = as_float(m)
-        return t @ (matrix if isinstance(m, Int8Matrix) and m.scale_axis == 1 else matrix.T)
-
-    _, dy = jax.jvp(dequantized, primals, tangents)
-    return _product(tokens, w), dy
+matmul = quantized_matmul  # the product of every quantized matrix, picked by ``ops`` (module docstring)
 
 
 def quantize_matrix(w, fmt: str) -> QuantizedMatrix:

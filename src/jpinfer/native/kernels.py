@@ -533,7 +533,7 @@ def cached_attention(q, cache_k, cache_v, positions, *, window: int | None = Non
     zeros. Slots after the last position are never read.
 
     Native only (RuntimeError without the library): its XLA form is the model's own attention,
-    ``models.transformer.cached_attention``, which calls this on the CPU."""
+    ``ops.attention.cached_attention``, which calls this on the CPU."""
     _use_native(True)
     q, cache_k, cache_v = jnp.asarray(q), jnp.asarray(cache_k), jnp.asarray(cache_v)
     if not cached_attention_fits(q, cache_k, cache_v):
@@ -551,7 +551,7 @@ def prefill_attention(q, cache_k, cache_v, positions, *, window: int | None = No
     softmax (csrc/prefill_attention.cc), never holding a (T, S) score matrix; a token's result does not
     depend on the other tokens of the call. Slots after the last position and before the first key tile
     a token sees are never read (inside a tile, slots a token does not see are read and weighted by zero).
-    Native only (RuntimeError without the library); its XLA form is ``models.transformer.blocked_attention``."""
+    Native only (RuntimeError without the library); its XLA form is ``ops.attention.blocked_attention``."""
     _use_native(True)
     q, cache_k, cache_v = jnp.asarray(q), jnp.asarray(cache_k), jnp.asarray(cache_v)
     if not prefill_attention_fits(q, cache_k, cache_v):

@@ -18,8 +18,7 @@ import numpy as np
 
 from jpinfer.models.quantized import quantize_matrix
 from jpinfer.models.transformer import expert_weights, linear
-from jpinfer.native import native_available
-from jpinfer.native.kernels import select_over
+from jpinfer.ops.threshold import select_over
 
 
 @jax.tree_util.register_dataclass
@@ -91,21 +90,8 @@ class Selection:
     wanted: jax.Array
 
 
-def _ids_over(logits: jax.Array, cutoff: jax.Array, capacity: int) -> tuple[jax.Array, jax.Array]:
-    """``native.kernels.select_over`` on float32 logits: the native pass on the CPU where the library is loaded
-    (XLA's compaction of the mask is a cumulative sum and a scatter over every neuron: 3.4 against 0.5 ms a step
-    for 32 layers of 11008 neurons with 1101 over the cut-off, 0.9 against 0.2 ms for the default model's 30
-    layers of 1536; 2-core Zen 4 VM, 2026-12-05, scratch probe), its XLA form elsewhere."""
-    logits, cutoff = logits.astype(jnp.float32), jnp.asarray(cutoff, jnp.float32)
-    xla = lambda lg, c: select_over(lg, c, capacity, native=False)
-    if not native_available():
-        return xla(logits, cutoff)
-    native = lambda lg, c: select_over(lg, c, capacity, native=True)
-    return jax.lax.platform_dependent(logits, cutoff, cpu=native, default=xla)
-
-
 def _select_one(logits: jax.Array, cutoff: jax.Array, capacity: int) -> Selection:
-    every_one, wanted = _ids_over(logits, cutoff, capacity)
+    every_one, wanted = select_over(logits, cutoff, capacity)
 
     def largest() -> jax.Array:
         return jax.lax.top_k(logits, capacity)[1].astype(jnp.int32)
@@ -119,7 +105,7 @@ def select_neurons(logits: jax.Array, cutoff: jax.Array, capacity: int) -> Selec
 
     A static capacity keeps shapes static (one compiled step for every token) and bounds the
     work per token. When the neurons over the cut-off fit, they are all kept, in index order
-    (a compaction, ``_ids_over``: one native pass on the CPU; XLA's took 1.2 ms per token for 30 layers
+    (a compaction, ``ops.threshold.select_over``: one native pass on the CPU; XLA's took 1.2 ms per token for 30 layers
     of 1536 neurons with K = 1472, against 3.6 ms for a top-k; scratch probe, 2026-12-01); when they do
     not, the K largest logits are kept (the most confident predictions).
     """

@@ -1,13 +1,13 @@
 """The sparse FFN: one layer's FFN computed over a list of neurons only.
 
 - ``neurons``: the neuron-major layout (a neuron's gate, up and down rows side by side).
-- ``op``: ``sparse_ffn``, the op, and its backend choice per lowering platform; ``all_rows_ffn``, the
-  same over every neuron as dense products (prefill); ``sparse_rows_product``, x @ M over listed rows.
+- ``op``: ``sparse_ffn``, the op over a layout (``jpinfer.ops.listed`` picks its kernel per lowering platform);
+  ``all_rows_ffn``, the same over every neuron as dense products (prefill); ``sparse_rows_product``, x @ M over
+  listed rows.
 - ``threshold_layout``: the FFN laid out for threshold sparsity (``ThresholdLayout``: input-major gate/up rows,
   neuron-major down rows) and ``threshold_ffn``, the FFN over the rows its thresholds keep; the attention's
   products the same way (``ThresholdProjection``, ``threshold_projection``).
-- ``pallas_kernels``: the accelerator kernels (Pallas; interpret mode on the CPU for tests).
-- ``cpu_backend``: the CPU kernels (chunked XLA loop) and huge-page host memory.
+- ``cpu_backend``: huge-page host memory for the CPU's weights.
 """
 
 from jpinfer.sparse.neurons import NeuronFFN, from_arrays, from_layer

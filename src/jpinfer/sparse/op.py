@@ -6,25 +6,16 @@ over a whole layer equals the dense FFN output, up to rounding). The list has a 
 capacity K (its length) and a traced valid count: entries at positions >= count are
 padding and contribute nothing, so one compiled function serves every token.
 
-Backends, picked per lowering platform (``backend="auto"``, so a function jitted for the CPU
-device on a GPU machine still gets the CPU kernel): on CUDA GPUs the Pallas kernel
-(``pallas_kernels.DEFAULT_KERNEL``) when this jax has the Triton lowering, else the XLA gather
-(``_gathered_ffn``: the listed rows taken at once, then products); on other accelerators the XLA
-gather; on the CPU the native fused kernel (``jpinfer.native``: float32 rows, the library loaded),
-else the chunked XLA loop (``cpu_backend``). ``backend="pallas"`` forces the kernel (interpret mode
-on the CPU: tests); ``backend="xla"`` forces the platform's XLA form (the chunked loop on the CPU)
-and ``backend="gather"`` the XLA gather on any platform.
-
-Int8 bundles (``NeuronFFN.quantized``, W8A8: the dense int8 FFN's integers over the list) run the
-native ``native.kernels.sparse_ffn_int8`` on the CPU (library loaded) and its XLA gather form
-(``native.kernels.xla_sparse_ffn_int8``) elsewhere and for ``backend="xla"`` / ``"gather"``; an int4
-model's (4-bit gate/up records, ``NeuronFFN.gate_up``) ``sparse_ffn_q4`` and ``xla_sparse_ffn_q4``
-likewise. The Pallas kernels read float rows only, so ``backend="pallas"`` refuses quantized bundles.
+Backends (``ops.listed`` picks each per lowering platform, ``ops.table``): ``backend="auto"`` runs on the CPU the
+native fused kernel (float32 rows, int8 bundles, an int4 model's records; the library loaded), else the chunked
+XLA loop (float rows) or the XLA gather (bundles); on CUDA GPUs the Pallas kernel for float rows when this jax has
+the Triton lowering, else the XLA gather; on other accelerators the gather. ``backend="pallas"`` forces the kernel
+(interpret mode on the CPU: tests; float rows only); ``backend="xla"`` forces the platform's XLA form (the chunked
+loop on the CPU) and ``backend="gather"`` the XLA gather on any platform.
 
 With experts (``NeuronFFN.router``) each listed activation is times its expert's routing weight: int8 bundles
-pass the weights to their kernel; float lists run as the kernels' two halves (``sparse_activations``, then
-``listed_rows_sum`` over the weighted activations), since the fused float kernels and the Pallas ones take no
-weights (``backend="pallas"`` refuses experts).
+pass the weights to their kernel; float lists run as the kernels' two halves (``ops.listed.weighted_ffn``), since
+the fused float kernels and the Pallas ones take no weights (``backend="pallas"`` refuses experts).
 
 ``sparse_rows_product(matrix, x, ids, count)`` is the product x @ matrix over listed rows
 only: the input-sparse linear map of the threshold mode (``threshold_layout.py``).
@@ -42,15 +33,11 @@ import numpy as np
 
 from jpinfer.activations import activate
 from jpinfer.models import quantized
-from jpinfer.native import kernels as native_kernels
-from jpinfer.native import native_available
+from jpinfer.ops import listed
 from jpinfer.ordering import after
 from jpinfer.quant import int8
 from jpinfer.quant.int8 import Int8Matrix
-from jpinfer.sparse.cpu_backend import sparse_ffn_chunked
-from jpinfer.sparse.cpu_backend import sparse_rows_product as sparse_rows_chunked
 from jpinfer.sparse.neurons import NeuronFFN, routing_of
-from jpinfer.sparse.pallas_kernels import DEFAULT_KERNEL, KERNELS, triton_available
 
 Backend = Literal["auto", "xla", "gather", "pallas"]
 BACKENDS: tuple[str, ...] = ("auto", "xla", "gather", "pallas")
@@ -101,21 +88,7 @@ def sparse_ffn(
     elif ffn.quantized:
         y = _quantized_ffn(ffn, x2, ids, count, backend)
     else:
-        args = (ffn.rows, ffn.b_up, x2, ids, count)
-        loop = lambda *a: sparse_ffn_chunked(*a, kind=ffn.kind)
-        cpu = _native_ffn(ffn.kind) if native_serves(ffn.rows) else loop
-        gather = lambda *a: _gathered_ffn(*a, kind=ffn.kind)
-        kernel = lambda *a: KERNELS[DEFAULT_KERNEL](*a, kind=ffn.kind)
-        if backend == "xla":
-            y = jax.lax.platform_dependent(*args, cpu=loop, default=gather)
-        elif backend == "gather":
-            y = gather(*args)
-        elif backend == "pallas":
-            interpreted = lambda *a: KERNELS[DEFAULT_KERNEL](*a, kind=ffn.kind, interpret=True)
-            y = jax.lax.platform_dependent(*args, cpu=interpreted, default=kernel)
-        else:
-            y = jax.lax.platform_dependent(*args, cpu=cpu, cuda=kernel if triton_available() else gather,
-                                           default=gather)
+        y = listed.float_ffn(ffn.rows, ffn.b_up, x2, ids, count, kind=ffn.kind, backend=backend)
     return _with_b_down(ffn, y).astype(x.dtype).reshape(x.shape)
 
 
@@ -124,78 +97,21 @@ def _routed_ffn(ffn: NeuronFFN, x: jax.Array, ids: jax.Array, count: jax.Array, 
     times its expert's routing weight. Int8 bundles pass the weights to their kernel; the fused float kernels take
     none, so a float list runs as the two halves: the listed activations, then the down rows weighted by them
     times the routing weights (the native ``sparse_activations`` and ``listed_rows_sum`` on the CPU, their XLA
-    forms elsewhere and for backends "xla" and "gather")."""
-    if backend == "pallas":
-        raise ValueError("a layout with experts runs with backend 'auto', 'xla' or 'gather' (the Pallas kernels "
-                         "take no routing weights)")
-    listed = jnp.take(ffn.neuron_experts, jnp.clip(ids, 0, ffn.n_neurons - 1))
-    weights = routing_of(ffn.router, ffn.experts_per_token, listed, x)  # (T, K)
+    forms elsewhere and for backends "xla" and "gather"; ``ops.listed``); backend "pallas" is refused."""
+    experts = jnp.take(ffn.neuron_experts, jnp.clip(ids, 0, ffn.n_neurons - 1))
+    weights = routing_of(ffn.router, ffn.experts_per_token, experts, x)  # (T, K)
     if ffn.quantized:
         return _quantized_ffn(ffn, x, ids, count, backend, weights)
-
-    args = (ffn.rows, ffn.b_up, x, ids, count, weights)
-    halves = functools.partial(_weighted_halves, kind=ffn.kind)
-    if backend == "auto" and native_serves(ffn.rows):
-        return jax.lax.platform_dependent(*args, cpu=functools.partial(halves, native=True),
-                                          default=functools.partial(halves, native=False))
-    return halves(*args, native=False)
-
-
-def _weighted_halves(rows: jax.Array, b_up: jax.Array | None, x: jax.Array, ids: jax.Array, count: jax.Array,
-                     weights: jax.Array, *, kind: str, native: bool) -> jax.Array:
-    """A float list's FFN with each listed activation times ``weights`` (T, K), float32 (T, d) without b_down: the
-    listed activations, then the down rows weighted by them (the fused float kernels take no weights)."""
-    act = native_kernels.sparse_activations(rows, x, ids, count, kind=kind, b_up=b_up, native=native)
-    return native_kernels.listed_rows_sum(rows, act * weights, ids, count, native=native)
+    return listed.weighted_ffn(ffn.rows, ffn.b_up, x, ids, count, weights, kind=ffn.kind, backend=backend)
 
 
 def _quantized_ffn(ffn: NeuronFFN, x: jax.Array, ids: jax.Array, count: jax.Array, backend: str,
                    weights: jax.Array | None = None) -> jax.Array:
     """``sparse_ffn`` over int8 bundles or an int4 model's (4-bit gate/up rows), float32 (T, d) without ``b_down``
-    (module docstring); ``weights`` (T, K) multiply the listed activations (the routing weights with experts)."""
-    if backend == "pallas":
-        raise ValueError("the Pallas kernels take float rows: quantized bundles run with backend 'auto', 'xla' or "
-                         "'gather'")
-    if ffn.gate_up is not None:
-        args = (ffn.gate_up, ffn.rows[:, 0], ffn.down_scales, ffn.b_up, x, ids, count, weights)
-        gather = lambda *a: native_kernels.xla_sparse_ffn_q4(*a[:-1], kind=ffn.kind, weights=a[-1])
-        native = lambda gate_up, down, down_scales, b_up, x, ids, count, weights: native_kernels.sparse_ffn_q4(
-            gate_up, down, down_scales, x, ids, count, kind=ffn.kind, b_up=b_up, weights=weights, native=True)
-    else:
-        args = (ffn.rows, ffn.scales, ffn.down_scales, ffn.b_up, x, ids, count, weights)
-        gather = lambda *a: native_kernels.xla_sparse_ffn_int8(*a[:-1], kind=ffn.kind, weights=a[-1])
-        native = lambda rows, scales, down_scales, b_up, x, ids, count, weights: native_kernels.sparse_ffn_int8(
-            rows, scales, down_scales, x, ids, count, kind=ffn.kind, b_up=b_up, weights=weights, native=True)
-    if backend != "auto" or not native_available():
-        return gather(*args)
-    return jax.lax.platform_dependent(*args, cpu=native, default=gather)
-
-
-def native_serves(matrix: jax.Array) -> bool:
-    """Whether the native CPU kernels serve this matrix: float32 (they read float32 rows) and the
-    library loaded (``native.native_available``: else one warning said why, and XLA runs)."""
-    return matrix.dtype == jnp.float32 and native_available()
-
-
-def _native_ffn(kind: str):
-    """The native fused sparse FFN (``native.kernels.sparse_ffn``) in ``sparse_ffn_chunked``'s signature."""
-    return lambda rows, b_up, x, ids, count: native_kernels.sparse_ffn(rows, x, ids, count, kind=kind, b_up=b_up,
-                                                                       native=True)
-
-
-def _gathered_ffn(rows: jax.Array, b_up: jax.Array | None, x: jax.Array, ids: jax.Array, count: jax.Array, *,
-                  kind: str) -> jax.Array:
-    """The listed neurons' rows gathered at once, then dense products (float32 (T, d)): the XLA form
-    for accelerators, where one gather of K rows is one wide parallel read (on the CPU the gathered
-    copy spills the caches: the chunked loop is faster there)."""
-    ids = jnp.clip(ids, 0, rows.shape[0] - 1)
-    picked = rows[ids]  # (K, R, d)
-    n_in = rows.shape[1] - 1
-    h = jnp.einsum("td,krd->rtk", x.astype(rows.dtype), picked[:, :n_in], preferred_element_type=jnp.float32)
-    up = h[n_in - 1] + (0.0 if b_up is None else b_up[ids].astype(jnp.float32))
-    act = activate(kind, h[0] if n_in == 2 else None, up)
-    act = jnp.where(jnp.arange(ids.shape[0]) < count, act, 0.0)
-    return jnp.einsum("tk,kd->td", act.astype(rows.dtype), picked[:, n_in], preferred_element_type=jnp.float32)
+    (``ops.listed.quantized_ffn``); ``weights`` (T, K) multiply the listed activations (the routing weights with
+    experts)."""
+    return listed.quantized_ffn(ffn.gate_up, ffn.rows, ffn.scales, ffn.down_scales, ffn.b_up, x, ids, count, weights,
+                                kind=ffn.kind, backend=backend)
 
 
 @jax.jit
@@ -229,22 +145,9 @@ def all_rows_ffn(ffn: NeuronFFN, x: jax.Array, keep: jax.Array | None = None) ->
     x2 = x.reshape(-1, d).astype(jnp.float32 if ffn.quantized else ffn.rows.dtype)
     keep = None if keep is None else keep.reshape(-1, n)
     routing = None if ffn.router is None else ffn.routing(x.reshape(-1, d))
-    args = (ffn, x2, keep, routing)
-    if x2.shape[0] > native_kernels.MAX_TOKENS:
-        y = _xla_all_rows(*args)
-    elif ffn.gate_up is not None:  # an int4 model's records: the sparse op on every platform
-        y = _full_list(*args)
-    elif n > 0 and _native_serves_bundles(ffn):
-        y = jax.lax.platform_dependent(*args, cpu=_full_list, default=_xla_all_rows)
-    else:
-        y = _xla_all_rows(*args)
+    fmt = "int4" if ffn.gate_up is not None else "int8" if ffn.quantized else "float"
+    y = listed.all_rows(_full_list, _xla_all_rows, ffn, x2, keep, routing, fmt=fmt, tokens=x2.shape[0], rows=ffn.rows)
     return _with_b_down(ffn, y).astype(x.dtype).reshape(x.shape)
-
-
-def _native_serves_bundles(ffn: NeuronFFN) -> bool:
-    """Whether the native CPU kernels serve this layout's bundles: float32 (``native_serves``) or int8 ones, the
-    library loaded."""
-    return native_serves(ffn.rows) or (ffn.quantized and native_available())
 
 
 def _full_list(ffn: NeuronFFN, x: jax.Array, keep: jax.Array | None, routing: jax.Array | None) -> jax.Array:
@@ -254,12 +157,10 @@ def _full_list(ffn: NeuronFFN, x: jax.Array, keep: jax.Array | None, routing: ja
     weights = None if keep is None else keep.astype(jnp.float32)
     if routing is not None:
         weights = routing if weights is None else weights * routing
-    every, n = jnp.arange(ffn.n_neurons, dtype=jnp.int32), jnp.int32(ffn.n_neurons)
     if ffn.quantized:
+        every, n = jnp.arange(ffn.n_neurons, dtype=jnp.int32), jnp.int32(ffn.n_neurons)
         return _quantized_ffn(ffn, x, every, n, "auto", weights)
-    if weights is None:
-        return native_kernels.sparse_ffn(ffn.rows, x, every, n, kind=ffn.kind, b_up=ffn.b_up, native=True)
-    return _weighted_halves(ffn.rows, ffn.b_up, x, every, n, weights, kind=ffn.kind, native=True)
+    return listed.cpu_full_list(ffn.rows, ffn.b_up, x, weights, kind=ffn.kind)
 
 
 def _xla_all_rows(ffn: NeuronFFN, x2: jax.Array, keep: jax.Array | None, routing: jax.Array | None) -> jax.Array:
@@ -296,22 +197,6 @@ def _with_b_down(ffn: NeuronFFN, y: jax.Array) -> jax.Array:
     return y if ffn.b_down is None else y + ffn.b_down.astype(jnp.float32)
 
 
-def _gathered_rows_product(matrix: jax.Array, x: jax.Array, ids: jax.Array, count: jax.Array) -> jax.Array:
-    """The listed rows gathered at once, then one product: for accelerators (on the CPU this spills
-    the caches; docs/architecture.md)."""
-    ids = jnp.clip(ids, 0, matrix.shape[0] - 1)  # padding may hold any value (the loop clamps its own)
-    rows = matrix[ids]
-    if _integer(matrix, x):
-        weights = jnp.where(jnp.arange(ids.shape[0]) < count, x[:, ids], 0)
-        return jnp.einsum("tk,km->tm", weights, rows, preferred_element_type=jnp.int32)
-    weights = jnp.where(jnp.arange(ids.shape[0]) < count, x[:, ids].astype(jnp.float32), 0.0)
-    return jnp.einsum("tk,km->tm", weights.astype(matrix.dtype), rows, preferred_element_type=jnp.float32)
-
-
-def _integer(matrix: jax.Array, x: jax.Array) -> bool:
-    return not (jnp.issubdtype(matrix.dtype, jnp.floating) or jnp.issubdtype(x.dtype, jnp.floating))
-
-
 @functools.partial(jax.jit, static_argnames=("backend",))
 def sparse_rows_product(
     matrix: jax.Array, x: jax.Array, ids: jax.Array, count: jax.Array | int, *, backend: RowsBackend = "auto"
@@ -322,8 +207,8 @@ def sparse_rows_product(
     matrix: (n, m), input-major (a row per input dimension), float, or int8 with an int8 x; x: (T, n);
     ids: (K,) row indices
     (padding past ``count``; valid ones in [0, n), clamped, not checked). Backends: ``loop``
-    (``cpu_backend.sparse_rows_product``, chunks read in place: for the CPU), ``gather`` (all
-    rows at once, then one product), ``auto`` (the loop on the CPU, the gather elsewhere).
+    (``ops.chunked.sparse_rows_product``, chunks read in place: for the CPU), ``gather`` (all
+    rows at once, then one product), ``auto`` (the loop on the CPU, the gather elsewhere; ``ops.listed.rows_product``).
     """
     if backend not in ROWS_BACKENDS:
         raise ValueError(f"backend must be one of {ROWS_BACKENDS}, got {backend!r}")
@@ -333,10 +218,6 @@ def sparse_rows_product(
     ids = ids.astype(jnp.int32)
     count = jnp.asarray(count, jnp.int32)
     if ids.shape[0] == 0:
-        return jnp.zeros((x.shape[0], matrix.shape[1]), jnp.int32 if _integer(matrix, x) else jnp.float32)
-    args = (matrix, x, ids, count)
-    if backend == "loop":
-        return sparse_rows_chunked(*args)
-    if backend == "gather":
-        return _gathered_rows_product(*args)
-    return jax.lax.platform_dependent(*args, cpu=sparse_rows_chunked, default=_gathered_rows_product)
+        dtype = jnp.int32 if listed.integer_operands(matrix, x) else jnp.float32
+        return jnp.zeros((x.shape[0], matrix.shape[1]), dtype)
+    return listed.rows_product(matrix, x, ids, count, backend=backend)

@@ -43,8 +43,8 @@ from jpinfer.activations import activate
 from jpinfer.config import UNGATED_KINDS, FfnKind
 from jpinfer.models import quantized
 from jpinfer.models.params import Layer
-from jpinfer.native import kernels as native_kernels
-from jpinfer.native import native_available
+from jpinfer.ops import dense
+from jpinfer.ops.threshold import threshold_rows
 from jpinfer.quant import int8
 from jpinfer.quant.int8 import Int8Matrix
 from jpinfer.quant.q4 import Q4Matrix
@@ -186,23 +186,13 @@ def kept(values: jax.Array, threshold: jax.Array) -> tuple[jax.Array, jax.Array]
 
 def _project(matrix: Matrix, x: jax.Array, input_major: bool, threshold: jax.Array,
              backend: RowsBackend) -> tuple[jax.Array, jax.Array]:
-    """(x (T, in) through ``matrix``, float32 (T, out); inputs kept per token (T,)): ``_xla_project``, or
-    on the CPU (backend "auto", at most ``native_kernels.MAX_TOKENS`` tokens: decode) the native kernel
-    that keeps, compacts and reads the kept rows in one call (same kept entries, same integers in int8)."""
-    if not (input_major and backend == "auto" and x.shape[0] <= native_kernels.MAX_TOKENS and _native_form(matrix)):
-        return _xla_project(matrix, x, input_major, threshold, backend)
-    if isinstance(matrix, Int8Matrix):
-        native = lambda m, x, t: native_kernels.threshold_rows_product_int8(m.values, m.scales, x, t, native=True)
-    else:
-        native = lambda m, x, t: native_kernels.threshold_rows_product(m, x, t, native=True)
+    """(x (T, in) through ``matrix``, float32 (T, out); inputs kept per token (T,)): an input-major matrix through
+    ``ops.threshold.threshold_rows`` (the native kernel that keeps, compacts and reads the kept rows in one call on
+    the CPU for decode steps, else ``_xla_project``), the decoder's (out, in) matrix densely."""
+    if not input_major:
+        return _xla_project(matrix, x, False, threshold, backend)
     xla = lambda m, x, t: _xla_project(m, x, True, t, backend)
-    return jax.lax.platform_dependent(matrix, x, threshold, cpu=native, default=xla)
-
-
-def _native_form(matrix: jax.Array | Int8Matrix) -> bool:
-    """An input-major matrix the native threshold kernels read: float32, or int8 with one scale per column."""
-    readable = matrix.scale_axis == 1 if isinstance(matrix, Int8Matrix) else matrix.dtype == jnp.float32
-    return readable and native_available()
+    return threshold_rows(matrix, x, threshold, xla=xla, backend=backend)
 
 
 def _xla_project(matrix: Matrix, x: jax.Array, input_major: bool, threshold: jax.Array,
@@ -215,16 +205,12 @@ def _xla_project(matrix: Matrix, x: jax.Array, input_major: bool, threshold: jax
     scale is that of x with the skipped entries zeroed) and sums the kept rows in int32."""
     is_int8 = isinstance(matrix, Int8Matrix)
     if not input_major:
-        dense = lambda x, m: jnp.einsum("ti,oi->to", x.astype(m.dtype), m, preferred_element_type=jnp.float32)
+        # the decoder's own products (``transformer.linear``): one token or a batch's, the same sums, so a
+        # sequence's keep decisions downstream do not depend on its batch
         if quantized.is_quantized(matrix):
             product = quantized.matmul(x, matrix)
-        elif matrix.dtype == x.dtype == jnp.float32 and x.shape[0] <= native_kernels.MAX_TOKENS and native_available():
-            # the decoder's own decode product (``transformer.linear``): one token or a batch's, the same sums,
-            # so a sequence's keep decisions downstream do not depend on its batch
-            native = lambda x, m: native_kernels.float_matvec(m, x)
-            product = jax.lax.platform_dependent(x, matrix, cpu=native, default=dense)
         else:
-            product = dense(x, matrix)
+            product = dense.float_product(x, matrix, accumulate=jnp.float32)
         return product, jnp.full(x.shape[:1], x.shape[1], jnp.int32)
     if x.shape[0] == 1:
         ids, count = kept(x[0], threshold)

@@ -1,6 +1,6 @@
-"""Cold-neuron FFN work on the JAX CPU device (plain XLA, tuned for caches and cores)."""
+"""Host memory for the CPU's share of the weights: huge-page copies of arrays and layouts (the chunked XLA loops
+that read them are ``jpinfer.ops.chunked``: an implementation of the listed-rows products, picked by ``ops``)."""
 
-from jpinfer.sparse.cpu_backend.chunked import sparse_ffn_chunked, sparse_rows_product
 from jpinfer.sparse.cpu_backend.host_memory import huge_page_array, huge_page_ffn
 
-__all__ = ["huge_page_array", "huge_page_ffn", "sparse_ffn_chunked", "sparse_rows_product"]
+__all__ = ["huge_page_array", "huge_page_ffn"]

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from jpinfer.activations import activate
-from jpinfer.sparse.pallas_kernels.triton import atomic_add, compiler_params, is_pow2, tile
+from jpinfer.pallas.triton import atomic_add, compiler_params, is_pow2, tile
 
 VARIANTS: tuple[str, ...] = ("split", "split_atomic", "fused")
 MAX_TOKENS = 8  # tokens per call: unrolled in every program (registers and code size grow with it)

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from jpinfer.activations import activate
-from jpinfer.sparse.pallas_kernels.triton import compiler_params, is_pow2, tile
+from jpinfer.pallas.triton import compiler_params, is_pow2, tile
 
 MAX_BLOCK_D = 128
 

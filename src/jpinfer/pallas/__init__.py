@@ -1,14 +1,15 @@
 """Pallas kernels for the accelerator (GPU via Triton; interpret mode on the CPU for tests).
 
 ``KERNELS`` maps each variant to one call signature ``(rows, b_up, x, ids, count, *, kind,
-interpret=False)``; ``DEFAULT_KERNEL`` is the one ``sparse_ffn`` runs on a GPU.
+interpret=False)``; ``DEFAULT_KERNEL`` is the one ``jpinfer.ops`` picks for a
+listed-rows FFN on a CUDA GPU (``ops.table``). A kernel library like ``jpinfer.native``: it picks nothing itself.
 """
 
 import functools
 
-from jpinfer.sparse.pallas_kernels.listed_ffn import MAX_TOKENS, VARIANTS, listed_ffn
-from jpinfer.sparse.pallas_kernels.sparse_rows import sparse_rows_ffn
-from jpinfer.sparse.pallas_kernels.triton import triton_available
+from jpinfer.pallas.listed_ffn import MAX_TOKENS, VARIANTS, listed_ffn
+from jpinfer.pallas.sparse_rows import sparse_rows_ffn
+from jpinfer.pallas.triton import triton_available
 
 KERNELS = {"rows": sparse_rows_ffn} | {v: functools.partial(listed_ffn, variant=v) for v in VARIANTS}
 # The one form measured on a GPU (the two-phase form, H200: 3.5x over dense at 90%; docs/architecture.md,

@@ -1,4 +1,5 @@
-"""Chunked sparse FFN in plain XLA for the CPU.
+"""Chunked sparse FFN in plain XLA for the CPU: the listed-rows products' XLA form there (``ops.listed`` picks it
+where the native kernels do not run, or for backend "xla" / "loop").
 
 What XLA:CPU does fast and slow here (measured, see bench/results/kernels.md):
 - one big gather of all listed rows spills the caches (10x worse than ideal); a gather
