@@ -194,7 +194,8 @@ def test_bad_head_settings_are_clear_errors():
 
 def test_pack_head_sparsity_keeps_the_other_stages():
     """Changing the head's target re-runs a pack's thresholds stage only; "auto" is HEAD_AUTO_TARGET with float
-    weights and off with int8 and int4 (bench/results/threshold_int8_head.md); a given fraction serves them all."""
+    weights and off with int8 and int4 (bench/results/experiments/threshold_int8_head.md); a given fraction serves
+    them all."""
     keys = lambda s, weights="float": stage_keys(s, "swiglu", "float32", weights, "f" * 16)
     auto, off = keys(PackSettings()), keys(PackSettings(head_sparsity=None))
     other = keys(PackSettings(head_sparsity=0.3))

@@ -183,7 +183,7 @@ def load_hf_tokenizer(directory: os.PathLike | str) -> Tokenizer | None:
     if not any((directory / name).exists() for name in TOKENIZER_FILES):
         return None
     # imported here: AutoTokenizer brings transformers' configuration code and with it PyTorch where installed
-    # (0.18 GB of a process's peak, bench/results/load_memory.md), which a GGUF's tokenizer, built from
+    # (0.18 GB of a process's peak, bench/results/experiments/load_memory.md), which a GGUF's tokenizer, built from
     # ``tokenizers`` alone, never needs
     from transformers import AutoTokenizer
 

@@ -64,8 +64,8 @@ def _native_prefill_attention(cfg: ModelConfig, window: int | None, q: jax.Array
                               cache_v: jax.Array, positions: jax.Array) -> jax.Array:
     """``native.kernels.prefill_attention`` (the attention of prompts longer than ``ONE_SOFTMAX_TOKENS`` on the
     CPU: 2.1-3.8x faster than ``blocked_attention`` at 600-4096 tokens of the default model's heads, 2-core
-    Intel Xeon VM, 2026-12-06, bench/results/prefill_attention.md) with the derivatives of ``blocked_attention``,
-    the same function (the threshold calibration differentiates through long windows)."""
+    Intel Xeon VM, 2026-12-06, bench/results/machines/xeon/prefill_attention.md) with the derivatives of
+    ``blocked_attention``, the same function (the threshold calibration differentiates through long windows)."""
     return native_kernels.prefill_attention(q, cache_k, cache_v, positions, window=window, softcap=cfg.attn_softcap)
 
 

@@ -54,22 +54,20 @@ class PackSettings:
     default to "auto": a quarter of the inputs of every product skipped (``AUTO_TARGET``) where the weights are
     float or int8, off for int4. Why: on the default model the quarter with half the neurons reads 0.75 of the
     weight bytes at the perplexity of half the neurons alone (1.016x dense; the attention's quarter lowers it,
-    ``bench/results/model_wide.md``); the main bench's threshold row went from 1.01x to 1.24x dense float32
-    (``bench/results/bench.md``, 2-core Intel Xeon, 2026-12-06), int8 1.00x -> 1.03x (its model sits in that VM's
-    L3: the step is not bound by the weights' bytes); but int4 reads the matrices it skips rows of as int8 copies
-    (1 byte a weight against the 4-bit blocks' 0.5625): 1.065 of dense int4's bytes, 0.83x dense int4 against
-    0.96x for half the neurons alone (``bench/results/model_wide_int8.md``, ``model_wide_int4.md``, same day).
+    ``bench/results/model_wide.md``); but int4 reads the matrices it skips rows of as int8 copies (1 byte a
+    weight against the 4-bit blocks' 0.5625): 1.065 of dense int4's bytes, 0.83x dense int4 against 0.96x for
+    half the neurons alone (``bench/results/model_wide_int4.md``, 2-core Intel Xeon, 2026-12-06).
     head_sparsity: the fraction of the head's inputs skipped (None: off); "auto" (default): ``HEAD_AUTO_TARGET``
     with float weights, off with int8 and int4. A given fraction serves every format (an int8 head, int4's too, is
     then read through its input-major copy: ``modes.engines.threshold_engine``), but on the default model in int8
     the fifth took the threshold mode's perplexity from 1.034x to 1.049x dense int8 (16 WikiText-2 windows), at
     the edge of the 1.05x the mode is held to, for 4-5% of step time; int4 measured no faster
-    (``bench/results/threshold_int8_head.md``). Why 0.2: the head is a fifth of the default model's weight bytes;
-    beside the quarters above,
-    a fifth of its inputs takes the bytes read from 0.750 to 0.708 of dense at 1.026x perplexity (1.016x without),
-    a tenth 0.729 at 1.017x, three tenths 0.687 at 1.051x, past the 1.05x the threshold mode is held to
+    (``bench/results/experiments/threshold_int8_head.md``). Why 0.2: the head is a fifth of the default model's
+    weight bytes; beside the quarters above, a fifth of its inputs takes the bytes read from 0.750 to 0.708 of
+    dense at 1.026x perplexity (1.016x without), a tenth 0.729 at 1.017x, three tenths 0.687 at 1.051x, past the
+    1.05x the threshold mode is held to
     (``bench/results/model_wide_head.md``, 2-core Intel Xeon, 2026-12-06); the main bench's threshold row decoded at
-    1.35x dense float32 with it (``bench/results/bench.md``, same day, 14:34 UTC).
+    1.35x dense float32 with it (``bench/results/machines/xeon/bench.md``, same day, 14:34 UTC).
     model_wide_sparsity instead of the per-kind targets (left at their defaults, which it replaces): the fraction
     of the bytes of every matrix read by rows skipped, spread over layers and kinds (``profiler.sparsity.
     model_wide_greedy``; greedy, held out like greedy allocation).

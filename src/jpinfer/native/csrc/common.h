@@ -94,8 +94,8 @@ inline int64_t ListCount(const ffi::Buffer<ffi::S32>& count, int64_t k) {
 // AVX-512 build): one-token 4-bit matvec 11008 x 4096 0.88-1.11 -> 0.77-0.78 ms, int8 1.32-1.52 -> 1.18-1.42,
 // float32 (the default model's 30 layers of products) 16.0-16.1 -> 12.5-14.0, the 4-bit sparse FFN (1101 of 11008
 // neurons at random) 0.53-0.62 -> 0.45-0.59 (noisy); the AVX2 (x86-64-v3) build: 4-bit 1.05-1.21 -> 0.82-0.88,
-// float32 15.6-15.8 -> 13.9-14.5, the others unchanged within noise (bench/results/prefetch_to_l2.md). Prefetching
-// into L1 (_MM_HINT_T0) is what they did before.
+// float32 15.6-15.8 -> 13.9-14.5, the others unchanged within noise (bench/results/experiments/prefetch_to_l2.md).
+// Prefetching into L1 (_MM_HINT_T0) is what they did before.
 inline void PrefetchAhead(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
 
 // How far ahead a stream of rows is prefetched. A one-token dense int8 product (quantized.cc) reads one row at a

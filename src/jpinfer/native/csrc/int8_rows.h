@@ -182,7 +182,7 @@ inline void Int8Dots(const int8_t* const* w, const int8_t* const* next, const in
 // their two token weights; so are the last cols % 64 columns with VNNI. On the Intel Xeon VM (2026-12-06, whose L3
 // holds the default model's int8 weights, so the products run at their instruction rate) the int16 form read the
 // threshold mode's kept down rows at about half the dense int8 product's bytes per second, and made that mode slower
-// than dense int8 (bench/results/int8_threshold_rows.md).
+// than dense int8 (bench/results/experiments/int8_threshold_rows.md).
 // Eight rows a pass against four (int16 form; 2-core Zen 4 VM, 2026-12-06, one process, 15 alternated rounds, one
 // token, the int8 threshold rows kernel): the default model's 30 chained (1536, 576) down matrices 0.82x the time with
 // every row kept, 0.78x at half kept; four 7B-shaped (11008, 4096) 0.92x either way; the same bits.

@@ -45,8 +45,8 @@ inline __m256i DotBytesN(const __m256i* u, const __m256i* s, int64_t stride) {
 // scales, zero but in lanes 0 and 4, take one of them: each block is its exact int32 sum scaled once, as in an
 // octet. Against one block at a time, each summed horizontally to a scalar (2-core Zen 4 VM, 2026-12-06, one
 // process, the default model's 30 layers of 4-bit products and its head chained, 21 alternated runs, medians
-// of the time ratios; bench/results/q4_tail_pairs.md): one token 0.99x the time for Q4_1 and Q4_0, eight tokens
-// 0.82x and 0.89x. (Padding the tail to an octet with zero blocks, copied next to the row, made a (3072, 576)
+// of the time ratios; bench/results/experiments/q4_tail_pairs.md): one token 0.99x the time for Q4_1 and Q4_0,
+// eight tokens 0.82x and 0.89x. (Padding the tail to an octet with zero blocks, copied next to the row, made a (3072, 576)
 // Q4_0 product take 76 us against 42 at 512 inputs.)
 constexpr int kLaneBlock[8] = {0, 2, 4, 6, 1, 3, 5, 7};
 

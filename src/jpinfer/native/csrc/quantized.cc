@@ -37,7 +37,7 @@ constexpr int64_t kRowsPerPiece = 64, kPieceBytes = 128 << 10, kMinPieces = 8;
 // matrices so none stays in cache, one token, medians of 9 rotated rounds): a 7B predictor's (11008, 256) w_out
 // int8 3.97 -> 2.74 ms, 4-bit 4.12 -> 2.88 ms (their 64-row pieces were 16 and 10 KB); the (256, 4096),
 // (4096, 4096) and (11008, 4096) products, whose pieces stay 64 rows, within noise (0.97-1.04)
-// (bench/results/short_row_pieces.md).
+// (bench/results/experiments/short_row_pieces.md).
 int64_t RowsPerPiece(int64_t out, int64_t row_bytes) {
   const int64_t fill = CeilDiv(kPieceBytes, std::max<int64_t>(row_bytes, 1));  // (an empty row: no division by 0)
   return std::max(kRowsPerPiece, std::min(fill, CeilDiv(out, kMinPieces)));

@@ -3,8 +3,8 @@
 //
 // XLA:CPU compacts a mask (jnp.nonzero with a static size) through a cumulative sum and a scatter over every
 // neuron; one pass that writes each id over the cut-off took 0.53 against 3.39 ms for 32 layers of 11008 neurons
-// (bench/results/native_selection.md). Ids are read eight logits at a time: one compare and a movemask give the
-// eight bits, and each set bit's id is written in order. A NaN logit or cut-off compares false (ordered compare),
+// (bench/results/experiments/native_selection.md). Ids are read eight logits at a time: one compare and a
+// movemask give the eight bits, and each set bit's id is written in order. A NaN logit or cut-off compares false (ordered compare),
 // as `logits > cutoff` does.
 #include "common.h"
 

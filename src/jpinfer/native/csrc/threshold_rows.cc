@@ -46,7 +46,7 @@ constexpr int64_t kWideTileFloats = 8192;
 // One token's compaction: the indices j of the n entries with |x[j]| > thr, in order, into kept; returns how
 // many (a NaN is never kept: the comparison is ordered). Eight entries a compare and a movemask, then the set
 // bits, where a scalar loop took a branch per entry before the parallel part: in one process against that loop
-// (2-core Zen 4 VM, 2026-12-06, the default model's 30 layers chained, one token, bench/results/
+// (2-core Zen 4 VM, 2026-12-06, the default model's 30 layers chained, one token, bench/results/experiments/
 // int8_threshold_rows.md) 0.96x the time for the float down rows at half kept, 0.98x for gate/up's input rows,
 // 0.90x for the int8 down rows; the same bits.
 inline int64_t KeptEntries(const float* x, int64_t n, float thr, int64_t* kept) {
