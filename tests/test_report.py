@@ -60,3 +60,26 @@ def test_each_command_shown_reproduces_its_file():
         checked += 1
     assert checked >= 15
     assert options("python bench/q.py --rounds 5 --out a.md") != options("python bench/q.py --rounds 3")
+
+
+def test_same_machine_runs_copies_the_section_and_nothing_else(tmp_path, monkeypatch):
+    """The runs section of a results file reaches the report whole and ends at the next section; a file without
+    it, or no file, gives no lines (the report then shows the one run its tables copy)."""
+    monkeypatch.setattr(report, "RESULTS", tmp_path)
+    assert report.same_machine_runs("absent") == []
+    (tmp_path / "plain.md").write_text("# A run\n\n## Per prompt length\n\n| a |\n")
+    assert report.same_machine_runs("plain") == []
+    (tmp_path / "runs.md").write_text(f"# A run\n\n{report.RUNS_HEADING}\n\n| run | x dense |\n|---|---|\n"
+                                      "| 1 | 1.27x |\n| 2 | 1.43x |\n\n## Next section\n\nnot copied\n")
+    lines = report.same_machine_runs("runs")
+    assert lines[2:-1] == ["| run | x dense |", "|---|---|", "| 1 | 1.27x |", "| 2 | 1.43x |"]
+    assert "(runs.md#runs-recorded-on-this-machine)" in lines[0] and "not copied" not in "\n".join(lines)
+
+
+def test_the_report_shows_the_main_benchs_recorded_runs():
+    """REPORT.md carries every line of bench.md's runs section, so its median and range sit beside the run."""
+    section = (report.RESULTS / "bench.md").read_text().split(report.RUNS_HEADING + "\n", 1)[1]
+    body = [line for line in section.split("\n## ")[0].splitlines() if line.strip()]
+    assert body
+    committed = (report.RESULTS / "REPORT.md").read_text()
+    assert all(line in committed for line in body)
