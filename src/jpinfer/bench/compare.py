@@ -39,7 +39,7 @@ from jpinfer.bench.protocol import (
     machine_line,
     prefix_agreement,
 )
-from jpinfer.bench.results import format_cell, markdown_table
+from jpinfer.bench.results import command_line, format_cell, markdown_table
 from jpinfer.commands.args import add_mode_arguments, mode_options, prepare_devices
 from jpinfer.config import WEIGHT_FORMATS
 from jpinfer.modes import FORMAT_MODES, MODE_NAMES, REFERENCE_MODE, ModeInputs, get_mode, listing
@@ -327,7 +327,7 @@ def report(results: dict) -> str:
     lengths = ", ".join(str(n) for n in p["lengths"]) + (f" and {p['long_prompt']}" if p["long_prompt"] else "")
     head = [
         f"# jpinfer bench: {results['model']}", "",
-        f"Command: `{results['command']}` ({results['date']}).", machine_line(m),
+        f"{command_line(results['command'])} ({results['date']}).", machine_line(m),
         f"Protocol: prompts of {lengths} tokens (ChatGPT prompts and Alpaca instructions, seed {p['seed']}), "
         f"{p['max_new_tokens']} greedy output tokens, batch 1, {p['rounds']} interleaved rounds; decode and end-to-end "
         "tok/s: median over rounds; x dense: median of same-round ratios; p50/p99: per decode step.",

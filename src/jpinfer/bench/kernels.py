@@ -262,7 +262,7 @@ def run_chain(args: argparse.Namespace) -> int:
     import sys
 
     from jpinfer.bench import chain_kernels
-    from jpinfer.bench.results import publish
+    from jpinfer.bench.results import command_line, publish
 
     load_before = load_average()
     device = jax.devices()[0]
@@ -271,8 +271,8 @@ def run_chain(args: argparse.Namespace) -> int:
         raise ValueError(f"--layers and --tokens must be >= 1, got {args.layers} and {args.tokens}")
     bandwidth = chain_kernels.copy_bandwidth(device)
     lines = [f"# Sparse FFN kernels on {device.device_kind} ({device.platform})", "",
-             f"- command: `{' '.join(['jpinfer bench-kernels', *sys.argv[2:]])}`" if sys.argv[1:2] == ["bench-kernels"]
-             else f"- command: `{' '.join(sys.argv)}`",
+             "- " + command_line(" ".join(["jpinfer bench-kernels", *sys.argv[2:]] if sys.argv[1:2] == ["bench-kernels"]
+                                         else sys.argv)),
              f"- {args.layers} layers chained in one jit, {args.dtype}, random weights and random lists per layer; "
              f"copy bandwidth {bandwidth / 1e12:.3f} TB/s (read + write of 1 GiB, best of 5); fastest of "
              f"{args.rounds} x 3 calls" + ("; INTERPRET MODE (CPU): not a timing" if interpret else ""), ""]
