@@ -31,9 +31,12 @@ $(VENV)/.installed-bench: $(VENV)/.installed
 bench: $(VENV)/.installed-bench
 	$(PY) -m jpinfer.bench
 
-# `make test` leaves out the tests marked slow (the default model, long runs): `make test-slow` runs them; CI runs both
+# `make test` leaves out the tests marked slow (the default model, long runs): `make test-slow` runs them; CI runs both.
+# `make test` runs on two workers (pytest-xdist); --dist loadfile keeps each test file on one worker, so its
+# module fixtures (engines, packs, GGUF files) are built once.
+TEST_WORKERS ?= 2
 test: setup-test
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile
 
 test-slow: setup-test
 	$(PY) -m pytest -q -m slow

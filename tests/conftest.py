@@ -1,7 +1,10 @@
 """Test-wide setup: two simulated CPU devices (device 0 plays the accelerator)."""
 
+import atexit
 import gc
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -16,6 +19,14 @@ jax.config.update("jax_num_cpu_devices", 2)
 # rounding), which no float32 tolerance allows for: ask for full float32. The CPU always computes float32
 # matmuls in full float32, so this changes nothing there.
 jax.config.update("jax_default_matmul_precision", "highest")
+# XLA's persistent cache for this test session: _release_compiled_programs drops the compiled programs after
+# each module, and the same tiny-model programs (a decode step, a prefill) come back in many modules; with the
+# cache a later module loads them instead of compiling again. One fresh directory per process (per xdist
+# worker), removed at exit, so no run sees another's programs.
+_COMPILED = tempfile.mkdtemp(prefix=f"jpinfer-tests-xla-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}-")
+atexit.register(shutil.rmtree, _COMPILED, ignore_errors=True)
+jax.config.update("jax_compilation_cache_dir", _COMPILED)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # the tiny models' programs compile fast
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -64,6 +64,7 @@ def test_load_with_a_pack_takes_its_artifacts(env):
         jpinfer.load(other, mode="sparse", pack=pack_dir)
 
 
+@pytest.mark.slow  # heavy: a second pack; test_pack.py's test_a_quantized_model_gets_a_pack_of_its_own[int4] covers it
 def test_prepare_weights_int4_makes_a_pack_of_the_int4_model(env, tmp_path, capsys):
     """jpinfer prepare --weights int4: the pack of the model loaded as int4 (its own fingerprint), which the
     int4 threshold mode reads and the float model is refused, the message naming the format that differs."""
@@ -80,6 +81,7 @@ def test_prepare_weights_int4_makes_a_pack_of_the_int4_model(env, tmp_path, caps
         jpinfer.load(model, mode="threshold", pack=out)
 
 
+@pytest.mark.slow  # the heaviest test; test_bench_child.py's peer-segfault test runs `jpinfer bench` end to end
 def test_bench_runs_every_mode_from_the_pack(env, tmp_path, capsys):
     model, pack, argv = env
     if not (pack / "pack.json").exists():
