@@ -72,7 +72,7 @@ def test_prepare_weights_int4_makes_a_pack_of_the_int4_model(env, tmp_path, caps
     out = tmp_path / "int4"
     argv = [str(out) if previous == "--out" else arg for previous, arg in zip([None, *argv], argv)]
     assert main([*argv, "--weights", "int4"]) == 0
-    assert f"--mode sparse|threshold --weights int4 --pack {out}" in capsys.readouterr().out
+    assert f"--mode sparse|hybrid|threshold --weights int4 --pack {out}" in capsys.readouterr().out
     assert Pack.load(out).weights == "int4"
     engine = jpinfer.load(model, weights="int4", mode="threshold", pack=out)
     assert len(engine.generate([1, 2, 3], max_new_tokens=3, ignore_eos=True).token_ids) == 3

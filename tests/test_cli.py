@@ -48,10 +48,6 @@ from jpinfer.pack.settings import AUTO_TARGET, HEAD_AUTO_TARGET
          "a model-wide target spreads over every kind: give it without the per-kind targets"),
         (["prepare", "--input-sparsity", "1.5"], "input sparsity is the fraction skipped"),
         (["profile", "--out", "x.npz", "--input-sparsity", "1.2"], "input sparsity is the fraction skipped"),
-        (["generate", "hi", "--weights", "int8", "--mode", "hybrid", "--predictors", "p"],
-         "int8 weights run in the modes dense, sparse and threshold; mode 'hybrid' runs float weights (its"),
-        (["bench", "--modes", "dense", "hybrid", "--weights", "int8", "--predictors", "p"],
-         "int8 weights run in the modes dense, sparse and threshold"),
     ],
 )
 def test_bad_arguments_exit_with_a_message(argv, message, capsys):

@@ -343,8 +343,6 @@ def test_migration_cuts_the_int8_error_of_outlier_channels():
 def test_bad_weights_arguments_fail_before_loading():
     with pytest.raises(JpinferError, match="unknown weights format 'int2'; choose one of float, int8, int4"):
         jpinfer.load("/no/such/checkpoint", weights="int2")
-    with pytest.raises(JpinferError, match="int8 weights run in the modes dense, sparse and threshold"):
-        build_engine(int8_engine("swiglu").model, "hybrid", predictors=object(), placement=[])
 
 
 # ----- the threshold mode in int8

@@ -414,25 +414,18 @@ def test_decode_equivalent_computes_what_each_decode_step_computes():
 
 def test_the_mode_catalog_names_each_mode_once_and_picks_the_threshold_variant_of_the_hybrid():
     """Modes are objects looked up by name: the CLI's choices are the catalog's names, the hybrid given thresholds is
-    its threshold variant, and int8 weights are refused, before anything loads, where a mode has no int8 form."""
-    from jpinfer.modes import FORMAT_MODES, MODE_NAMES, MODES, ModeInputs, get_mode
+    its threshold variant, and an unknown weights format is refused before anything loads."""
+    from jpinfer.modes import MODE_NAMES, MODES, ModeInputs, get_mode
 
     assert MODE_NAMES == ("dense", "sparse", "hybrid", "threshold")
     assert all(MODES[name].name == name for name in MODE_NAMES)
-    assert FORMAT_MODES == {"float": MODE_NAMES, "int8": ("dense", "sparse", "threshold"),
-                            "int4": ("dense", "sparse", "threshold")}
     assert get_mode("hybrid").label == "hybrid"
     assert get_mode("hybrid", thresholds="profile").label == "hybrid (threshold)"
     assert get_mode("sparse", thresholds="profile") is get_mode("sparse")  # no variant: its check refuses thresholds
     assert [get_mode(name).two_devices for name in MODE_NAMES] == [False, False, True, False]
     assert get_mode("hybrid", thresholds="profile").two_devices and not get_mode("dense").uses_pack
-    for name, thresholds in (("hybrid", None), ("hybrid", "profile")):
-        with pytest.raises(JpinferError, match="int8 weights run in the modes dense, sparse and threshold"):
-            get_mode(name, thresholds=thresholds, weights="int8")
+    assert get_mode("hybrid", thresholds="profile", weights="int4").label == "hybrid (threshold)"
     with pytest.raises(JpinferError, match="unknown weights format"):
         get_mode("dense", weights="int2")
-    with pytest.raises(JpinferError, match="int4 weights run in the modes dense, sparse and threshold; mode 'hybrid "
-                                           r"\(threshold\)' runs float weights"):
-        get_mode("hybrid", thresholds="profile", weights="int4")
     with pytest.raises(JpinferError, match="needs no predictors"):
         get_mode("hybrid", thresholds="profile").check(ModeInputs(predictors="p", profile="q"))

@@ -17,9 +17,9 @@ from test_native_kernels import BACKENDS, assert_within, q4_reference
 from test_threshold import given
 
 import jpinfer
-from jpinfer import GenerationConfig, JpinferError
+from jpinfer import GenerationConfig
 from jpinfer.models import gguf_loader, loading, params, quantized, transformer
-from jpinfer.modes import build_engine, get_mode
+from jpinfer.modes import build_engine
 from jpinfer.native import kernels as native_kernels
 from jpinfer.native import library
 from jpinfer.ops import dense
@@ -214,16 +214,6 @@ def test_int4_model_follows_the_float_model_it_stands_for(tmp_path):
             xla_engine = jpinfer.load(path, weights="int4")
             assert xla_engine.generate(prompt, config).token_ids == tokens
             np.testing.assert_allclose(forced_logits(xla_engine, prompt, tokens), got, rtol=1e-5, atol=1e-5)
-
-
-def test_int4_runs_in_every_mode_but_the_hybrid():
-    assert get_mode("threshold", weights="int4").name == "threshold"
-    assert get_mode("sparse", weights="int4").name == "sparse"
-    with pytest.raises(JpinferError, match="int4 weights run in the modes dense, sparse and threshold; mode 'hybrid"):
-        get_mode("hybrid", thresholds="profile", weights="int4")
-    with pytest.raises(JpinferError, match="int4 weights run in the modes dense, sparse and threshold; mode 'hybrid'"):
-        jpinfer.load("/no/such/checkpoint", weights="int4", mode="hybrid", predictors="/no/such/predictors",
-                     placement=[])
 
 
 # ----- the threshold mode in int4: int8 copies of the matrices it reads by rows

@@ -21,11 +21,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_modes import PROMPT, all_active, assert_decodes_like, predictors_for
+from test_modes import PROMPT, all_active, assert_decodes_like
 from test_native_kernels import BACKENDS, list_cases
 
 import jpinfer
-from jpinfer import GenerationConfig, JpinferError
+from jpinfer import GenerationConfig
 from jpinfer.config import UNGATED_KINDS
 from jpinfer.models import quantized, transformer
 from jpinfer.modes import build_engine
@@ -341,16 +341,6 @@ def test_int8_needs_its_own_profile_and_predictors():
     assert len(engine.generate(PROMPT, GenerationConfig(max_new_tokens=6)).token_ids) == 6
     with pytest.raises(PredictorMismatchError, match=r"trained for model 'tiny-relu' \(int8 weights"):
         build_engine(float_engine.model, "sparse", predictors=predictors)
-
-
-def test_modes_and_formats():
-    """The sparse mode runs int8 and int4 weights; the hybrid refuses them saying why."""
-    dense = int8_engine("swiglu")
-    with pytest.raises(JpinferError, match="mode 'hybrid' runs float weights \\(its hot and cold parts"):
-        build_engine(dense.model, "hybrid", predictors=predictors_for(dense, []), placement=[])
-    with pytest.raises(JpinferError, match="int8 weights run in the modes dense, sparse and threshold"):
-        jpinfer.load("/no/such/checkpoint", weights="int8", mode="hybrid", predictors="/no/such/predictors",
-                     placement=[])
 
 
 @pytest.mark.parametrize("dtype", [jnp.int8, jnp.float32], ids=["int8", "float32"])

@@ -42,7 +42,7 @@ from jpinfer.bench.protocol import (
 from jpinfer.bench.results import command_line, format_cell, markdown_table
 from jpinfer.commands.args import add_mode_arguments, mode_options, prepare_devices
 from jpinfer.config import WEIGHT_FORMATS
-from jpinfer.modes import FORMAT_MODES, MODE_NAMES, REFERENCE_MODE, ModeInputs, get_mode, listing
+from jpinfer.modes import MODE_NAMES, REFERENCE_MODE, ModeInputs, get_mode
 
 PEERS = ("llama.cpp", "transformers")
 # Environment settings that change what the bench runs (the XLA path instead of the native kernels, another
@@ -71,8 +71,7 @@ def _packs(args: argparse.Namespace, modes: list[str]) -> dict[str, Any]:
     if args.pack is not None:
         pack = Pack.load(args.pack)
         return {fmt: pack for fmt in args.weights}
-    formats = [fmt for fmt in args.weights
-               if any(get_mode(mode).uses_pack and fmt in get_mode(mode).weight_formats for mode in modes)]
+    formats = list(args.weights) if any(get_mode(mode).uses_pack for mode in modes) else []
     if not formats or args.predictors or args.profile or args.model is not None:
         return {}
     from jpinfer.api import load
@@ -122,8 +121,6 @@ def _engines(args: argparse.Namespace, modes: list[str], packs: dict[str, Any]) 
     for mode in modes:
         for dtype in args.dtypes:
             for weights in args.weights:
-                if weights not in get_mode(mode).weight_formats:
-                    continue  # no form in this format (run refuses a mode left with no engine at all)
                 label = f"jpinfer {mode} {dtype}" + ("" if weights == "float" else f" {weights} weights")
                 print(f"loading {label} ...", file=sys.stderr)
                 add(lambda: JaxEngine(label, load(args.model, dtype=dtype, mode=mode, weights=weights,
@@ -364,9 +361,8 @@ def add_arguments(parser: argparse.ArgumentParser, command: str = "bench") -> No
         help="dtypes to run each mode in (default: float32 on a CPU, where bfloat16 decodes 5-8x slower; float32 and "
              "bfloat16 on an accelerator)",
     )
-    formats = "; ".join(f"{fmt}: {listing(FORMAT_MODES[fmt])}" for fmt in WEIGHT_FORMATS if fmt != "float")
     parser.add_argument("--weights", nargs="+", choices=WEIGHT_FORMATS, default=["float"],
-                        help=f"weight formats to run each mode with ({formats})")
+                        help="weight formats to run each mode with (every mode runs each)")
     add_mode_arguments(parser, modes=True)
     parser.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS),
                         help=f"prompt lengths in tokens (default {' '.join(map(str, LENGTHS))})")
@@ -411,12 +407,6 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--lengths must be >= 1 and --long-prompt, --ppl-windows >= 0")
     if args.modes[0] != REFERENCE_MODE:
         raise ValueError(f"--modes must start with {REFERENCE_MODE}: every ratio and agreement is taken against it")
-    for mode in args.modes:
-        formats = get_mode(mode).weight_formats
-        if not set(formats) & set(args.weights):
-            where = "; ".join(f"{w} weights run in the modes {listing(FORMAT_MODES[w])}" for w in args.weights)
-            raise ValueError(f"mode {mode!r} runs {' or '.join(formats)} weights ({where}; --weights float int8 runs "
-                             "both where both exist)")
     uses_pack = args.pack is not None or args.model is None
     for mode in args.modes:  # before any model loads
         thresholds = mode_options(args)["thresholds"]

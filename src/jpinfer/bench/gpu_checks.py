@@ -26,9 +26,9 @@ import numpy as np
 
 from jpinfer.bench.chain_kernels import sparse_ops
 from jpinfer.bench.fixed_list import fixed_list_engine
-from jpinfer.bench.layer_offload import cast_floats
 from jpinfer.bench.results import error_text
 from jpinfer.models.loading import LoadedModel
+from jpinfer.modes.devices import cast_floats
 from jpinfer.runtime.engine import Engine
 from jpinfer.runtime.generation import MIN_PROMPT_BUCKET, GenerationConfig, attend_length, cache_capacity
 from jpinfer.sparse import NeuronFFN

@@ -24,6 +24,7 @@ from jpinfer.config import ModelConfig
 from jpinfer.models import transformer
 from jpinfer.models.loading import LoadedModel
 from jpinfer.models.params import Layer, Norm, Weights
+from jpinfer.modes.devices import cast_floats
 from jpinfer.runtime.engine import Engine
 from jpinfer.runtime.sampling import sample_next_jit
 
@@ -133,11 +134,6 @@ class LayerOffloadStepper:
         step_logits, cache = self.step_logits(token, cache, attend)
         token, key = sample_next_jit(step_logits, key, sampler=sampler)
         return token, cache, key
-
-
-def cast_floats(tree: Any, dtype: Any) -> Any:
-    """Floating arrays of ``tree`` in ``dtype`` (on their device); integer ids untouched."""
-    return jax.tree_util.tree_map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
 
 
 def offload_engine(model: LoadedModel, n_gpu: int, devices: tuple[Any, Any], host_dtype: Any) -> Engine:

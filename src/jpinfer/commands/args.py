@@ -7,7 +7,7 @@ import argparse
 from typing import Any
 
 from jpinfer.config import WEIGHT_FORMATS
-from jpinfer.modes.catalog import FORMAT_MODES, MODE_NAMES, get_mode, listing
+from jpinfer.modes.catalog import MODE_NAMES, get_mode
 
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 
@@ -23,10 +23,9 @@ def add_model_arguments(p: argparse.ArgumentParser, weights: bool = True) -> Non
     if weights:
         p.add_argument(
             "--weights", default="float", choices=WEIGHT_FORMATS,
-            help=f"float (default: every tensor in --dtype), int8 (W8A8, quantized at load; modes "
-                 f"{listing(FORMAT_MODES['int8'])}) or int4 (W4A8 in 4-bit blocks of 32: a GGUF's own Q4_0/Q4_1, else "
-                 f"quantized at load; modes {listing(FORMAT_MODES['int4'])}, whose layouts hold int8 copies of the "
-                 "matrices they read by input rows or neuron columns)",
+            help="float (default: every tensor in --dtype), int8 (W8A8, quantized at load) or int4 (W4A8 in 4-bit "
+                 "blocks of 32: a GGUF's own Q4_0/Q4_1, else quantized at load; the sparse layouts hold int8 copies "
+                 "of the matrices they read by input rows or neuron columns); every mode runs each",
         )
 
 

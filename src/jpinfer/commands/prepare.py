@@ -85,7 +85,7 @@ def add_arguments(p: argparse.ArgumentParser, command: str = "prepare") -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from jpinfer.modes import FORMAT_MODES, REFERENCE_MODE
+    from jpinfer.modes import MODE_NAMES, REFERENCE_MODE
     from jpinfer.pack import prepare
 
     settings = PackSettings(  # checked before the model loads
@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"placement: {sum(a.size for a in placement.accel_ids):,} of {model.cfg.n_layers * model.cfg.d_ff:,} neurons "
           f"on the accelerator, {placement.accel_share:.1%} of the activations, "
           f"{placement.memory_used / 2**20:.0f} MiB of {placement.budget_bytes / 2**20:.0f} MiB")
-    modes = "|".join(m for m in FORMAT_MODES[args.weights] if m != REFERENCE_MODE)
+    modes = "|".join(m for m in MODE_NAMES if m != REFERENCE_MODE)
     weights = "" if args.weights == "float" else f" --weights {args.weights}"
     print(f"use it: jpinfer generate PROMPT --mode {modes}{weights} --pack {pack.path}")
     return 0

@@ -13,11 +13,10 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from jpinfer.models.loading import LoadedModel
-from jpinfer.modes.catalog import FORMAT_MODES, MODE_NAMES, MODES, REFERENCE_MODE, Mode, ModeInputs, get_mode, listing
+from jpinfer.modes.catalog import MODE_NAMES, MODES, REFERENCE_MODE, Mode, ModeInputs, get_mode
 from jpinfer.runtime.engine import Engine
 
-__all__ = ["FORMAT_MODES", "MODE_NAMES", "MODES", "REFERENCE_MODE", "Mode", "ModeInputs", "build_engine", "get_mode",
-           "listing"]
+__all__ = ["MODE_NAMES", "MODES", "REFERENCE_MODE", "Mode", "ModeInputs", "build_engine", "get_mode"]
 
 
 def build_engine(

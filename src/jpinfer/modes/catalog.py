@@ -54,8 +54,6 @@ class Mode:
 
     name: str = ""
     label: str = ""  # how results name it (the name, or the variant)
-    weight_formats: tuple[str, ...] = ("float",)  # the weights formats it runs (``models.quantized``)
-    formats_reason: str = ""  # why it runs no other format (said when one is refused)
     uses_pack: bool = True  # takes what it needs from a pack
     two_devices: bool = False  # runs over an accelerator and the host (two simulated CPU devices without a GPU)
 
@@ -80,7 +78,6 @@ class Mode:
 
 class Dense(Mode):
     name = label = "dense"
-    weight_formats = WEIGHT_FORMATS
     uses_pack = False
 
     def build(self, model, inputs, *, devices=None, hardware=None):
@@ -129,11 +126,9 @@ class _Predicted(Mode):
 
 
 class _Thresholded(Mode):
-    """A mode whose neurons and input dimensions calibrated thresholds choose (no predictors)."""
-
-    # its layouts hold float or int8 rows (``sparse.threshold_layout``; int4: int8 copies of the two matrices
-    # it reads by rows, made from the 4-bit blocks, which cannot be read by input rows)
-    weight_formats = ("float", "int8", "int4")
+    """A mode whose neurons and input dimensions calibrated thresholds choose (no predictors). Its layouts hold
+    float or int8 rows (``sparse.threshold_layout``; int4: int8 copies of the two matrices it reads by rows, made
+    from the 4-bit blocks, which cannot be read by input rows)."""
 
     def check(self, inputs):
         if inputs.predictors is not None:
@@ -194,9 +189,6 @@ class _Split(Mode):
 
 class Sparse(_Predicted):
     name = label = "sparse"
-    # int8 bundles (``sparse.neurons``: an int4 model's 4-bit gate/up rows in records by neuron, its down columns int8
-    # copies); a quantized model's predictors are trained on its own FFN inputs
-    weight_formats = ("float", "int8", "int4")
 
     def build(self, model, inputs, *, devices=None, hardware=None):
         from jpinfer.modes.engines import sparse_engine
@@ -205,14 +197,8 @@ class Sparse(_Predicted):
         return sparse_engine(model, predictors, ks)
 
 
-_HYBRID_FLOAT_ONLY = ("its hot and cold parts are moved and cast per device as float arrays, and the "
-                      "accelerator's Pallas kernels read float rows only")
-
-
 class HybridThreshold(_Split, _Thresholded):
     name, label = "hybrid", "hybrid (threshold)"
-    weight_formats = ("float",)
-    formats_reason = _HYBRID_FLOAT_ONLY
 
     def build(self, model, inputs, *, devices=None, hardware=None):
         from jpinfer.modes.engines import hybrid_engine
@@ -224,7 +210,6 @@ class HybridThreshold(_Split, _Thresholded):
 
 class Hybrid(_Split, _Predicted):
     name = label = "hybrid"
-    formats_reason = _HYBRID_FLOAT_ONLY
 
     def variant_for(self, thresholds):
         return HYBRID_THRESHOLD if thresholds is not None else self
@@ -255,27 +240,14 @@ def _given(value: Any, default: Any) -> Any:
 HYBRID_THRESHOLD = HybridThreshold()
 MODES: dict[str, Mode] = {mode.name: mode for mode in (Dense(), Sparse(), Hybrid(), Threshold())}
 MODE_NAMES: tuple[str, ...] = tuple(MODES)  # jpinfer.load(mode=...), the CLI's --mode choices
-FORMAT_MODES: dict[str, tuple[str, ...]] = {  # weights format -> the modes that run it
-    fmt: tuple(name for name, mode in MODES.items() if fmt in mode.weight_formats) for fmt in WEIGHT_FORMATS}
 REFERENCE_MODE = "dense"  # what benchmarks compare every other mode with
 
 
-def listing(names: tuple[str, ...] | list[str], last: str = "and") -> str:
-    """Names as a sentence lists them: "a", "a and b", "a, b and c"."""
-    names = list(names)
-    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} {last} {names[-1]}"
-
-
 def get_mode(name: str, *, thresholds: Any = None, weights: str = "float") -> Mode:
-    """The mode called ``name`` (its variant for ``thresholds`` where it has one); a ``JpinferError``
-    when the name is unknown or ``weights`` (``config.WEIGHT_FORMATS``) has no form in that mode."""
+    """The mode called ``name`` (its variant for ``thresholds`` where it has one); a ``JpinferError`` when the
+    name or the weights format (``config.WEIGHT_FORMATS``: every mode runs each) is unknown, before a model loads."""
     if name not in MODES:
         raise JpinferError(f"unknown mode {name!r}; choose one of {', '.join(MODE_NAMES)}")
     if weights not in WEIGHT_FORMATS:
         raise JpinferError(f"unknown weights format {weights!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
-    mode = MODES[name].variant_for(thresholds)
-    if weights not in mode.weight_formats:
-        reason = f" ({mode.formats_reason})" if mode.formats_reason else ""
-        raise JpinferError(f"{weights} weights run in the modes {listing(FORMAT_MODES[weights])}; mode "
-                           f"{mode.label!r} runs {listing(mode.weight_formats, 'or')} weights{reason}")
-    return mode
+    return MODES[name].variant_for(thresholds)

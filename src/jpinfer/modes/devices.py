@@ -1,4 +1,4 @@
-"""The two devices of the hybrid mode, and the dtype its host part keeps."""
+"""The two devices of the hybrid mode (and of layer offload), and the dtype their host part keeps."""
 
 from __future__ import annotations
 
@@ -22,6 +22,12 @@ def default_devices() -> tuple[Any, Any]:
             "jax.config.update('jax_num_cpu_devices', 2) before JAX starts"
         )
     return cpus[0], cpus[1]
+
+
+def cast_floats(tree: Any, dtype: Any) -> Any:
+    """Floating arrays of ``tree`` in ``dtype`` (on their device); integers (int8 and 4-bit weights, ids) untouched,
+    so a quantized part keeps its format and its float scales take the float dtype."""
+    return jax.tree_util.tree_map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
 
 
 def host_dtype_for(model_dtype: Any, host: Any) -> Any:

@@ -26,13 +26,13 @@ from jpinfer.ffn import PredictorListFFN, PredictorListState, ThresholdLayer, Th
 from jpinfer.models.loading import LoadedModel
 from jpinfer.models.params import Layer
 from jpinfer.models.quantized import input_major_int8, weights_format
-from jpinfer.modes.devices import default_devices, host_dtype_for
+from jpinfer.modes.devices import cast_floats, default_devices, host_dtype_for
 from jpinfer.modes.hybrid import ColdParts, HybridFFN, HybridLayer
 from jpinfer.predictor.store import Predictors
 from jpinfer.profiler import SparsityThresholds
 from jpinfer.quant.int8 import Int8Matrix
 from jpinfer.runtime.engine import Engine, FfnStrategy
-from jpinfer.sparse import ThresholdLayout, ThresholdProjection, neurons, threshold_layout
+from jpinfer.sparse import ThresholdProjection, neurons, threshold_layout
 
 
 def without_ffn(layer: Layer) -> Layer:
@@ -111,21 +111,14 @@ def threshold_engine(model: LoadedModel, thresholds: SparsityThresholds, backend
     return Engine(LoadedModel(model.cfg, weights, model.tokenizer, model.source), strategy)
 
 
-def _host_copy(part: neurons.NeuronFFN | ThresholdLayout, host_dtype: Any) -> neurons.NeuronFFN | ThresholdLayout:
-    """The cold part's weight arrays in ``host_dtype`` (ids and thresholds as they are)."""
-    cast = lambda a: None if a is None else a.astype(host_dtype)
-    if isinstance(part, ThresholdLayout):
-        return dataclasses.replace(part, gate_up=cast(part.gate_up), down=cast(part.down), b_up=cast(part.b_up))
-    return dataclasses.replace(part, rows=cast(part.rows), b_up=cast(part.b_up))
-
-
 def hybrid_engine(model: LoadedModel, predictors: Predictors | None, hot_masks: Sequence[np.ndarray],
                   capacity: tuple[tuple[int, int], ...] | None, devices: tuple[Any, Any] | None = None,
                   host_dtype: Any = None, thresholds: SparsityThresholds | None = None) -> Engine:
-    """Hot neurons (``hot_masks[layer]``, boolean (d_ff,)) on the accelerator, the rest on the host
-    in ``host_dtype`` (default ``host_dtype_for``). The predictor picks each part's neurons, or, with
-    ``thresholds`` instead (and no predictors or capacity), each part applies the threshold mode's FFN
-    thresholds, and the attention and the head (on the accelerator) their "qkv", "o" and "head" thresholds."""
+    """Hot neurons (``hot_masks[layer]``, boolean (d_ff,)) on the accelerator, the rest on the host, each part in
+    the model's weights format (the host part's float arrays in ``host_dtype``, default ``host_dtype_for``). The
+    predictor picks each part's neurons, or, with ``thresholds`` instead (and no predictors or capacity), each part
+    applies the threshold mode's FFN thresholds, and the attention and the head (on the accelerator) their "qkv",
+    "o" and "head" thresholds."""
     accelerator, host = devices or default_devices()
     host_dtype = host_dtype_for(model.weights.dtype, host) if host_dtype is None else host_dtype
     cfg = model.cfg
@@ -143,7 +136,7 @@ def hybrid_engine(model: LoadedModel, predictors: Predictors | None, hot_masks: 
                 layer, cfg.ffn_kind, **_layer_thresholds(thresholds, i), neurons=ids, with_b_down=with_b_down,
                 experts=cfg.experts)
             hot_part, cold_part, predictor = split(hot_ids, True), split(cold_ids, False), None
-        cold_part = _host_copy(cold_part, host_dtype)
+        cold_part = cast_floats(cold_part, host_dtype)
         sizes.append((hot_ids.size, cold_ids.size))
         projections = (None, None) if thresholds is None else _attention_projections(layer, thresholds, i)
         part = HybridLayer(predictor, hot_part, jnp.asarray(hot_ids), jnp.asarray(cold_ids), *projections)

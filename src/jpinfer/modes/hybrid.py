@@ -20,6 +20,11 @@ layer's attention needs it), as in PowerInfer.
 With threshold sparsity instead of predictors (``mode="hybrid"`` given thresholds) each part is
 a ``ThresholdLayout`` of its neurons and keeps what the thresholds keep; there are no lists.
 
+Every weights format: each part is the sparse (or threshold) mode's layout of its neurons in the model's
+format (float rows, int8 bundles, an int4 model's 4-bit records), the cold part on the host through the same
+native kernels as the one-device modes. A quantized part is its own W8A8 product, quantizing its activations on
+its own peak: the same neurons as the one-device engine, a finer rounding of their activations.
+
 The down projection is a sum over neurons, so hot + cold is exactly the FFN over the
 union of both lists; ``b_down`` lives in the hot part only. Prefill computes every neuron
 of both parts (``all_rows_ffn``); so does a step of several sequences (batched decoding), keeping
