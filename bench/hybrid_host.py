@@ -169,21 +169,8 @@ def report(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", help="markdown path (its .json beside it)")
-    ap.add_argument("--model", choices=list(MODELS), default="7b")
-    ap.add_argument("--formats", nargs="+", choices=host_half.FORMATS, default=list(host_half.FORMATS))
-    ap.add_argument("--budgets", nargs="+", type=float, default=[0.1, 0.2, 0.4, 0.6, 0.8, 0.9])
-    ap.add_argument("--active", type=float, default=0.1, help="planted active fraction")
-    ap.add_argument("--layers", type=int, default=4, help="layers built and timed")
-    ap.add_argument("--tokens", type=int, default=8)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--context", type=int, default=2048, help="the accelerator's KV cache, tokens")
-    ap.add_argument("--copy-mib", type=int, default=512)
-    ap.add_argument("--memory-gib", type=float, default=4.0, help="cold parts held at once")
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
+def measure(args: argparse.Namespace, command: str) -> dict:
+    """The run (the module docstring): every format's rows, the copy and matrix-vector bandwidths, the machine."""
     started = time.perf_counter()
     load_before = load_average()
     cfg = MODELS[args.model]
@@ -205,11 +192,30 @@ def main(argv: list[str] | None = None) -> int:
         del fulls
     copy.close()
     matvec_after = matvec_read_bandwidth()
-    command = f"python bench/hybrid_host.py {' '.join(sys.argv[1:] if argv is None else argv)}".strip()
-    data = dict(machine=machine(load_before), command=command, args=vars(args), model=dict(
+    return dict(machine=machine(load_before), command=command, args=vars(args), model=dict(
         name=cfg.name, n_layers=cfg.n_layers, d_model=cfg.d_model, d_ff=cfg.d_ff), layers=layers,
         copy_mib=args.copy_mib, copy_threads=copy.threads, matvec_before=matvec_before, matvec_after=matvec_after,
         formats=formats, rows=rows, seconds=time.perf_counter() - started)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", help="markdown path (its .json beside it)")
+    ap.add_argument("--model", choices=list(MODELS), default="7b")
+    ap.add_argument("--formats", nargs="+", choices=host_half.FORMATS, default=list(host_half.FORMATS))
+    ap.add_argument("--budgets", nargs="+", type=float, default=[0.1, 0.2, 0.4, 0.6, 0.8, 0.9])
+    ap.add_argument("--active", type=float, default=0.1, help="planted active fraction")
+    ap.add_argument("--layers", type=int, default=4, help="layers built and timed")
+    ap.add_argument("--tokens", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--context", type=int, default=2048, help="the accelerator's KV cache, tokens")
+    ap.add_argument("--copy-mib", type=int, default=512)
+    ap.add_argument("--memory-gib", type=float, default=4.0, help="cold parts held at once")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    command = f"python bench/hybrid_host.py {' '.join(sys.argv[1:] if argv is None else argv)}".strip()
+    with jax.default_device(jax.devices("cpu")[0]):  # the host's half: on the CPU where jax defaults to a GPU too
+        data = measure(args, command)
     publish(report(data), args.out, data)
     return 0
 
