@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jpinfer.bench.protocol import fastest
 
@@ -20,6 +25,33 @@ def matvec_read_bandwidth(n_bytes: int = 512 << 20, repeats: int = 5) -> float:
     f = jax.jit(lambda w, x: w @ x)
     (best,) = fastest([lambda: f(w, x)], rounds=repeats, per_round=1)
     return rows * cols * 4 / best
+
+
+class HostCopy:
+    """The host's copy bandwidth: one buffer of ``n_bytes`` copied into another (``np.copyto``, which releases the
+    GIL) in ``threads`` equal slices at once, one a thread (default: the cores this process may run on, as the
+    native kernels use them). A copy moves each byte through memory twice (read and write); its rate here is
+    bytes copied per second, memcpy's usual figure. Buffers of 512 MiB or more also flush the caches (each copy
+    streams twice that through them), so a timed read after a copy starts from memory."""
+
+    def __init__(self, n_bytes: int = 512 << 20, threads: int | None = None) -> None:
+        self.threads = threads or len(os.sched_getaffinity(0))
+        self.n_bytes = n_bytes
+        self._source = np.ones(n_bytes, np.uint8)
+        self._target = np.zeros(n_bytes, np.uint8)  # both written now: no page faults in a timed copy
+        step = -(-n_bytes // self.threads)
+        self._slices = [slice(i * step, min(n_bytes, (i + 1) * step)) for i in range(self.threads)]
+        self._pool = ThreadPoolExecutor(self.threads)
+
+    def seconds(self) -> float:
+        """Wall seconds of one copy."""
+        start = time.perf_counter()
+        list(self._pool.map(lambda s: np.copyto(self._target[s], self._source[s]), self._slices))
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        self._pool.shutdown()
+        self._source = self._target = None
 
 
 def process_memory(pid: int | str = "self") -> dict[str, int]:

@@ -146,6 +146,15 @@ def neuron_major(model: LoadedModel, consume: bool = False, order: list[np.ndarr
     return out
 
 
+def planted_neuron_sets(cfg: ModelConfig, fraction: float, n_sets: int = N_SETS, seed: int = 0) -> list[np.ndarray]:
+    """Per layer, the planted engine's ``n_sets`` active sets at ``fraction`` active: int32 (n_sets, K) neuron ids,
+    each row sorted, K = ``listed_count(d_ff, 1 - fraction)`` (module docstring). Drawn from the first of two
+    streams of ``seed`` (the second draws the predictors), so the sets are the same with a predictor or without."""
+    sets_rng = np.random.default_rng(np.random.SeedSequence(seed).spawn(2)[0])
+    k = listed_count(cfg.d_ff, 1 - fraction)
+    return [planted_sets(np.maximum(f, 1e-12), k, n_sets, sets_rng) for f in planted_frequencies(cfg, fraction, seed)]
+
+
 def planted_engine(model: LoadedModel, fraction: float, ffns: list[NeuronFFN], *, rank: int | None = None,
                    n_sets: int = N_SETS, seed: int = 0) -> Engine:
     """The planted engine at ``fraction`` active (module docstring) over ``ffns`` (``neuron_major(model)``,
@@ -156,14 +165,11 @@ def planted_engine(model: LoadedModel, fraction: float, ffns: list[NeuronFFN], *
     if rank is not None and rank < 1:
         raise ValueError(f"the predictor's rank must be positive, got {rank}")
     cfg = model.cfg
-    sets_rng, predictor_rng = (np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(2))
-    k = listed_count(cfg.d_ff, 1 - fraction)
+    predictor_rng = np.random.default_rng(np.random.SeedSequence(seed).spawn(2)[1])
     fmt = weights_format(model.weights)
-    # two streams: the sets are the same with a predictor or without
     predictor = lambda: None if rank is None else random_predictor(cfg.d_model, cfg.d_ff, rank, predictor_rng, fmt)
-    states = [PlantedState(ffn, jnp.asarray(rows_of(ffn, planted_sets(np.maximum(f, 1e-12), k, n_sets, sets_rng))),
-                           predictor())
-              for ffn, f in zip(ffns, planted_frequencies(cfg, fraction, seed))]
+    states = [PlantedState(ffn, jnp.asarray(rows_of(ffn, sets)), predictor())
+              for ffn, sets in zip(ffns, planted_neuron_sets(cfg, fraction, n_sets, seed))]
     weights = dataclasses.replace(model.weights, layers=[without_ffn(layer) for layer in model.weights.layers])
     return Engine(LoadedModel(cfg, weights, None, model.source), FfnStrategy(PlantedFFN(), states,
                                                                           planted_name(fraction, rank)))
@@ -177,17 +183,26 @@ def rows_of(ffn: NeuronFFN, sets: np.ndarray) -> np.ndarray:
     return np.sort(row[sets], axis=1)
 
 
+def neuron_bytes(ffn: NeuronFFN) -> int:
+    """Bytes of one neuron of ``ffn``: its bundle's rows and row scales, or an int4 layout's 4-bit record (P rows'
+    packed bytes and block scales, and mins) and int8 down slot."""
+    per_neuron = int(ffn.rows[0].nbytes) + (0 if ffn.scales is None else int(ffn.scales[0].nbytes))
+    return per_neuron + (0 if ffn.gate_up is None else ffn.gate_up.nbytes // ffn.n_neurons)
+
+
+def listed_bytes(ffn: NeuronFFN, count: int) -> int:
+    """Weight bytes the sparse FFN reads over ``count`` listed neurons of ``ffn``: their bundles
+    (``neuron_bytes``) and, for int8 down slots, the down projection's scales (read by any list)."""
+    return count * neuron_bytes(ffn) + (0 if ffn.down_scales is None else int(ffn.down_scales.nbytes))
+
+
 def planted_bytes_per_token(engine: Engine) -> int:
     """Weight bytes one decode step of a planted engine reads: the weights outside the FFN, and per layer the
     listed neurons' bundles (their rows and row scales, or 4-bit rows and block scales), the down projection's
     scales and the predictor."""
     total = weights_read_per_token(engine)
     for state in engine.ffn.state:
-        ffn, k = state.ffn, state.sets.shape[1]
-        per_neuron = int(ffn.rows[0].nbytes) + (0 if ffn.scales is None else int(ffn.scales[0].nbytes))
-        if ffn.gate_up is not None:  # its P 4-bit rows: packed bytes and block scales (and mins)
-            per_neuron += ffn.gate_up.nbytes // ffn.n_neurons
-        total += k * per_neuron + (0 if ffn.down_scales is None else int(ffn.down_scales.nbytes))
+        total += listed_bytes(state.ffn, state.sets.shape[1])
         if state.predictor is not None:
             total += nbytes(state.predictor)
     return total
