@@ -115,10 +115,13 @@ def assert_decodes_like(engine, reference, new_tokens: int, *, rtol: float, atol
 MIXTRAL_LIKE = dict(n_experts=4, experts_per_token=2)  # tiny_engine's d_ff 48: 4 experts of 12 neurons, top 2
 
 
-@pytest.mark.parametrize("kind, arch", [("swiglu", {}), ("relu", {}), ("geglu", GEMMA2_LIKE), ("geglu", GEMMA3_LIKE),
-                                        ("relu", FALCON_LIKE), ("gelu", FALCON_LIKE), ("swiglu", MIXTRAL_LIKE)],
-                         ids=["swiglu", "relu", "gemma2-like", "gemma3-like", "relu-falcon-like", "falcon-like",
-                              "mixtral-like"])
+@pytest.mark.parametrize("kind, arch", [
+    pytest.param("swiglu", {}, id="swiglu"), pytest.param("relu", {}, id="relu"),
+    pytest.param("swiglu", MIXTRAL_LIKE, id="mixtral-like"),
+    # slow: test_pack.py's test_every_stage_and_mode_runs_on_each_architecture runs every mode of these by default
+    *(pytest.param(kind, arch, marks=pytest.mark.slow, id=name) for kind, arch, name in (
+        ("geglu", GEMMA2_LIKE, "gemma2-like"), ("geglu", GEMMA3_LIKE, "gemma3-like"),
+        ("relu", FALCON_LIKE, "relu-falcon-like"), ("gelu", FALCON_LIKE, "falcon-like")))])
 def test_all_active_sparse_and_hybrid_decode_like_dense(kind, arch):
     """gemma2-like: the hybrid engine normalises the sum of its two partial FFN outputs (sandwich norms), each
     layer attends within its own window; falcon-like: the FFN reads the layer's input, beside the attention;

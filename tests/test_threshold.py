@@ -371,7 +371,8 @@ def test_bad_threshold_mode_arguments_are_clear_errors():
         build_engine(dense.model, "threshold", profile=prof)
 
 
-@pytest.mark.parametrize("kinds", ["activation", "input", "both", "model-wide"])
+@pytest.mark.parametrize("kinds", [*(pytest.param(kinds, marks=pytest.mark.slow)  # each alone: "both" runs the two
+                                      for kinds in ("activation", "input")), "both", "model-wide"])
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])
 def test_hybrid_threshold_on_two_devices_equals_one_device(kinds, arch):
     """Hot neurons on device 0, cold on device 1, each part applying the thresholds: the parts add up to the

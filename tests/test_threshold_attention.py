@@ -251,6 +251,7 @@ def test_greedy_levels_spend_the_byte_target_where_cost_per_byte_is_least():
         calibration_module.greedy_levels(np.stack([dear, cheap]), levels, np.array([1.0, 1.0]), 0.8)
 
 
+@pytest.mark.slow  # heavy: calibrates three model-wide targets; test_greedy_allocation_* runs a model-wide calibration
 def test_model_wide_thresholds_skip_the_target_share_of_the_bytes():
     dense = tiny_engine("swiglu", n_layers=3)
     cfg = dense.cfg
