@@ -6,6 +6,7 @@ import json
 import shutil
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -311,8 +312,8 @@ def quantized_packs(cache, settings, model):
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_a_quantized_model_gets_a_pack_of_its_own(quantized_packs, made, model, fmt):
     """Every stage runs on the quantized model: its profile and predictors are its own (the float model's are
-    refused for it, saying the format differs), the threshold mode builds from the pack and decodes, and the
-    default place is per weights format."""
+    refused for it, saying the format differs), the threshold mode and the hybrid build from the pack and decode,
+    the hybrid's parts in the model's format, and the default place is per weights format."""
     qmodel, pack = quantized_packs[fmt]
     assert pack.ran == STAGES and pack.weights == fmt and made.weights == "float"
     assert pack.thresholds.target == targets_of(made.settings, "swiglu", fmt)
@@ -335,6 +336,10 @@ def test_a_quantized_model_gets_a_pack_of_its_own(quantized_packs, made, model, 
         Pack.load(made.path, qmodel)
     engine = build_engine(qmodel, "threshold", profile=pack.profile)
     assert engine.stepper.name == "threshold" and len(engine.generate([1, 5, 9], max_new_tokens=4).token_ids) == 4
+    halves = [np.arange(qmodel.cfg.d_ff) % 2 == 0] * qmodel.cfg.n_layers  # the tiny pack's placement holds every neuron
+    hybrid = build_engine(qmodel, "hybrid", predictors=pack.predictors, profile=pack.profile, placement=halves)
+    assert all(part.rows.dtype == jnp.int8 and part.n_neurons == qmodel.cfg.d_ff // 2 for part in hybrid.ffn.impl.cold)
+    assert len(hybrid.generate([1, 5, 9], max_new_tokens=4).token_ids) == 4
 
 
 @pytest.mark.parametrize("kind, arch", [("geglu", GEMMA2_LIKE), ("geglu", GEMMA3_LIKE), ("gelu", FALCON_LIKE),
