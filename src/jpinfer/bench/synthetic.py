@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from scipy.special import ndtri
 
-from jpinfer.bench.layer_offload import offload_engine, step_inputs
+from jpinfer.bench.layer_offload import gpu_layers, offload_engine, step_inputs
 from jpinfer.config import ModelConfig
 from jpinfer.ffn import part_capacities, whole_blocks
 from jpinfer.models import transformer
@@ -141,9 +141,6 @@ class Budget:
     def hot_neurons(self) -> int:
         return max(0, self.budget - self.hybrid_fixed) // self.neuron
 
-    def offload_layers(self) -> int:
-        return int(min(self.n_layers, max(0, self.budget - self.top) // (self.attention + self.ffn + self.kv)))
-
 
 def budget_of(cfg: ModelConfig, weights: Weights, predictors: list[PredictorWeights], fraction: float,
               kv_slots: int) -> Budget:
@@ -200,7 +197,7 @@ def budget_setup(model: LoadedModel, fraction: float, devices: tuple[Any, Any], 
     n_hot = int(sum(m.sum() for m in masks))
     hot_fraction = n_hot / (cfg.n_layers * cfg.d_ff)
     share = float(sum(f[m].sum() for f, m in zip(freqs, masks)) / sum(f.sum() for f in freqs))
-    n_gpu = b.offload_layers()
+    n_gpu = gpu_layers(weights, b.budget, b.kv)
     top20 = float(np.mean([np.sort(f)[::-1][: f.size // 5].sum() / f.sum() for f in freqs]))
     selected = float(activity.selected.mean() / cfg.d_ff)
     facts = [
