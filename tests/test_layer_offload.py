@@ -16,9 +16,10 @@ from test_modes import assert_decodes_like
 from test_sparse_int4 import int4_engine
 from test_sparse_int8 import int8_engine
 
-from jpinfer.bench.layer_offload import gpu_layers, offload_engine
+from jpinfer.bench.layer_offload import TINY, gpu_layers, offload_engine, random_weights
 from jpinfer.models import quantized
 from jpinfer.models.loading import LoadedModel
+from jpinfer.quant import q4
 from jpinfer.quant.int8 import Int8Matrix
 from jpinfer.quant.q4 import Q4Matrix
 from jpinfer.runtime.engine import Engine
@@ -147,3 +148,27 @@ def test_gpu_layers_fill_the_budget_with_whole_layers_at_their_formats_bytes(fmt
             assert gpu_layers(weights, budget - 1, kv) == k - 1
     assert gpu_layers(weights, top - 1, kv) == 0
     assert gpu_layers(weights, 10 * budget, kv) == 4
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_random_weights_are_drawn_in_the_format_with_the_float_draws_spread(fmt):
+    """The GPU suite's random models in int8 / int4: ``models.quantized``'s layout (4-bit Q4_1 blocks where the inputs
+    fill blocks of 32, int8 per row elsewhere and for the head, stored (vocab, d_model)), float arrays in the given
+    dtype, and the float draw's spread: each matrix's weights have standard deviation 0.02 and mean ~0 (over 10^5+
+    weights the sample's is within 2% of it)."""
+    cfg = dataclasses.replace(TINY, n_layers=1)
+    weights = random_weights(cfg, jnp.bfloat16, devices()[0], seed=3, fmt=fmt)
+    assert quantized.weights_format(weights) == fmt and weights.dtype == jnp.bfloat16
+    layer = weights.layers[0]
+    four_bit = {"w_qkv": fmt == "int4", "wo": fmt == "int4", "w_gate_up": fmt == "int4", "w_down": False}  # d_ff 688
+    for name, blocks in four_bit.items():
+        w = getattr(layer, name)
+        assert isinstance(w, Q4Matrix if blocks else Int8Matrix)
+        if blocks:
+            q4.check(w)
+        values = np.asarray(quantized.as_float(w), np.float64)
+        assert values.std() == pytest.approx(0.02, rel=0.02) and abs(values.mean()) < 0.002
+    assert isinstance(weights.head, Int8Matrix) and weights.head.shape == (cfg.vocab_size, cfg.d_model)
+    assert weights.embed.dtype == jnp.bfloat16 and layer.attn_norm.scale.dtype == jnp.bfloat16
+    with pytest.raises(ValueError, match="unknown weights format"):
+        random_weights(cfg, jnp.bfloat16, devices()[0], fmt="int2")

@@ -13,13 +13,14 @@ budget; ``gpu_layers`` is its n for a budget in bytes.
 
 ``LLAMA2_7B`` / ``TINY`` and ``random_weights``: the shapes the GPU suite's fixed-list and hybrid
 parts decode with (bench/modelled_speed.py models the same shapes), with weights
-drawn per tensor on the device.
+drawn per tensor on the device, in float or drawn directly in the int8 / int4 format.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -30,6 +31,9 @@ from jpinfer.models import quantized, transformer
 from jpinfer.models.loading import LoadedModel
 from jpinfer.models.params import Layer, Norm, Weights, nbytes
 from jpinfer.modes.devices import cast_floats, default_devices, host_dtype_for
+from jpinfer.quant import int8, q4
+from jpinfer.quant.int8 import Int8Matrix
+from jpinfer.quant.q4 import Q4Matrix
 from jpinfer.runtime.engine import Engine
 from jpinfer.runtime.sampling import sample_next_jit
 
@@ -43,23 +47,61 @@ step_inputs = jax.jit(transformer.step_inputs, static_argnames=("cfg",))
 
 # ----- random weights
 
+FORMATS = ("float", "int8", "int4")  # models.quantized's weights formats
+# Standard deviations of a random int8 value (uniform on [-127, 127]) and 4-bit value (uniform on 0..15): a quantized
+# matrix's scale is the float weights' standard deviation over it, so every format has the float draw's spread
+INT8_STD, Q4_STD = math.sqrt((255**2 - 1) / 12), math.sqrt((16**2 - 1) / 12)
+
 
 @functools.partial(jax.jit, static_argnames=("shape", "dtype"))
 def _normal(key: jax.Array, scale: float, offset: float, *, shape: tuple[int, ...], dtype: Any) -> jax.Array:
     return (offset + scale * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
 
 
-def random_weights(cfg: ModelConfig, dtype: Any, device: Any, seed: int = 0, scale: float = 0.02) -> Weights:
+@functools.partial(jax.jit, static_argnames=("shape", "packed"))
+def _integers(key: jax.Array, *, shape: tuple[int, ...], packed: bool) -> jax.Array:
+    """int8 values uniform on [-127, 127], or (``packed``) bytes of two uniform 4-bit values."""
+    if packed:
+        return jax.random.bits(key, shape, jnp.uint8)
+    return jax.random.randint(key, shape, -int8.QMAX, int8.QMAX + 1, jnp.int8)
+
+
+def _quantized(key: jax.Array, scale: float, fmt: str, shape: tuple[int, int], device: Any):
+    """A random (out, in) matrix in ``fmt`` as ``quantized.quantize_matrix`` would store it (4-bit Q4_1 blocks where
+    the inputs fill blocks of 32, else int8 per row), drawn in its integers with one scale (and min) for all."""
+    out, inputs = shape
+    if fmt == "int8" or inputs % q4.QK:
+        scales = jnp.full((out,), scale / INT8_STD, jnp.float32, device=device)
+        return Int8Matrix(_integers(key, shape=shape, packed=False), scales, 0)
+    step = scale / Q4_STD  # values step * q - 7.5 step, q uniform on 0..15: mean 0
+    blocks = (out, inputs // q4.QK)
+    return Q4Matrix(_integers(key, shape=(out, inputs // 2), packed=True),
+                    jnp.full(blocks, step, jnp.float16, device=device),
+                    jnp.full(blocks, -7.5 * step, jnp.float16, device=device), quantized.INT4_KIND)
+
+
+def random_weights(cfg: ModelConfig, dtype: Any, device: Any, seed: int = 0, scale: float = 0.02,
+                   fmt: str = "float") -> Weights:
     """Llama-layout weights drawn per tensor on ``device``: numpy would take minutes for 6.7B
-    parameters and hold them twice in host memory."""
+    parameters and hold them twice in host memory. ``fmt`` "int8" / "int4": the projections and the head drawn in
+    that format (``models.quantized``'s layout: the head int8 per vocabulary row), not quantized from floats
+    (quantizing a 7B model on its host takes minutes); norms and the input embedding in ``dtype``."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown weights format {fmt!r}; choose from {', '.join(FORMATS)}")
     keys = iter(jax.device_put(jax.random.split(jax.random.key(seed), 3 + 6 * cfg.n_layers), device))
-    matrix = lambda *shape: _normal(next(keys), scale, 0.0, shape=shape, dtype=dtype)
+    if fmt == "float":
+        matrix = lambda *shape: _normal(next(keys), scale, 0.0, shape=shape, dtype=dtype)
+    else:
+        matrix = lambda *shape: _quantized(next(keys), scale, fmt, shape, device)
     norm = lambda: Norm(_normal(next(keys), 0.1, 1.0, shape=(cfg.d_model,), dtype=dtype))
     d, f = cfg.d_model, cfg.d_ff
     layers = [Layer(attn_norm=norm(), w_qkv=matrix(cfg.q_dim + 2 * cfg.kv_dim, d), wo=matrix(d, cfg.q_dim),
                     ffn_norm=norm(), w_gate_up=matrix(2 * f, d), w_down=matrix(d, f)) for _ in range(cfg.n_layers)]
-    return Weights(head=matrix(d, cfg.vocab_size), layers=layers, final_norm=norm(), embed=matrix(cfg.vocab_size, d))
-
+    head = matrix(d, cfg.vocab_size) if fmt == "float" else _quantized(next(keys), scale, "int8",
+                                                                        (cfg.vocab_size, d), device)
+    final_norm = norm()
+    embed = _normal(next(keys), scale, 0.0, shape=(cfg.vocab_size, d), dtype=dtype)
+    return Weights(head=head, layers=layers, final_norm=final_norm, embed=embed)
 
 
 # ----- layer offload
