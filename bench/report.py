@@ -161,7 +161,8 @@ def paper() -> list[str]:
     model = bench["model"] if bench else "the default model"
     gpu_runs = (f"the only GPU run recorded is the GPU suite on one {suite['machine']['device']} with random weights "
                 "and synthetic activity, its peers jpinfer's own engines ("
-                + ", ".join(dict.fromkeys(r["engine"] for k in ("fixed_list", "hybrid", "modes") if suite.get(k)
+                + ", ".join(dict.fromkeys(r["engine"] for k in ("fixed_list", "hybrid", "hybrid_int4", "modes")
+                                          if suite.get(k)
                                           for r in suite[k]["rows"])) + ")"
                 if suite else "no GPU run is recorded")
     sparsity = f"{bench['pack']['settings']['sparsity']:.0%}" if bench and bench.get("pack") else "a chosen share"
@@ -382,18 +383,23 @@ def gpu() -> list[str]:
         rows = [[t["tokens"], r["op"], f"{r['s']:.2f}", fmt(r.get("ms"), ".3f"), fmt(r.get("speedup"), ".2f"),
                  fmt(r.get("efficiency"), ".2f")] for t in kernels["tables"] for r in t["rows"]]
         out += table(["tokens", "op", "s", "ms", "x dense", "efficiency"], rows)
-    for key, title in (("fixed_list", "Fixed-list sparse decode (no predictor)"),
-                       ("hybrid", "Hybrid against layer offload (synthetic activity, oracle predictor, upper bound)"),
+    sweep = "Hybrid against layer offload (synthetic activity, oracle predictor, upper bound)"
+    for key, title in (("fixed_list", "Fixed-list sparse decode (no predictor)"), ("hybrid", sweep),
+                       ("hybrid_int4", sweep),
                        ("modes", "The default model's engines (synthetic activity, oracle predictor, upper bound)")):
         part = suite.get(key)
         if not part:
             continue
         weights = f"; weights: {part['weights']}" if "weights" in part else ""
+        weights += f"; weights format: {part['format']}" if "format" in part else ""
         out += ["", f"{title}, {part['model']}{weights}:", ""]
         out += [f"- {fact}" for fact in part.get("facts", [])] + ([""] if part.get("facts") else [])
-        out += table(["engine", "decode tok/s", "x dense", "greedy agreement (prefix)", "note"],
-                     [[r["engine"], fmt(r.get("tok_s"), ".1f"), fmt(r.get("vs_dense"), ".2f"),
-                       r.get("agreement") or "-", r.get("note") or ""] for r in part["rows"]])
+        budgets = any("budget" in r for r in part["rows"])  # a budget sweep: x dense within each budget's rounds
+        out += table(["GPU budget"] * budgets + ["engine", "decode tok/s", "x dense", "greedy agreement (prefix)",
+                                                  "note"],
+                     [[fmt(r.get("budget"), "g")] * budgets + [
+                         r["engine"], fmt(r.get("tok_s"), ".1f"), fmt(r.get("vs_dense"), ".2f"),
+                         r.get("agreement") or "-", r.get("note") or ""] for r in part["rows"]])
     return out + ["", source("gpu_suite"),
                   ""]
 

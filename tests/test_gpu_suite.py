@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jpinfer.bench import gpu_checks, gpu_suite
+from jpinfer.bench import gpu_checks, gpu_suite, synthetic
 from jpinfer.bench.fixed_list import fixed_list_engine
 from jpinfer.bench.layer_offload import TINY
 from jpinfer.cli import main
@@ -43,7 +43,7 @@ def test_tiny_suite_writes_its_files_every_check_passes_and_the_report_reads_the
     assert all((tmp_path / f).stat().st_size <= 16 << 20 for f in files)
     data = json.loads((tmp_path / gpu_suite.DATA).read_text())
     assert [(p["name"], p["status"]) for p in data["parts"]] == [
-        (name, "ran") for name in ("checks", "kernels", "fixed_list", "hybrid", "modes")]
+        (name, "ran") for name in ("checks", "kernels", "fixed_list", "hybrid", "hybrid_int4", "modes")]
     assert data["tiny"] and data["machine"]["cores"] >= 1 and data["machine"]["jax"]
     # every Pallas variant and the gather, 1 and 4 tokens, then the two decodes: all passed
     checks = data["checks"]["rows"]
@@ -58,11 +58,17 @@ def test_tiny_suite_writes_its_files_every_check_passes_and_the_report_reads_the
         assert all("ms" in r for r in t["rows"])
     fixed = data["fixed_list"]
     assert set(fixed["median"]) == {"dense", "sparse s=0.8 (K=138)", "sparse s=0.9 (K=69)"}
-    for key, names in (("hybrid", ["dense GPU", "hybrid", "layer offload", "sparse GPU"]),
-                       ("modes", ["dense GPU", "hybrid", "sparse GPU"])):
-        engines = {r["engine"]: r for r in data[key]["rows"]}
-        assert sorted(engines) == sorted(names) and all(engines[e]["tok_s"] > 0 for e in names)
-        assert engines["dense GPU"]["agreement"] == f"{data[key]['new_tokens']}/{data[key]['new_tokens']}"
+    sweep, engines = gpu_suite.sizes(True).hybrid_budgets, gpu_suite.SWEEP_ENGINES
+    for key, budgets, names in (("hybrid", sweep, engines), ("hybrid_int4", sweep, engines),
+                                ("modes", (gpu_suite.MODES_BUDGET,), gpu_suite.MODES)):
+        rows = data[key]["rows"]
+        in_order = [e for e in synthetic.ENGINES if e in names]  # the plans' (build) order
+        assert [(r["budget"], r["engine"]) for r in rows] == [(b, e) for b in budgets for e in in_order]
+        assert all(r["tok_s"] > 0 for r in rows)
+        n = data[key]["new_tokens"]
+        assert all(r["agreement"] == f"{n}/{n}" for r in rows if r["engine"] == "dense GPU")
+        assert [s["budget"] for s in data[key]["setups"]] == list(budgets)
+    assert data["hybrid"]["format"] == "float" and data["hybrid_int4"]["format"] == "int4"
     assert data["modes"]["weights"].startswith("random weights of its shape")
     markdown = (tmp_path / gpu_suite.MARKDOWN).read_text()
     assert "All passed: yes." in markdown and "pallas split" in markdown and "layer offload" in markdown
@@ -90,7 +96,7 @@ def test_report_without_a_gpu_run_says_so(tmp_path, monkeypatch):
 def test_parts_that_do_not_fit_are_skipped_with_the_reason(tmp_path):
     assert main(["bench-gpu", "--tiny", "--max-seconds", "1", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / gpu_suite.DATA).read_text())
-    assert [p["status"] for p in data["parts"]] == ["skipped"] * 5
+    assert [p["status"] for p in data["parts"]] == ["skipped"] * 6
     assert all("estimated" in p["reason"] and "s left" in p["reason"] for p in data["parts"])
     assert "| checks | skipped |" in (tmp_path / gpu_suite.MARKDOWN).read_text()
 
@@ -102,6 +108,33 @@ def test_estimates_scale_with_the_measured_pace():
     assert clock.estimate("b") == pytest.approx(60.0)
     clock.spent["a"] = 1.0  # far faster: floored at 0.25x
     assert clock.estimate("c") == pytest.approx(7.5)
+
+
+def test_a_sweep_shares_its_part_time_equally_among_the_budgets_left(monkeypatch):
+    """``Clock.share``: each of the part's cells left gets an equal share of the part's time left, so what one leaves
+    goes to the next; with the part's time spent there is none; the part's measured seconds stay the whole part's."""
+    now = [0.0]
+    monkeypatch.setattr(gpu_suite.time, "perf_counter", lambda: now[0])
+    clock = gpu_suite.Clock(100.0, {"a": 10.0})
+    clock.begin("a")  # the only part: all 100 s
+    assert clock.share(4) and clock.deadline == pytest.approx(25.0)
+    now[0] = 10.0  # the first cell used 10 of its 25 s
+    assert clock.share(3) and clock.deadline == pytest.approx(10.0 + 90.0 / 3)
+    now[0] = 100.0
+    assert not clock.share(2)
+    assert clock.end("a") == pytest.approx(100.0)  # the part's seconds are all its cells'
+
+
+def test_a_budget_without_time_is_skipped_with_the_reason(monkeypatch):
+    """A sweep whose part's time is spent builds nothing: each budget's row says it was skipped for time."""
+    clock = gpu_suite.Clock(100.0, {"hybrid": 10.0})
+    clock.begin("hybrid")
+    clock.part_deadline = 0.0  # spent
+    monkeypatch.setattr(gpu_suite.synthetic, "budget_setup", lambda *a, **k: pytest.fail("built at no time"))
+    s, args = gpu_suite.sizes(True), argparse.Namespace(seed=0)
+    out = gpu_suite.budget_rows(argparse.Namespace(cfg=TINY), s, args, clock, (None, None), (0.2, 0.4))
+    assert [(r["budget"], r["engine"]) for r in out["rows"]] == [(0.2, "every engine"), (0.4, "every engine")]
+    assert all(r["note"].startswith("skipped: time") for r in out["rows"]) and out["setups"] == []
 
 
 def test_a_wrong_kernel_output_fails_its_check():

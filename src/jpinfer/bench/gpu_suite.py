@@ -7,8 +7,12 @@ Parts, in order, each started only when its estimated cost fits the time left (`
 2. kernels: the accelerator table at the 7B layer shape (``chain_kernels``: dense, every variant, XLA's
    gather; 50/80/90/95% sparsity; 1 and 4 tokens);
 3. fixed list: a 7B-shaped decode with fixed random neuron lists at 80 and 90% against dense (``fixed_list``);
-4. hybrid: hot neurons on the GPU, cold on the CPU, against layer offload, dense and sparse on the GPU, 7B
-   shapes under a GPU budget of 0.4 of the model (``synthetic``: synthetic activity, oracle predictors);
+4. hybrid, hybrid_int4: the budget sweep, 7B shapes in bfloat16 and in int4 (random weights drawn in the format):
+   at each GPU budget of ``HYBRID_BUDGETS`` (fractions of the model's bytes in its format), hot neurons on the GPU
+   and cold ones on the CPU against layer offload (whole layers, the rest on the CPU in the same format), with
+   dense on the GPU (the whole model fits there: the upper bound) as each budget's reference (``synthetic``:
+   synthetic activity, oracle predictors); each budget gets an equal share of the part's time left, and a
+   budget or engine that does not fit its share is noted as skipped;
 5. modes: the default model's dense, sparse and hybrid engines in bfloat16, budget 0.75 (``synthetic``); random
    weights of its shape where the model package is missing (the output says which).
 A part's cost is estimated as its prior (seconds on an H200; ``--tiny``: on two CPU cores) scaled by the
@@ -54,7 +58,14 @@ SUITE_VERSION = 1
 MARKDOWN, DATA = "gpu_suite.md", "gpu_suite.json"
 KERNEL_SPARSITIES = (0.5, 0.8, 0.9, 0.95)
 DECODE_SPARSITIES = (0.8, 0.9)
-HYBRID_BUDGET = 0.4  # of the model's bytes: the offload keeps ~11 of 32 7B layers, the hybrid ~30% of the neurons
+# of the model's bytes in its format. bfloat16 7B: the hybrid's non-FFN part (embeddings, head, attention, KV cache)
+# takes ~0.38 of the model, so 0.2 puts no neuron on the GPU; 0.4 was the first record's one budget (~11 of 32
+# layers offloaded). Four budgets, not nine: each builds its engines, and the one-budget part took 148-213 s on the
+# H200 (bench/results/gpu_suite.md)
+HYBRID_BUDGETS = (0.2, 0.4, 0.6, 0.8)
+HYBRID_FORMATS = {"hybrid": "float", "hybrid_int4": "int4"}  # part -> the weights format of its sweep
+SWEEP_ENGINES = ("dense GPU", "hybrid", "layer offload")
+FORMAT_NAMES = {"float": "bfloat16", "int4": "int4 (float arrays bfloat16)"}
 MODES = ("dense GPU", "sparse GPU", "hybrid")  # the default model's modes (layer offload is not one of jpinfer's)
 # The default pack's placement budget (bench/results/REPORT.md, "Pack"); at 0.4 the default model's non-FFN part
 # (tied head, attention, predictors) alone would exceed the budget and no neuron would reach the GPU.
@@ -80,7 +91,7 @@ class Sizes:
     kernel_rounds: int
     new_tokens: int
     rank: int  # the synthetic predictors'
-    hybrid_budget: float
+    hybrid_budgets: tuple[float, ...]
     priors: dict[str, float]  # part -> its expected seconds
 
 
@@ -91,16 +102,17 @@ def sizes(tiny: bool) -> Sizes:
         two_layers = dataclasses.replace(TINY, n_layers=2, name="tiny (2 layers), random weights")
         return Sizes(decoder=two_layers, check_decoder=two_layers, default_model=small_default, kernel_shape=(256, 512),
                      kernel_layers=2, kernel_sparsities=(0.5, 0.9), rounds=2, kernel_rounds=2, new_tokens=8, rank=16,
-                     hybrid_budget=CHECK_BUDGET,
-                     priors=dict(checks=15, kernels=15, fixed_list=10, hybrid=15, modes=10))
+                     hybrid_budgets=(0.5, CHECK_BUDGET),
+                     priors=dict(checks=15, kernels=15, fixed_list=10, hybrid=15, hybrid_int4=15, modes=10))
     return Sizes(decoder=LLAMA2_7B,
                  check_decoder=dataclasses.replace(LLAMA2_7B, n_layers=2, name="Llama-2-7B shapes, 2 layers"),
                  default_model=DEFAULT_MODEL_SHAPE, kernel_shape=(LLAMA2_7B.d_model, LLAMA2_7B.d_ff), kernel_layers=8,
                  kernel_sparsities=KERNEL_SPARSITIES, rounds=3, kernel_rounds=5, new_tokens=32, rank=128,
-                 hybrid_budget=HYBRID_BUDGET,
+                 hybrid_budgets=HYBRID_BUDGETS,
                  # seconds the parts took on one H200 (2026-12-04, bench/results/gpu_suite.md: 39-46, 27, 30; the
-                 # hybrid 148-213 and the modes 38-108 with engines skipped for time, so rounded up)
-                 priors=dict(checks=45, kernels=30, fixed_list=30, hybrid=170, modes=110))
+                 # hybrid at one budget 148-213 and the modes 38-108 with engines skipped for time, so rounded up);
+                 # the int4 sweep not measured yet: the bfloat16 one's. A sweep takes the share it is given.
+                 priors=dict(checks=45, kernels=30, fixed_list=30, hybrid=170, hybrid_int4=170, modes=110))
 
 
 class Clock:
@@ -112,7 +124,7 @@ class Clock:
         self.priors = priors
         self.spent: dict[str, float] = {}  # part -> measured seconds (parts that ran)
         self.done: set[str] = set()  # parts run or skipped
-        self.deadline = self.began = self.start
+        self.deadline = self.part_deadline = self.began = self.window_began = self.start
 
     def left(self) -> float:
         return self.max_seconds - (time.perf_counter() - self.start)
@@ -132,8 +144,16 @@ class Clock:
         the parts not run yet), at least its estimate."""
         rest = [p for p in self.priors if p not in self.done]
         share = self.left() * self.priors[part] / sum(self.priors[p] for p in rest)
-        self.deadline = time.perf_counter() + min(self.left(), max(share, self.estimate(part)))
-        self.began = time.perf_counter()
+        self.deadline = self.part_deadline = time.perf_counter() + min(self.left(), max(share, self.estimate(part)))
+        self.began = self.window_began = time.perf_counter()
+
+    def share(self, cells: int) -> bool:
+        """Narrow the running part's deadline to the next of its ``cells`` inner cells left (a sweep's budgets): an
+        equal share of the part's time left, so an early cell cannot take a later one's (what a cell leaves goes to
+        the cells after it). False when the part's time is spent."""
+        now = time.perf_counter()
+        self.window_began, self.deadline = now, now + max(0.0, self.part_deadline - now) / cells
+        return self.deadline > now
 
     def end(self, part: str) -> float:
         self.done.add(part)
@@ -162,7 +182,7 @@ def decode_rows(builds: dict[str, tuple[Callable[[], Engine], dict]], vocab_size
             for name, (_, extra) in builds.items()}
     engines = {}
     for name, (build, _) in builds.items():
-        if clock.part_left() < 0.3 * (clock.deadline - clock.began):
+        if clock.part_left() < 0.3 * (clock.deadline - clock.window_began):
             rows[name]["note"] = "skipped: time (its part's share of --max-seconds)"
             log(f"{name}: {rows[name]['note']}")
             continue
@@ -209,9 +229,10 @@ def decode_rows(builds: dict[str, tuple[Callable[[], Engine], dict]], vocab_size
     return list(rows.values())
 
 
-def random_model(cfg: ModelConfig, device: Any, seed: int) -> LoadedModel:
-    """A LoadedModel of ``cfg``'s shapes with random bfloat16 weights on ``device`` (tied: no input embedding)."""
-    weights = jax.block_until_ready(random_weights(cfg, jnp.bfloat16, device, seed))
+def random_model(cfg: ModelConfig, device: Any, seed: int, fmt: str = "float") -> LoadedModel:
+    """A LoadedModel of ``cfg``'s shapes with random weights on ``device`` in ``fmt`` (its float arrays bfloat16;
+    tied: no input embedding)."""
+    weights = jax.block_until_ready(random_weights(cfg, jnp.bfloat16, device, seed, fmt=fmt))
     if cfg.tie_embeddings:
         weights = dataclasses.replace(weights, embed=None)
     return LoadedModel(cfg, weights, None, cfg.name)
@@ -269,25 +290,39 @@ def part_fixed_list(s: Sizes, args: argparse.Namespace, clock: Clock, devices: t
 
 
 def budget_rows(model: Any, s: Sizes, args: argparse.Namespace, clock: Clock, devices: tuple[Any, Any],
-                fraction: float, engines: tuple[str, ...] | None = None) -> dict:
-    """The engines (default: all) of ``synthetic.budget_setup`` timed side by side (sparse GPU skipped without
-    room)."""
-    setup = synthetic.budget_setup(model, fraction, devices, new_tokens=s.new_tokens, rank=s.rank, seed=args.seed)
-    stats = devices[0].memory_stats() or {}  # None on the CPU
-    room = stats.get("bytes_limit", float("inf")) - stats.get("bytes_in_use", 0)
-    plans = {name: plan for name, plan in setup.plans.items() if engines is None or name in engines}
-    skipped = []
-    if "sparse GPU" in plans and room < 1.2 * setup.neuron_major_bytes:
-        del plans["sparse GPU"]
-        skipped.append(dict(engine="sparse GPU", note="skipped: no room on the GPU for a neuron-major copy"))
-    builds = {name: (p.build, dict(gpu_bytes=p.gpu_bytes, where=p.where)) for name, p in plans.items()}
-    rows = decode_rows(builds, model.cfg.vocab_size, clock, s.rounds, s.new_tokens, args.seed)
-    return dict(model=model.cfg.name, new_tokens=s.new_tokens, facts=setup.facts, setup=setup.data,
-                rows=rows + skipped)
+                fractions: tuple[float, ...], engines: tuple[str, ...] | None = None) -> dict:
+    """The engines (default: all) of ``synthetic.budget_setup`` timed side by side at each budget of ``fractions``
+    (each an equal share of the part's time left; sparse GPU skipped without room); a row per engine and budget."""
+    facts, setups, rows = [], [], []
+    for i, fraction in enumerate(fractions):
+        if not clock.share(len(fractions) - i):
+            rows.append(dict(engine="every engine", budget=fraction,
+                             note="skipped: time (its part's share of --max-seconds)"))
+            log(f"budget {fraction:g}: skipped (time)")
+            continue
+        setup = synthetic.budget_setup(model, fraction, devices, new_tokens=s.new_tokens, rank=s.rank, seed=args.seed)
+        stats = devices[0].memory_stats() or {}  # None on the CPU
+        room = stats.get("bytes_limit", float("inf")) - stats.get("bytes_in_use", 0)
+        plans = {name: plan for name, plan in setup.plans.items() if engines is None or name in engines}
+        skipped = []
+        if "sparse GPU" in plans and room < 1.2 * setup.neuron_major_bytes:
+            del plans["sparse GPU"]
+            skipped.append(dict(engine="sparse GPU", note="skipped: no room on the GPU for a neuron-major copy"))
+        builds = {name: (p.build, dict(budget=fraction, gpu_bytes=p.gpu_bytes, where=p.where))
+                  for name, p in plans.items()}
+        rows += decode_rows(builds, model.cfg.vocab_size, clock, s.rounds, s.new_tokens, args.seed)
+        rows += [dict(row, budget=fraction) for row in skipped]
+        facts += setup.facts
+        setups.append(setup.data)
+        gc.collect()  # the budget's engines (their host copies) before the next budget's
+    return dict(model=model.cfg.name, new_tokens=s.new_tokens, facts=list(dict.fromkeys(facts)), setups=setups,
+                rows=rows)
 
 
-def part_hybrid(s: Sizes, args: argparse.Namespace, clock: Clock, devices: tuple[Any, Any]) -> dict:
-    return budget_rows(random_model(s.decoder, devices[0], args.seed), s, args, clock, devices, s.hybrid_budget)
+def part_hybrid(s: Sizes, args: argparse.Namespace, clock: Clock, devices: tuple[Any, Any], fmt: str) -> dict:
+    model = random_model(s.decoder, devices[0], args.seed, fmt)
+    out = budget_rows(model, s, args, clock, devices, s.hybrid_budgets, engines=SWEEP_ENGINES)
+    return dict(out, format=fmt)
 
 
 def default_model(s: Sizes, args: argparse.Namespace, device: Any) -> tuple[LoadedModel, str]:
@@ -309,7 +344,7 @@ def default_model(s: Sizes, args: argparse.Namespace, device: Any) -> tuple[Load
 
 def part_modes(s: Sizes, args: argparse.Namespace, clock: Clock, devices: tuple[Any, Any]) -> dict:
     model, source = default_model(s, args, devices[0])
-    out = budget_rows(model, s, args, clock, devices, MODES_BUDGET, engines=MODES)
+    out = budget_rows(model, s, args, clock, devices, (MODES_BUDGET,), engines=MODES)
     return dict(out, weights=source)
 
 
@@ -317,11 +352,16 @@ def part_modes(s: Sizes, args: argparse.Namespace, clock: Clock, devices: tuple[
 
 
 def decode_table(rows: list[dict]) -> list[str]:
+    """Rows of ``decode_rows``; with a budget column where they hold budgets (a sweep: vs dense is against the
+    dense row of the same budget's rounds)."""
+    budgets = any("budget" in r for r in rows)
     return markdown_table(
-        ["engine", "on the GPU", "decode tok/s (median)", "rounds", "vs dense", "greedy agreement (prefix)", "note"],
-        [[r["engine"], r.get("where", "everything"), fmt(r.get("tok_s"), ".1f"),
-          ", ".join(f"{t:.1f}" for t in r.get("rounds", [])) or "-", fmt(r.get("vs_dense"), ".3f"),
-          r.get("agreement") or "-", r.get("note", "")] for r in rows])
+        ["budget"] * budgets + ["engine", "on the GPU", "decode tok/s (median)", "rounds", "vs dense",
+                               "greedy agreement (prefix)", "note"],
+        [[fmt(r.get("budget"), "g")] * budgets + [
+            r["engine"], r.get("where", "everything"), fmt(r.get("tok_s"), ".1f"),
+            ", ".join(f"{t:.1f}" for t in r.get("rounds", [])) or "-", fmt(r.get("vs_dense"), ".3f"),
+            r.get("agreement") or "-", r.get("note", "")] for r in rows])
 
 
 def part_note(part: dict) -> str:
@@ -353,9 +393,11 @@ def markdown(data: dict) -> str:
                   f"Random fixed lists per layer, greedy, {fixed['new_tokens']} new tokens after a 16-token prompt; "
                   "median of interleaved rounds; vs dense: median of same-round ratios.", ""]
         lines += decode_table(fixed["rows"])
-    for key, title in (("hybrid", "Hybrid against layer offload"), ("modes", "The default model's modes")):
+    for key, title in (("hybrid", "Hybrid against layer offload"), ("hybrid_int4", "Hybrid against layer offload"),
+                       ("modes", "The default model's modes")):
         if part := data.get(key):
-            lines += ["", f"## {title}: {part['model']}", ""]
+            weights = f", {FORMAT_NAMES[part['format']]}" if "format" in part else ""
+            lines += ["", f"## {title}: {part['model']}{weights}", ""]
             if "weights" in part:
                 lines += [f"- weights: {part['weights']}, bfloat16"]
             lines += [f"- {fact}" for fact in part["facts"]] + [""]
@@ -411,7 +453,7 @@ def add_arguments(ap: argparse.ArgumentParser, command: str = "bench-gpu") -> No
     ap.add_argument("--out", type=pathlib.Path, help=f"directory for {MARKDOWN} and {DATA}")
     ap.add_argument("--max-seconds", type=float, default=420.0, help="wall-clock bound of the whole suite")
     ap.add_argument("--tiny", action="store_true", help="shrunk shapes on the CPU: a check of the suite, not a timing")
-    ap.add_argument("--parts", nargs="+", choices=["checks", "kernels", "fixed_list", "hybrid", "modes"],
+    ap.add_argument("--parts", nargs="+", choices=["checks", "kernels", "fixed_list", *HYBRID_FORMATS, "modes"],
                     help="run only these parts (default: all)")
     ap.add_argument("--update", action="store_true",
                     help=f"with --parts: keep the other parts' results from the {DATA} already in --out (each part "
@@ -447,7 +489,7 @@ def run(args: argparse.Namespace) -> int:
         "checks": lambda: part_checks(s, args, devices, interpret),
         "kernels": lambda: part_kernels(s, args, clock, interpret),
         "fixed_list": lambda: part_fixed_list(s, args, clock, devices),
-        "hybrid": lambda: part_hybrid(s, args, clock, devices),
+        **{part: lambda fmt=fmt: part_hybrid(s, args, clock, devices, fmt) for part, fmt in HYBRID_FORMATS.items()},
         "modes": lambda: part_modes(s, args, clock, devices),
     }
     for name in chosen:

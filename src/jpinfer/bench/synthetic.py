@@ -10,13 +10,14 @@ The GPU suite (``jpinfer.bench.gpu_suite``) runs it. Protocol:
   the logit exceeds the cut-off 0 with the neuron's frequency. Capacity K per layer: the 0.99 quantile
   of the neurons selected per token on held-out tokens, rounded up to 32. The predictors are an
   oracle of the synthetic law, not trained ones: speeds measured with them are upper bounds;
-- GPU budget: a fraction of the model's bytes. The hybrid keeps everything but the FFN on the GPU
-  (embeddings, head, attention, norms, predictors, the KV cache the run allocates) and fills the rest
-  with the hottest neurons of the whole model (``jpinfer.solver.baselines.greedy``); when that fixed
-  part alone exceeds the budget, no neuron goes to the GPU. The layer offload keeps embeddings and head
-  on the GPU with the first n whole layers (weights and KV cache), n as large as the budget allows,
-  and runs the other layers dense on the CPU;
-- CPU side in float32 by default: on a 2-core AVX-512-BF16 machine (jax 0.10.2) XLA:CPU ran a
+- GPU budget: a fraction of the model's bytes in its weights format (float, int8 or int4, scales
+  included). The hybrid keeps everything but the FFN on the GPU (embeddings, head, attention, norms,
+  predictors, the KV cache the run allocates) and fills the rest with the hottest neurons of the whole
+  model (``jpinfer.solver.baselines.greedy``), each at its FFN matrices' bytes in the format; when that
+  fixed part alone exceeds the budget, no neuron goes to the GPU. The layer offload keeps embeddings
+  and head on the GPU with the first n whole layers (weights and KV cache), n as large as the budget
+  allows (``layer_offload.gpu_layers``), and runs the other layers dense on the CPU in the same format;
+- CPU side's float arrays in float32 by default: on a 2-core AVX-512-BF16 machine (jax 0.10.2) XLA:CPU ran a
   bfloat16 matrix-vector product 11x and the sparse CPU kernel 40x slower than in float32, which
   would measure that, not the placement;
 - ``all_active``: cut-off -inf and K = d_ff, so every engine computes the dense model (a check).
@@ -35,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from scipy.special import ndtri
 
-from jpinfer.bench.layer_offload import offload_engine, step_inputs
+from jpinfer.bench.layer_offload import gpu_layers, offload_engine, step_inputs
 from jpinfer.config import ModelConfig
 from jpinfer.ffn import part_capacities, whole_blocks
 from jpinfer.models import transformer
@@ -72,11 +73,12 @@ def _layer_and_ffn_input(layer: Layer, h, positions, rope_cs, *, cfg: ModelConfi
     return transformer.ffn_residual(layer, h, transformer.ffn_dense(layer, x, cfg), cfg), x
 
 
-def ffn_inputs(cfg: ModelConfig, weights: Weights, seed: int) -> list[np.ndarray]:
-    """Per layer the FFN inputs (tokens, d_model) of random token sequences, as float32."""
+def ffn_inputs(cfg: ModelConfig, weights: Weights, seed: int, device: Any) -> list[np.ndarray]:
+    """Per layer the FFN inputs (tokens, d_model) of random token sequences (on ``device``, the weights'), as
+    float32."""
     batch, length = CALIBRATION
-    tokens = jnp.asarray(np.random.default_rng(seed).integers(0, cfg.vocab_size, (batch, length), np.int32))
-    h, positions, rope_cs = step_inputs(weights, jax.device_put(tokens, weights.head.device), jnp.int32(0), cfg=cfg)
+    tokens = np.random.default_rng(seed).integers(0, cfg.vocab_size, (batch, length), np.int32)
+    h, positions, rope_cs = step_inputs(weights, jax.device_put(tokens, device), jnp.int32(0), cfg=cfg)
     out = []
     for i, layer in enumerate(weights.layers):
         h, x = _layer_and_ffn_input(layer, h, positions, rope_cs, cfg=cfg, window=cfg.layer_window(i))
@@ -141,23 +143,20 @@ class Budget:
     def hot_neurons(self) -> int:
         return max(0, self.budget - self.hybrid_fixed) // self.neuron
 
-    def offload_layers(self) -> int:
-        return int(min(self.n_layers, max(0, self.budget - self.top) // (self.attention + self.ffn + self.kv)))
-
 
 def budget_of(cfg: ModelConfig, weights: Weights, predictors: list[PredictorWeights], fraction: float,
               kv_slots: int) -> Budget:
     layer = weights.layers[0]
     itemsize = jnp.dtype(weights.dtype).itemsize
-    model = nbytes(weights)
+    model, ffn = nbytes(weights), nbytes((layer.w_gate_up, layer.w_down))
     return Budget(
         n_layers=cfg.n_layers, model=model, budget=int(fraction * model),
         top=nbytes(dataclasses.replace(weights, layers=[])),
         attention=nbytes(dataclasses.replace(layer, w_gate_up=None, w_down=None)),
-        ffn=nbytes((layer.w_gate_up, layer.w_down)),
+        ffn=ffn,
         kv=2 * cfg.kv_dim * kv_slots * itemsize,
         predictors=nbytes(predictors),
-        neuron=3 * cfg.d_model * itemsize,
+        neuron=math.ceil(ffn / cfg.d_ff),  # in the weights' format, its scales included
     )
 
 
@@ -190,7 +189,7 @@ def budget_setup(model: LoadedModel, fraction: float, devices: tuple[Any, Any], 
     cfg, weights = model.cfg, model.weights
     accelerator = devices[0]
     freqs = synthetic_frequencies(cfg.n_layers, cfg.d_ff, skew=SKEW, mean_active=MEAN_ACTIVE, seed=seed)
-    activity = synthetic_predictors(freqs, ffn_inputs(cfg, weights, seed), rank, seed, all_active)
+    activity = synthetic_predictors(freqs, ffn_inputs(cfg, weights, seed, accelerator), rank, seed, all_active)
     predictors = Predictors([jax.device_put(p, accelerator) for p in activity.predictors],
                             {"model_name": cfg.name, "synthetic": True})
     ks = activity.capacity
@@ -200,7 +199,7 @@ def budget_setup(model: LoadedModel, fraction: float, devices: tuple[Any, Any], 
     n_hot = int(sum(m.sum() for m in masks))
     hot_fraction = n_hot / (cfg.n_layers * cfg.d_ff)
     share = float(sum(f[m].sum() for f, m in zip(freqs, masks)) / sum(f.sum() for f in freqs))
-    n_gpu = b.offload_layers()
+    n_gpu = gpu_layers(weights, b.budget, b.kv)
     top20 = float(np.mean([np.sort(f)[::-1][: f.size // 5].sum() / f.sum() for f in freqs]))
     selected = float(activity.selected.mean() / cfg.d_ff)
     facts = [
