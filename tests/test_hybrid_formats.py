@@ -20,6 +20,7 @@ import pytest
 import test_sparse_int4 as int4_reference
 import test_sparse_int8 as int8_reference
 from test_modes import PROMPT, all_active, assert_decodes_like, forced_logits, half_masks
+from test_quantized import int4_engine as int4_blocks_engine
 from test_sparse_int4 import int4_engine, integer_tokens
 from test_sparse_int8 import MARGIN, U, assert_scaled_equal, int8_engine
 
@@ -173,3 +174,18 @@ def test_the_hybrid_decodes_like_its_parts_on_one_device(fmt, chooser):
     hybrid_error = np.abs(forced_logits(hybrid, PROMPT, forced) - float_logits).max()
     one_device_error = np.abs(forced_logits(one_device, PROMPT, forced) - float_logits).max()
     assert hybrid_error <= 2 * one_device_error
+
+
+def test_a_layer_wholly_on_one_device_leaves_an_empty_4bit_part_that_runs():
+    """A layer whose neurons all sit on one device leaves the other part empty: with d_ff a whole number of 4-bit
+    blocks the down matrix is 4-bit too, and an empty part's prompt reads an empty 4-bit matrix. Each part of a
+    whole layer is the layer itself, so the hybrid computes the one-device engine's integers (DECODER_ATOL for the
+    order of the final sums)."""
+    dense = int4_blocks_engine("swiglu")
+    cfg = dense.cfg
+    assert cfg.d_ff % q4.QK == 0
+    masks = [np.zeros(cfg.d_ff, bool), np.ones(cfg.d_ff, bool)]  # layer 0 wholly on the host, layer 1 wholly not
+    hybrid = build_engine(dense.model, "hybrid", predictors=all_active(dense), capacity=cfg.d_ff, placement=masks)
+    assert hybrid.ffn.state[0].hot.n_neurons == 0 and hybrid.ffn.impl.cold[1].n_neurons == 0
+    sparse = build_engine(dense.model, "sparse", predictors=all_active(dense), capacity=cfg.d_ff)
+    assert_decodes_like(hybrid, sparse, 8, rtol=0, atol=DECODER_ATOL)

@@ -80,7 +80,11 @@ def _part_list(logits: jax.Array, ids: jax.Array, cutoff: jax.Array, capacity: i
 def _part_ffn(ffn: NeuronFFN | ThresholdLayout, x: jax.Array,
               chosen: tuple[jax.Array, jax.Array] | jax.Array | None) -> jax.Array:
     """One part's FFN output (B, T, d): over its listed neurons (one token), each token's masked neurons (a
-    batch of sequences) or all of them (prefill); a threshold part keeps what its thresholds keep, per token."""
+    batch of sequences) or all of them (prefill); a threshold part keeps what its thresholds keep, per token. A part
+    without neurons (its layer wholly on the other device) adds its ``b_down`` only: the quantized products take no
+    empty matrix (an int8 down product has no activation peak to scale by)."""
+    if (ffn.d_ff if isinstance(ffn, ThresholdLayout) else ffn.n_neurons) == 0:
+        return jnp.zeros(x.shape, x.dtype) + (0 if ffn.b_down is None else ffn.b_down.astype(x.dtype))
     tokens = x.reshape(-1, x.shape[-1])
     if isinstance(ffn, ThresholdLayout):
         return threshold_ffn(ffn, tokens)[0].reshape(x.shape)

@@ -112,8 +112,9 @@ class Q4Bundles:
         if slots < 1 or m.outputs % slots:
             raise ValueError(f"a {m.shape} matrix does not split into {slots} blocks of rows")
         n = m.outputs // slots
-        group = lambda a: jnp.asarray(a).reshape(slots, n, -1).transpose(1, 0, 2).reshape(n, -1)
-        as_bytes = lambda a: jax.lax.bitcast_convert_type(jnp.asarray(a), jnp.uint8).reshape(a.shape[0], -1)
+        # explicit sizes, never -1, here and below: a part of a layer may hold no neuron (n = 0)
+        group = lambda a: jnp.asarray(a).reshape(slots, n, a.shape[1]).transpose(1, 0, 2).reshape(n, slots * a.shape[1])
+        as_bytes = lambda a: jax.lax.bitcast_convert_type(jnp.asarray(a), jnp.uint8).reshape(a.shape[0], 2 * a.shape[1])
         parts = [group(m.packed), group(as_bytes(m.scales))] + ([] if m.mins is None else [group(as_bytes(m.mins))])
         return Q4Bundles(jnp.concatenate(parts, axis=1), m.inputs, slots, m.kind)
 
@@ -131,7 +132,7 @@ class Q4Bundles:
         cut = np.cumsum([self.slots * half, self.slots * nb * 2])
         parts = jnp.split(self.records, cut, axis=1)
         ungroup = lambda a, width: a.reshape(n, self.slots, width).transpose(1, 0, 2).reshape(self.slots * n, width)
-        halves = lambda a: jax.lax.bitcast_convert_type(ungroup(a, nb * 2).reshape(-1, nb, 2), jnp.float16)
+        halves = lambda a: jax.lax.bitcast_convert_type(ungroup(a, nb * 2).reshape(self.slots * n, nb, 2), jnp.float16)
         return Q4Matrix(ungroup(parts[0], half), halves(parts[1]), halves(parts[2]) if self.kind == "q4_1" else None,
                         self.kind)
 
@@ -146,19 +147,19 @@ def _blocks(w) -> np.ndarray:
         raise ValueError(f"a 4-bit matrix must be (out, in) with in a multiple of {QK}, got shape {w.shape}")
     if not np.isfinite(w).all():
         raise ValueError("cannot quantize a matrix holding inf or nan")
-    return w.reshape(w.shape[0], -1, QK)
+    return w.reshape(w.shape[0], w.shape[1] // QK, QK)
 
 
 def _pack(q: np.ndarray) -> np.ndarray:
     """q (out, nb, 32) in 0..15 -> packed (out, nb * 16): byte i = q[i] | q[i + 16] << 4."""
     q = q.astype(np.uint8)
-    return (q[..., :16] | (q[..., 16:] << 4)).reshape(q.shape[0], -1)
+    return (q[..., :16] | (q[..., 16:] << 4)).reshape(q.shape[0], q.shape[1] * 16)
 
 
 def unpack(packed: jax.Array) -> jax.Array:
     """packed (..., in / 2) uint8 -> q (..., in / 32, 32) uint8 in 0..15 (jnp, or numpy for numpy input)."""
     xp = np if isinstance(packed, np.ndarray) else jnp
-    b = packed.reshape(*packed.shape[:-1], -1, 16)
+    b = packed.reshape(*packed.shape[:-1], packed.shape[-1] // 16, 16)  # no -1: a matrix may have no rows
     return xp.concatenate([b & 0x0F, b >> 4], axis=-1)
 
 
@@ -198,7 +199,7 @@ def dequantize(m: Q4Matrix, dtype=jnp.float32) -> jax.Array:
     q = unpack(jnp.asarray(m.packed)).astype(jnp.float32)
     d = m.scales.astype(jnp.float32)[..., None]
     w = d * (q - 8) if m.kind == "q4_0" else d * q + m.mins.astype(jnp.float32)[..., None]
-    return w.reshape(q.shape[0], -1).astype(dtype)
+    return w.reshape(q.shape[0], q.shape[1] * QK).astype(dtype)
 
 
 def rows(m: Q4Matrix, index: jax.Array, dtype=jnp.float32) -> jax.Array:
