@@ -116,13 +116,12 @@ class ColdParts:
     part is ~17 GB of host memory.
 
     ``direct[layer]``: the part's decode list as a direct host call (``sparse.host_sparse_ffn``, on views of the
-    part's arrays), or None where the jitted ``_cold_ffn`` runs it (module docstring); ``direct=False`` makes none
-    (the jitted path everywhere: tests, benches)."""
+    part's arrays), or None where the jitted ``_cold_ffn`` runs it (module docstring)."""
 
-    def __init__(self, parts: list[NeuronFFN | ThresholdLayout], host: Any, *, direct: bool = True) -> None:
+    def __init__(self, parts: list[NeuronFFN | ThresholdLayout], host: Any) -> None:
         self.parts = tuple(parts)
         self.host = host
-        self.direct = tuple(host_sparse_ffn(p) if direct and isinstance(p, NeuronFFN) else None for p in self.parts)
+        self.direct = tuple(host_sparse_ffn(p) if isinstance(p, NeuronFFN) else None for p in self.parts)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
