@@ -74,8 +74,11 @@ class HostFfn:
 
     The layout's addresses are bound once, and the output is written to a buffer of its own (its address bound too)
     and copied out: taking an array's address costs ~1.5 us (``a.ctypes.data`` or its ``__array_interface__``), the
-    call itself ~2 us, the whole call with an empty list ~8 us (2-core Zen 3). A lock keeps two threads from sharing
-    the output buffer at once."""
+    C call itself ~2 us, the whole call with an empty list ~9 us. That is with the caches warm; after a 64 MiB copy
+    (or 5 ms idle on a busy machine) the same empty call took ~165 us, ~30 of them the C call through libffi and the
+    rest this wrapper's few numpy operations, 15-65 us each when cold (scratch timings, 2-core Zen 3 at load ~3.5):
+    a host call's fixed cost is mostly cold code and data, not the kernel (whose own work for an empty list is a
+    fill of y). A lock keeps two threads from sharing the output buffer at once."""
 
     def __init__(self, name: str, d: int, kind: str, operands: tuple, held: tuple, weighted: bool) -> None:
         self._fn = _function(name)
