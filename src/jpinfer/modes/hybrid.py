@@ -180,7 +180,7 @@ class HybridFFN:
             if listed and direct is not None:  # the native kernel on the host arrays, no jax dispatch
                 ids, count = chosen_values
                 y = direct(x_value.reshape(-1, x_value.shape[-1])[:1], ids, count)
-                return y.reshape(out.shape).astype(out.dtype)
+                return y.reshape(out.shape).astype(out.dtype, copy=False)
             args = jax.device_put((x_value, jax.tree_util.tree_unflatten(tree, chosen_values)), parts.host)
             return np.asarray(_cold_ffn(parts.parts[index], *args))
 
