@@ -12,8 +12,10 @@ inside the step, with no Python dispatch per layer).
 Variants, each a step of ``--layers`` layers, timed end to end (median of ``--steps`` steps after a warm-up):
 - ``accelerator only``: two jitted calls per layer on the accelerator;
 - ``hybrid hops``: the same plus the host round trip per layer, as the hybrid step does it;
-- ``one jit, host callback``: one jitted accelerator step, a ``pure_callback`` per layer running numpy, or a
-  jitted call on the CPU device (what the hybrid does now);
+- ``one jit, host callback``: one jitted accelerator step, a ``pure_callback`` per layer running numpy, a jitted
+  call on the CPU device (the hybrid's fallback), or a direct call of the native sparse FFN on host arrays with an
+  empty list (``sparse.host_sparse_ffn``: what the hybrid's callback runs for a decode token, its arithmetic taken
+  out; without the native library this variant is left out);
 - ``one jit, no host``: that step without the callbacks (the floor of the one-jit form).
 And the latency of a single blocked copy each way.
 
@@ -36,6 +38,7 @@ import numpy as np
 from jpinfer.bench.protocol import load_average, machine, machine_line
 from jpinfer.bench.results import command_line, markdown_table, publish
 from jpinfer.modes.devices import default_devices
+from jpinfer.sparse import NeuronFFN, host_sparse_ffn
 
 
 def _step_seconds(step, steps: int) -> float:
@@ -70,7 +73,12 @@ def measure(width: int, layers: int, steps: int) -> dict:
         v.block_until_ready()
 
     host_parts = {"numpy": lambda a: np.asarray(a) + np.float32(1.0),
-                  "jit": lambda a: np.asarray(bump(jax.device_put(a, host)))}  # what the hybrid's callback does
+                  "jit": lambda a: np.asarray(bump(jax.device_put(a, host)))}  # the hybrid's callback's fallback
+    one_neuron = jax.device_put(NeuronFFN(jnp.zeros((1, 3, width), jnp.float32), jnp.zeros((1,), jnp.int32), None,
+                                          None, "swiglu"), host)
+    direct, no_ids = host_sparse_ffn(one_neuron), np.zeros((1,), np.int32)
+    if direct is not None:  # the hybrid's callback for a decode token: the native kernel on host arrays, empty list
+        host_parts["direct"] = lambda a: direct(np.asarray(a), no_ids, 0) + np.asarray(a) + np.float32(1.0)
 
     def one_jit(host_part: str | None):
         def body(v):
@@ -89,6 +97,8 @@ def measure(width: int, layers: int, steps: int) -> dict:
         "hybrid hops": per_layer(_step_seconds(hybrid_hops, steps)),
         "one jit, host callback (numpy)": per_layer(_step_seconds(one_jit("numpy"), steps)),
         "one jit, host callback (a jitted host call)": per_layer(_step_seconds(one_jit("jit"), steps)),
+        **({"one jit, host callback (a direct native call)": per_layer(_step_seconds(one_jit("direct"), steps))}
+           if "direct" in host_parts else {}),
         "one jit, no host": per_layer(_step_seconds(one_jit(None), steps)),
     }
     copies = {

@@ -16,9 +16,11 @@ every machine, and the GPU runs only have to measure the rest. What runs is what
 - timing, per (budget, format): ``--rounds`` rounds, each over the tokens, settings of one format taking turns
   (those whose cold parts fit ``--memory-gib`` together; the order rotating each round). Per token: a copy of
   ``--copy-mib`` MiB (the host's copy bandwidth, and it flushes the caches), then the cold half with a jitted call
-  a layer, each waited for (as the hybrid's host call runs), then another copy, then the same layers in one jitted
-  call (the kernels without a dispatch a layer). Times and rates are medians over the tokens of all rounds; "x copy"
-  is the median of each token's rate over the copy's just before it;
+  a layer, each waited for (the hybrid's host call before the direct call, now its fallback), then another copy,
+  then the same layers in one jitted call (the kernels without a dispatch a layer), then another copy, then a direct
+  host call a layer (``host_half.cold_direct``: numpy in and out, as the hybrid's host callback now runs it). Times
+  and rates are medians over the tokens of all rounds; "x copy" is the median of each token's rate over the copy's
+  just before it;
 - XLA's float32 matrix-vector read bandwidth (``bench.machine.matvec_read_bandwidth``) before and after.
 
     PYTHONPATH=src python bench/hybrid_host.py --out bench/results/hybrid_host.md
@@ -49,7 +51,7 @@ SMALL = ModelConfig(vocab_size=512, d_model=256, n_layers=4, n_heads=4, n_kv_hea
 MODELS = {"7b": LLAMA2_7B, "13b": LLAMA2_13B, "small": SMALL}
 COLUMNS = ["budget", "format", "hot neurons", "activations on GPU", "cold neurons/token", "cold MB/token",
            "ms/token (a call a layer)", "GB/s", "x copy", "ms/token (one call)", "GB/s (one call)",
-           "x copy (one call)", "copy GB/s", "load (1 min)"]
+           "x copy (one call)", "ms/token (direct)", "GB/s (direct)", "x copy (direct)", "copy GB/s", "load (1 min)"]
 
 
 def setting_rows(cfg: ModelConfig, fmt: str, fulls: dict, weight_bytes: float, activity: host_half.Activity,
@@ -80,13 +82,15 @@ def setting_rows(cfg: ModelConfig, fmt: str, fulls: dict, weight_bytes: float, a
 def time_group(cold: dict, args: argparse.Namespace, copy: HostCopy) -> dict:
     """budget -> (per-token samples of every round, the 1-minute load at each round's start of that setting)."""
     d = next(iter(cold.values()))[0].part.d_model
-    xs = [jax.numpy.asarray(x) for x in np.random.default_rng(args.seed).standard_normal((args.tokens, d), np.float32)]
+    host_xs = np.random.default_rng(args.seed).standard_normal((args.tokens, d), np.float32)
+    xs = [jax.numpy.asarray(x) for x in host_xs]
     chains = {b: [host_half.chain_inputs(layers, t) for t in range(args.tokens)] for b, layers in cold.items()}
     calls = {b: [layer for layer in layers if layer.calls_host] for b, layers in cold.items()}  # as the hybrid calls
     for b in cold:  # compile, first touch
         for t in range(args.tokens):
             [host_half.cold_call(layer, xs[t], t).block_until_ready() for layer in calls[b]]
             host_half.cold_chain(chains[b][t][0], xs[t], *chains[b][t][1:]).block_until_ready()
+            [host_half.cold_direct(layer, host_xs[t], t) for layer in calls[b]]
     out = {b: ([], []) for b in cold}
     for r in range(args.rounds):
         for b in rotation(list(cold), r):
@@ -103,9 +107,15 @@ def time_group(cold: dict, args: argparse.Namespace, copy: HostCopy) -> dict:
                 start = time.perf_counter()
                 host_half.cold_chain(parts, xs[t], ids, counts).block_until_ready()
                 chain = time.perf_counter() - start
+                copy_direct = copy.seconds()
+                start = time.perf_counter()
+                for layer in calls[b]:
+                    host_half.cold_direct(layer, host_xs[t], t)
+                direct = time.perf_counter() - start
                 out[b][0].append(dict(token=t, round=r, bytes=sum(layer.bytes_read(t) for layer in layers),
                                       neurons=int(sum(layer.counts[t] for layer in layers)), call_s=call,
-                                      chain_s=chain, copy_call_s=copy_call, copy_chain_s=copy_chain))
+                                      chain_s=chain, direct_s=direct, copy_call_s=copy_call, copy_chain_s=copy_chain,
+                                      copy_direct_s=copy_direct))
         log(f"round {r + 1}/{args.rounds}: budgets {', '.join(f'{b:g}' for b in cold)}")
     return out
 
@@ -123,10 +133,14 @@ def summary(cfg: ModelConfig, hot: host_half.HotSet, sizes, layers: list, sample
         cold_neurons_per_token=statistics.mean(s["neurons"] for s in samples) * scale,
         cold_bytes_per_token=statistics.mean(s["bytes"] for s in samples) * scale,
         call_s=median(s["call_s"] for s in samples) * scale, chain_s=median(s["chain_s"] for s in samples) * scale,
+        direct_s=median(s["direct_s"] for s in samples) * scale,
         call_rate=median(rate(s, "call_s") for s in samples), chain_rate=median(rate(s, "chain_s") for s in samples),
-        copy_rate=median(copy_bytes / s[key] for s in samples for key in ("copy_call_s", "copy_chain_s")),
+        direct_rate=median(rate(s, "direct_s") for s in samples),
+        copy_rate=median(copy_bytes / s[key] for s in samples
+                         for key in ("copy_call_s", "copy_chain_s", "copy_direct_s")),
         call_x_copy=median(rate(s, "call_s") * s["copy_call_s"] / copy_bytes for s in samples),
         chain_x_copy=median(rate(s, "chain_s") * s["copy_chain_s"] / copy_bytes for s in samples),
+        direct_x_copy=median(rate(s, "direct_s") * s["copy_direct_s"] / copy_bytes for s in samples),
         layers=[dict(cold_neurons=layer.part.n_neurons, capacity=int(layer.ids.shape[1]),
                      mean_count=float(layer.counts.mean())) for layer in layers],
         loads=[x for load in loads for x in load], samples=samples)
@@ -149,7 +163,9 @@ def report(data: dict) -> str:
              "Q4_0 (on the host: 4-bit gate/up records, int8 down slots). A budget below the non-FFN part places no "
              "neuron: every active neuron is cold;",
              "- the cold half as the hybrid's host call runs it: `sparse_ffn` over each layer's cold part (native "
-             "kernels), a jitted call a layer, each waited for; 'one call': the same layers in one jitted call;",
+             "kernels), a jitted call a layer, each waited for (the hybrid's fallback); 'one call': the same layers in "
+             "one jitted call; 'direct': a direct host call of the kernel a layer (numpy in and out, no jax dispatch: "
+             "what the hybrid's host callback runs);",
              f"- host copy: {data['copy_mib']} MiB copied on {data['copy_threads']} threads (np.copyto) before each "
              f"timed variant, bytes copied per second (each byte read and written); XLA's float32 matrix-vector read "
              f"bandwidth {data['matvec_before'] / 1e9:.1f} GB/s before the run, {data['matvec_after'] / 1e9:.1f} "
@@ -165,6 +181,7 @@ def report(data: dict) -> str:
          f"{r['activation_share']:.1%}", f"{r['cold_neurons_per_token']:.0f}", mb(r["cold_bytes_per_token"]),
          f"{r['call_s'] * 1e3:.2f}", f"{r['call_rate'] / 1e9:.1f}", f"{r['call_x_copy']:.2f}",
          f"{r['chain_s'] * 1e3:.2f}", f"{r['chain_rate'] / 1e9:.1f}", f"{r['chain_x_copy']:.2f}",
+         f"{r['direct_s'] * 1e3:.2f}", f"{r['direct_rate'] / 1e9:.1f}", f"{r['direct_x_copy']:.2f}",
          f"{r['copy_rate'] / 1e9:.1f}", load(r)] for r in data["rows"]])
     return "\n".join(lines) + "\n"
 

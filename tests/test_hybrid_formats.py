@@ -189,3 +189,32 @@ def test_a_layer_wholly_on_one_device_leaves_an_empty_4bit_part_that_runs():
     assert hybrid.ffn.state[0].hot.n_neurons == 0 and hybrid.ffn.impl.cold[1].n_neurons == 0
     sparse = build_engine(dense.model, "sparse", predictors=all_active(dense), capacity=cfg.d_ff)
     assert_decodes_like(hybrid, sparse, 8, rtol=0, atol=DECODER_ATOL)
+
+
+def test_the_host_half_called_directly_decodes_as_its_jitted_call(monkeypatch):
+    """The hybrid's host callback runs each decode token's cold list through the direct host call of the native
+    kernel (``sparse.host_sparse_ffn``); with it replaced by the jitted ``sparse_ffn`` on the host device (no direct
+    calls), the greedy tokens and the forced logits are the same bits: the same kernel underneath. int4 (its records
+    and the down slots' view); every format's direct call against its FFI kernel: test_native_host.py, and the
+    other hybrid tests run the direct calls too."""
+    dense = int4_engine("relu")
+    masks = half_masks(dense.cfg, seed=5)
+    build = lambda: build_engine(dense.model, "hybrid", predictors=all_active(dense), capacity=dense.cfg.d_ff,
+                                 placement=masks)
+    import jpinfer.modes.hybrid as hybrid_module  # noqa: PLC0415
+
+    calls, original = [], hybrid_module.host_sparse_ffn
+
+    def counted(ffn):
+        call = original(ffn)
+        return call and (lambda *a: calls.append(1) or call(*a))
+
+    with monkeypatch.context() as patch:
+        patch.setattr(hybrid_module, "host_sparse_ffn", counted)
+        direct = build()
+    assert all(call is not None for call in direct.ffn.impl.held().direct)
+    with monkeypatch.context() as patch:
+        patch.setattr(hybrid_module, "host_sparse_ffn", lambda ffn: None)
+        jitted = build()
+    assert_decodes_like(direct, jitted, 8, rtol=0, atol=0)
+    assert len(calls) >= 8 * dense.cfg.n_layers  # every decode step's every layer called its host half directly

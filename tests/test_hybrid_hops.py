@@ -9,6 +9,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
 
 import hybrid_hops  # noqa: E402
 
+from jpinfer.native import native_available
+
 
 def test_every_variant_is_timed_and_recorded(tmp_path):
     out = tmp_path / "hops.md"
@@ -18,6 +20,7 @@ def test_every_variant_is_timed_and_recorded(tmp_path):
     names = {"accelerator only", "hybrid hops", "one jit, host callback (numpy)",
              "one jit, host callback (a jitted host call)", "one jit, no host", "accelerator -> host copy",
              "host -> accelerator copy"}
+    names |= {"one jit, host callback (a direct native call)"} if native_available() else set()
     for run in data["runs"]:
         assert set(run["per_layer_us"]) == names and all(v > 0 for v in run["per_layer_us"].values())
     text = out.read_text()

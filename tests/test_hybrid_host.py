@@ -92,6 +92,8 @@ def test_the_timed_cold_half_is_the_cold_neurons_ffn(setup, fmt):
         parts, ids, counts = host_half.chain_inputs([cold, cold], t)
         chained = host_half.cold_chain(parts, xs[t], ids, counts)  # the one-call variant: the same sums, in turn
         np.testing.assert_array_equal(np.asarray(chained), np.stack([y, y]).astype(np.float32))
+        if cold.direct is not None:  # the direct host call: the same kernel, the same bits
+            np.testing.assert_array_equal(host_half.cold_direct(cold, xs[t], t), y.astype(np.float32))
         if fmt == "float":
             ref = float_reference(layer, xs[t], neurons)
             np.testing.assert_allclose(y, ref, rtol=KERNEL_RTOL, atol=KERNEL_ATOL)
@@ -148,7 +150,8 @@ def test_the_script_records_every_budget_and_format(tmp_path):
     assert [(r["budget"], r["format"]) for r in data["rows"]] == [
         (float(b), f) for f in host_half.FORMATS for b in budgets]
     for row in data["rows"]:
-        assert len(row["samples"]) == 2 * 2 and row["call_s"] > 0 and row["chain_s"] > 0 and row["copy_rate"] > 0
+        assert len(row["samples"]) == 2 * 2 and row["call_s"] > 0 and row["chain_s"] > 0 and row["direct_s"] > 0
+        assert row["copy_rate"] > 0
     assert [r["feasible"] for r in data["rows"]][:2] == [False, True]
     text = out.read_text()
     assert "| " + " | ".join(hybrid_host.COLUMNS) + " |" in text and "Command: `python bench/hybrid_host.py" in text

@@ -2,7 +2,8 @@
 
 The hybrid mode (``modes.hybrid``) keeps each layer's hot neurons on the accelerator and computes the others on
 the host: per layer and token, ``sparse_ffn`` over the cold part (a ``NeuronFFN.subset`` of the layer, on the CPU
-device, the native kernels) with the list of its predicted neurons. This module makes that cold half for a model's
+device, the native kernels) with the list of its predicted neurons, called directly on the part's host arrays
+(``cold_direct``) or as a jitted call (``cold_call``). This module makes that cold half for a model's
 shapes without a model or an accelerator, so the host's share of a token is measured on every machine and only the
 accelerator's needs a GPU (``bench/hybrid_host.py`` times it):
 
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +42,7 @@ from jpinfer.ordering import after
 from jpinfer.quant.int8 import QMAX, Int8Matrix
 from jpinfer.quant.q4 import QK, Q4Matrix
 from jpinfer.solver import InfeasibleBudgetError, ModelSizes, model_sizes, preset, solve_placement
-from jpinfer.sparse import NeuronFFN, from_layer, sparse_ffn
+from jpinfer.sparse import NeuronFFN, from_layer, host_sparse_ffn, sparse_ffn
 
 FORMATS = ("float", "int8", "int4")
 ACCELERATOR_FLOAT = jnp.bfloat16  # the float model's dtype on the accelerator (the GPU suite's), and its KV cache's
@@ -135,11 +136,13 @@ def hot_set(frequencies: Sequence[np.ndarray], sizes: ModelSizes, fraction: floa
 @dataclasses.dataclass
 class ColdLayer:
     """One layer's cold half: its cold part (own arrays on the host) and per token its list (positions in the part,
-    (tokens, capacity) int32, padded with 0) and valid count ((tokens,) int32)."""
+    (tokens, capacity) int32, padded with 0) and valid count ((tokens,) int32); ``direct``: the part's direct host
+    call (``sparse.host_sparse_ffn``: the hybrid's host callback's; None without the native library)."""
 
     part: NeuronFFN
     ids: np.ndarray
     counts: np.ndarray
+    direct: Callable[[np.ndarray, np.ndarray, int], np.ndarray] | None = None
 
     @property
     def calls_host(self) -> bool:
@@ -169,14 +172,20 @@ def cold_layer(full: NeuronFFN, hot: np.ndarray, sets: np.ndarray) -> ColdLayer:
     for the tokens' active ``sets``: the part as ``hybrid_engine`` cuts it (``subset``, no ``b_down``: the hot part
     adds it)."""
     part = full.subset(np.flatnonzero(~hot).astype(np.int32), with_b_down=False)[0]
-    return ColdLayer(part, *cold_lists(sets, hot))
+    return ColdLayer(part, *cold_lists(sets, hot), host_sparse_ffn(part))
 
 
 def cold_call(layer: ColdLayer, x: jax.Array, token: int) -> jax.Array:
-    """One layer's cold FFN output for ``x`` (d_model,) and the token's list: the hybrid's host call
-    (``modes.hybrid``'s ``_part_ffn`` on the cold part for one token: ``sparse_ffn``, jitted, the native kernels),
-    made only for a layer that ``calls_host``."""
+    """One layer's cold FFN output for ``x`` (d_model,) and the token's list: the hybrid's jitted host call
+    (``modes.hybrid``'s ``_part_ffn`` on the cold part for one token: ``sparse_ffn``, jitted, the native kernels; its
+    fallback where no direct call is made, ``cold_direct``), made only for a layer that ``calls_host``."""
     return sparse_ffn(layer.part, x, jnp.asarray(layer.ids[token]), jnp.int32(layer.counts[token]))
+
+
+def cold_direct(layer: ColdLayer, x: np.ndarray, token: int) -> np.ndarray:
+    """``cold_call`` as the hybrid's host callback now makes it: the direct host call of the native kernel on the
+    part's host arrays (numpy in and out, no jax dispatch), for a layer that ``calls_host`` and has ``direct``."""
+    return layer.direct(x, layer.ids[token], int(layer.counts[token]))
 
 
 @jax.jit

@@ -7,8 +7,17 @@ own (``_cold_ffn``: the native kernels there) and its output is added to the hot
 
     accelerator: attention; the predictor's logits split into the hot and the cold part, each cut to
         at most its capacity (``select_neurons``); the hot FFN
-    callback: x and the cold list -> CPU device; cold FFN; its output -> accelerator
+    callback: x and the cold list (numpy) -> the cold FFN's native kernel on the host; its output -> accelerator
     accelerator: hot + cold, the residual
+
+The callback calls the cold part's native kernel directly (``sparse.host_sparse_ffn``: a plain C function of the
+native library through ctypes, on numpy views of the cold part's host arrays taken once when the engine is built),
+for a decode token's list in every format the native kernels read (float32 rows, int8 bundles, 4-bit records):
+the same kernel and bits as the jitted ``sparse_ffn`` on the CPU device, without its dispatch. That jitted call a
+layer (``jax.device_put`` of x and the list, the call, ``np.asarray`` of its output) cost ~350 us a layer more than
+the same kernels in one jitted call (int8 at 7B shapes, a 0.9 budget: 19.9 against 8.5 ms a token on a 2-core
+Zen 3, bench/results/hybrid_host.md). The jitted call remains for what the direct call does not take: without
+the native library, threshold parts, experts' routing weights, a prompt's or a batch's all-rows form.
 
 Why one step and a callback (measured, ``bench/hybrid_hops.py``, H200 with jax 0.11.2, 2026-12-04): the
 first form dispatched each layer from Python as jitted calls on either device with ``jax.device_put``
@@ -46,7 +55,15 @@ import numpy as np
 from jpinfer.ffn import threshold_projections
 from jpinfer.models.params import Layer
 from jpinfer.predictor.mlp import PredictorWeights, predict_logits, routed_logits, select_neurons, selection_mask
-from jpinfer.sparse import NeuronFFN, ThresholdLayout, ThresholdProjection, all_rows_ffn, sparse_ffn, threshold_ffn
+from jpinfer.sparse import (
+    NeuronFFN,
+    ThresholdLayout,
+    ThresholdProjection,
+    all_rows_ffn,
+    host_sparse_ffn,
+    sparse_ffn,
+    threshold_ffn,
+)
 
 
 @jax.tree_util.register_dataclass
@@ -100,11 +117,15 @@ class ColdParts:
     """Every layer's cold part (``parts[layer]``, arrays on ``host``). The engine's strategy holds it
     (``FfnStrategy.held``); ``HybridFFN`` only refers to it: jax keeps a compiled step, and the static
     ``ffn_impl`` it was compiled for, in its caches after the engine is gone, and a 7B model's cold
-    part is ~17 GB of host memory."""
+    part is ~17 GB of host memory.
+
+    ``direct[layer]``: the part's decode list as a direct host call (``sparse.host_sparse_ffn``, on views of the
+    part's arrays), or None where the jitted ``_cold_ffn`` runs it (module docstring)."""
 
     def __init__(self, parts: list[NeuronFFN | ThresholdLayout], host: Any) -> None:
         self.parts = tuple(parts)
         self.host = host
+        self.direct = tuple(host_sparse_ffn(p) if isinstance(p, NeuronFFN) else None for p in self.parts)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -155,8 +176,15 @@ class HybridFFN:
         out = jax.eval_shape(_part_ffn, self.cold[index], struct(x), jax.tree_util.tree_map(struct, chosen))
         held = self.held  # the compiled callback keeps neither the weights nor their holder alive
 
+        listed = isinstance(chosen, tuple)  # a decode token's list (else a mask per token, or every row)
+
         def run(x_value, *chosen_values):
             parts = held()
+            direct = parts.direct[index]
+            if listed and direct is not None:  # the native kernel on the host arrays, no jax dispatch
+                ids, count = chosen_values
+                y = direct(x_value.reshape(-1, x_value.shape[-1])[:1], ids, count)
+                return y.reshape(out.shape).astype(out.dtype, copy=False)
             args = jax.device_put((x_value, jax.tree_util.tree_unflatten(tree, chosen_values)), parts.host)
             return np.asarray(_cold_ffn(parts.parts[index], *args))
 

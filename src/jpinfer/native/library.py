@@ -25,8 +25,9 @@ import warnings
 import jax
 
 # 4: jpinfer_cached_attention, 5: FFN kind geglu, 6: gelu, 7: the attention's softcap, 8: its per-sequence
-# positions, 9: jpinfer_float_matvec, 12: jpinfer_select_over, 13: jpinfer_prefill_attention
-ABI_VERSION = 13
+# positions, 9: jpinfer_float_matvec, 12: jpinfer_select_over, 13: jpinfer_prefill_attention, 14: the direct host
+# calls jpinfer_host_sparse_ffn* (host.py)
+ABI_VERSION = 14
 # (csrc/info.cc jpinfer_native_abi_version)
 LIBRARY_STEM = "_jpinfer_native"  # setup.py's extension jpinfer.native._jpinfer_native
 
@@ -134,6 +135,11 @@ def _reset_for_tests() -> None:
 def native_available() -> bool:
     """Whether the native kernels are loaded and registered (loads them on the first call)."""
     return _ensure()["lib"] is not None
+
+
+def loaded_library() -> ctypes.CDLL | None:
+    """The loaded library (None: not loaded), for the plain C functions called without XLA (``host.py``)."""
+    return _ensure()["lib"]
 
 
 def unavailable_reason() -> str | None:

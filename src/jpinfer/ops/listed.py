@@ -10,7 +10,9 @@ implementation per lowering platform (``ops.table``, products "listed", "weighte
   ``sparse_ffn_q4`` on the CPU, their XLA gather forms elsewhere (the Pallas kernels read float rows only);
 - with a weight per listed activation (experts' routing, keep masks) float rows run as the kernels' two halves,
   ``sparse_activations`` then ``listed_rows_sum``, natively on the CPU, in XLA elsewhere;
-- x @ M over listed rows: the chunked loop on the CPU, the gather elsewhere.
+- x @ M over listed rows: the chunked loop on the CPU, the gather elsewhere;
+- ``host_ffn``: the listed FFN as a direct host call (``native.host``: the same native kernel on the layout's host
+  arrays, called from Python without a jax dispatch; the hybrid's host half), where the library reads the format.
 
 Backends force a choice (tests, benches): "xla" the platform's XLA form, "gather" the gather everywhere, "pallas"
 the kernel (interpret mode on the CPU); for the rows product "loop" or "gather".
@@ -25,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from jpinfer.activations import activate
+from jpinfer.native import host as native_host
 from jpinfer.native import kernels as native_kernels
 from jpinfer.native import native_available
 from jpinfer.ops.chunked import sparse_ffn_chunked
@@ -105,6 +108,21 @@ def quantized_ffn(gate_up: Q4Bundles | None, rows: jax.Array, scales: jax.Array 
     ready = backend == "auto" and native_available()
     choice = lambda p: pick("listed" if weights is None else "weighted", fmt, p, native=ready, backend=backend)
     return dispatch(choice, {"native": native, "gather": gather}, *args)
+
+
+def host_ffn(gate_up: Q4Bundles | None, rows: jax.Array, scales: jax.Array | None, down_scales: jax.Array | None,
+             b_up: jax.Array | None, *, kind: str) -> native_host.HostFfn | None:
+    """A layout's listed FFN (``quantized_ffn``'s operands, or float rows with ``scales`` and ``down_scales`` None) as
+    a direct host call of its native kernel (``native.host.HostFfn``: ``call(x, ids, count[, weights])``, float32
+    (T, d) without ``b_down``, the jitted kernel's bits), on views of its arrays, which must be on the host; None
+    where the library is not loaded or does not read the rows (float rows other than float32)."""
+    if not native_available():
+        return None
+    if gate_up is not None:
+        return native_host.q4_ffn(gate_up.records, gate_up.kind, rows, down_scales, b_up, kind=kind)
+    if rows.dtype == jnp.int8:
+        return native_host.int8_ffn(rows, scales, down_scales, b_up, kind=kind)
+    return native_host.float_ffn(rows, b_up, kind=kind) if rows.dtype == jnp.float32 else None
 
 
 def all_rows(full_list: Callable, xla: Callable, *args, fmt: str, tokens: int, rows: jax.Array) -> jax.Array:

@@ -17,6 +17,9 @@ With experts (``NeuronFFN.router``) each listed activation is times its expert's
 pass the weights to their kernel; float lists run as the kernels' two halves (``ops.listed.weighted_ffn``), since
 the fused float kernels and the Pallas ones take no weights (``backend="pallas"`` refuses experts).
 
+``host_sparse_ffn(ffn)`` is ``sparse_ffn`` over a host layout as a plain Python call of the same native kernel (no
+jax dispatch): the hybrid's host half.
+
 ``sparse_rows_product(matrix, x, ids, count)`` is the product x @ matrix over listed rows
 only: the input-sparse linear map of the threshold mode (``threshold_layout.py``).
 """
@@ -25,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Literal
+from typing import Callable, Literal
 
 import jax
 import jax.numpy as jnp
@@ -112,6 +115,21 @@ def _quantized_ffn(ffn: NeuronFFN, x: jax.Array, ids: jax.Array, count: jax.Arra
     experts)."""
     return listed.quantized_ffn(ffn.gate_up, ffn.rows, ffn.scales, ffn.down_scales, ffn.b_up, x, ids, count, weights,
                                 kind=ffn.kind, backend=backend)
+
+
+def host_sparse_ffn(ffn: NeuronFFN) -> Callable[[np.ndarray, np.ndarray, int], np.ndarray] | None:
+    """``sparse_ffn`` over ``ffn`` (its arrays on the host) as a direct host call: ``call(x, ids, count)`` for numpy
+    x (T, d) or (d,), 1..8 tokens, gives float32 of x's shape, the bits of ``sparse_ffn(ffn, x, ids, count)`` on the
+    CPU as float32 (the same native kernel, ``ops.listed.host_ffn``, ``b_down`` added in float32 as there; the
+    caller casts to its dtype). None where no native kernel reads the layout, and for a layout with experts (its
+    routing weights are jax's computation): the caller keeps the jitted ``sparse_ffn``."""
+    if ffn.router is not None or ffn.n_neurons == 0:
+        return None
+    call = listed.host_ffn(ffn.gate_up, ffn.rows, ffn.scales, ffn.down_scales, ffn.b_up, kind=ffn.kind)
+    if call is None or ffn.b_down is None:
+        return call
+    b_down = np.asarray(ffn.b_down, np.float32)
+    return lambda x, ids, count: call(x, ids, count) + b_down
 
 
 @jax.jit

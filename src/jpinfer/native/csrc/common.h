@@ -166,15 +166,24 @@ struct Loop {
 // when `wake`. Each that takes it runs loop->Work() once.
 void OfferToHelpers(int wanted, const std::shared_ptr<Loop>& loop, bool wake);
 
+// The threads a kernel may spread over (the calling one included): inside a custom call the size of XLA's intra-op
+// pool (implicitly, from the handler's `ffi::ThreadPool`), in a direct host call (sparse_ffn.cc's jpinfer_host_*)
+// the count its caller passes. Only the count is read: the work runs on jpinfer's helpers either way.
+struct Threads {
+  int64_t count;
+  Threads(ffi::ThreadPool& pool) : count(pool.num_threads()) {}  // NOLINT: implicit, every handler passes its pool
+  explicit Threads(int64_t n) : count(n) {}
+};
+
 // Threads a ParallelFor may use: the pool's size (at least 1), capped by MaxThreads().
-inline int64_t Workers(ffi::ThreadPool& pool) {
-  int64_t threads = std::max<int64_t>(1, pool.num_threads());
+inline int64_t Workers(Threads pool) {
+  int64_t threads = std::max<int64_t>(1, pool.count);
   const int cap = MaxThreads();
   return cap > 0 ? std::min<int64_t>(threads, cap) : threads;
 }
 
 template <class F>
-void ParallelFor(ffi::ThreadPool& pool, int64_t n, int64_t work_bytes, F&& body) {
+void ParallelFor(Threads pool, int64_t n, int64_t work_bytes, F&& body) {
   if (n <= 0) return;
 #ifdef JPN_OPENMP  // measurement build only (bench/results/native_kernels.md): OpenMP instead of the helpers
   {

@@ -109,7 +109,7 @@ inline void AddRowsN(int b, const float* const* rows, const float* w, int64_t T,
 
 // y (T x d) = sum of parts[p] (T x d each), p = 0 .. parts-1 added in order into y (which holds
 // part 0), split over columns.
-inline void ReduceParts(ffi::ThreadPool& pool, float* y, const float* parts, int64_t n_parts, int64_t T, int64_t d) {
+inline void ReduceParts(Threads pool, float* y, const float* parts, int64_t n_parts, int64_t T, int64_t d) {
   if (n_parts <= 0) return;
   constexpr int64_t kCols = 1024;
   const int64_t pieces = CeilDiv(d, kCols);
@@ -137,7 +137,7 @@ inline thread_local std::vector<float> tl_parts;
 // Pieces of a list, piece i the positions range(i) = {begin, end}, each add into their own (T, d) output
 // (piece 0 into y, the others zeroed first), then the parts are added to y in piece order.
 template <class RangeFn, class PieceFn>
-inline void AccumulateRanges(ffi::ThreadPool& pool, int64_t pieces, int64_t T, int64_t d, int64_t work_bytes, float* y,
+inline void AccumulateRanges(Threads pool, int64_t pieces, int64_t T, int64_t d, int64_t work_bytes, float* y,
                              RangeFn&& range, PieceFn&& piece_fn) {
   std::fill(y, y + T * d, 0.0f);
   if (pieces <= 0) return;
@@ -154,7 +154,7 @@ inline void AccumulateRanges(ffi::ThreadPool& pool, int64_t pieces, int64_t T, i
 // The same over a list of c positions cut by PieceLength (the count alone sets the pieces): the sparse
 // FFN's accumulating targets.
 template <class PieceFn>
-inline void AccumulatePieces(ffi::ThreadPool& pool, int64_t c, int64_t T, int64_t d, int64_t bytes_per_position,
+inline void AccumulatePieces(Threads pool, int64_t c, int64_t T, int64_t d, int64_t bytes_per_position,
                              float* y, PieceFn&& piece_fn) {
   const int64_t len = PieceLength(c);
   const auto range = [&](int64_t i) { return std::pair<int64_t, int64_t>(i * len, std::min(c, (i + 1) * len)); };

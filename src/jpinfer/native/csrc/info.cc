@@ -28,7 +28,7 @@ extern "C" {
 
 // Bumped whenever a handler's signature changes; library.py refuses a library of another version
 // (a stale in-place build after a source update).
-__attribute__((visibility("default"))) int jpinfer_native_abi_version() { return 13; }
+__attribute__((visibility("default"))) int jpinfer_native_abi_version() { return 14; }
 
 __attribute__((visibility("default"), target("arch=x86-64"))) uint32_t jpinfer_native_compiled_features() {
   uint32_t f = 0;

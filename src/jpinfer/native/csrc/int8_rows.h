@@ -352,7 +352,7 @@ constexpr int64_t kWideTileSums = 8192;
 // of columns (kWideTileSums). The second half of the threshold mode's int8 kernel (and so of an int8 head's
 // input-major copy) and of the int8 sparse FFN.
 template <class RowFn>
-inline void ScaledRowsSum(ffi::ThreadPool& pool, int64_t m, int64_t T, int64_t cols, RowFn&& row, const int16_t* q,
+inline void ScaledRowsSum(Threads pool, int64_t m, int64_t T, int64_t cols, RowFn&& row, const int16_t* q,
                           const float* token_scale, const float* col_scale, std::vector<int32_t>& parts, float* Y) {
   std::fill(Y, Y + T * cols, 0.0f);
   if (m == 0 || cols == 0) return;

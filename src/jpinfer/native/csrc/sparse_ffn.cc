@@ -16,6 +16,11 @@
 //                               jpinfer.quant.int8 (below); optional weights (T, K) multiply each list
 //                               position's activation (the routing weights of a neuron's expert)
 //
+// Direct host calls (plain C functions, end of file, called with ctypes: modes.hybrid's host half): the same
+// three FFNs (float rows, int8 bundles, 4-bit records) on the caller's arrays, with the thread count given. Each
+// FFN is one function on raw arrays (FloatFfn, Int8Ffn, Q4Ffn) that its FFI handler and its direct call both call,
+// so both give the same bits.
+//
 // The fused kernel walks the list four neurons a pass: the 4 x gate/up rows share every load of
 // x (Dots), the four activations are computed, and the four down rows are added to the piece's output
 // with its partial sums held in registers (AddRows): each weight is read once, right after the
@@ -52,6 +57,29 @@ struct Ffn {
   int32_t kind;
   const float* Row(int64_t id, int64_t slot) const { return rows + (id * R + slot) * d; }
 };
+
+// A listed FFN call's operands as raw arrays: what the FFI handlers read out of their buffers and the direct host
+// calls are given. The list is its first `count` positions (clamped to [0, K]).
+struct Listed {
+  const float* x;  // (T, d)
+  int64_t T, d;
+  const int32_t* ids;  // (K,)
+  int64_t K, count;
+  const float* b_up;     // (n,) or nullptr
+  const float* weights;  // (T, K) or nullptr: each list position's activation times it (int8 and 4-bit only)
+  float* y;              // (T, d)
+  int32_t kind;
+};
+
+// The checks every listed FFN makes of its operands (R: the bundles' slots; 0 for 4-bit records, which hold no
+// gate/up slot). nullptr: fine; else what is wrong.
+const char* CheckListed(const Listed& c, int64_t R) {
+  if (c.kind < 0 || c.kind >= kKinds) return "unknown kind";
+  if (R > 0 && R != (Gated(c.kind) ? 3 : 2)) return "R must be 3 (2 for relu and gelu)";
+  if (c.T < 1 || c.T > kMaxTokens) return "x must be (T, d), 1 <= T <= 8";
+  if (c.count < 0 || c.count > c.K) return "count outside [0, K]";
+  return nullptr;
+}
 
 // Activations of a block of B <= 4 neurons: act[t * B + b]. next/nb: the following block (prefetched
 // while this one streams; nb = 0: none).
@@ -131,13 +159,13 @@ Ffn MakeFfn(const ffi::Buffer<ffi::F32>& rows, const ffi::Buffer<ffi::F32>& b_up
              x.typed_data(), x.dimensions()[0], ids.typed_data(), kind};
 }
 
-ffi::Error SparseFfnImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::Buffer<ffi::F32> b_up,
-                         ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::S32> count,
-                         ffi::ResultBuffer<ffi::F32> y, int32_t kind) {
-  if (auto e = CheckFfn(rows, b_up, x, ids, kind); e.failure()) return e;
-  const Ffn f = MakeFfn(rows, b_up, x, ids, kind);
-  const int64_t c = ListCount(count, ids.dimensions()[0]);
-  AccumulatePieces(pool, c, f.T, f.d, f.R * f.d * 4, y->typed_data(), [&](int64_t p0, int64_t p1, float* out) {
+// The float FFN over the list of float32 rows (n, R, d) (jpinfer_sparse_ffn, jpinfer_host_sparse_ffn).
+const char* FloatFfn(Threads pool, const float* rows, int64_t n, int64_t R, const Listed& l) {
+  if (const char* e = CheckListed(l, R)) return e;
+  if (l.weights) return "float rows take no weights (the two halves do)";
+  const Ffn f{rows, n, R, l.d, l.b_up, l.x, l.T, l.ids, l.kind};
+  const int64_t c = l.count;
+  AccumulatePieces(pool, c, f.T, f.d, f.R * f.d * 4, l.y, [&](int64_t p0, int64_t p1, float* out) {
     ForBlocks(f.ids, f.n, p0, p1, c, [&](const int64_t* block, const int64_t*, int B, const int64_t* next, int nb) {
       float act[kMaxTokens * 4];
       BlockActivations(f, block, B, act, next, nb);
@@ -148,7 +176,21 @@ ffi::Error SparseFfnImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::
       AddRowsN<4>(B, down, act, f.T, 0, f.d, out, f.d, next_down, nb);
     });
   });
-  return ffi::Error::Success();
+  return nullptr;
+}
+
+ffi::Error Failed(const char* what, const char* e) {
+  return e ? ffi::Error::InvalidArgument(std::string(what) + ": " + e) : ffi::Error::Success();
+}
+
+ffi::Error SparseFfnImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::Buffer<ffi::F32> b_up,
+                         ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::S32> count,
+                         ffi::ResultBuffer<ffi::F32> y, int32_t kind) {
+  if (auto e = CheckFfn(rows, b_up, x, ids, kind); e.failure()) return e;
+  const Ffn f = MakeFfn(rows, b_up, x, ids, kind);
+  const int64_t K = ids.dimensions()[0];
+  const Listed l{f.x, f.T, f.d, f.ids, K, ListCount(count, K), f.b_up, nullptr, y->typed_data(), kind};
+  return Failed("jpinfer sparse ffn", FloatFfn(pool, f.rows, f.n, f.R, l));
 }
 
 ffi::Error SparseActivationsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rows, ffi::Buffer<ffi::F32> b_up,
@@ -230,7 +272,7 @@ thread_local std::vector<int32_t> tl_down;
 // (int8, held in int16 for AddRowsInt8, as quantize_tokens would), the down rows down(k) summed exactly weighted
 // by them, then y = acc * (activation scale * down scale of the output).
 template <class RowFn>
-void QuantizedDownSum(ffi::ThreadPool& pool, int64_t m, int64_t T, int64_t d, const float* act, RowFn&& down,
+void QuantizedDownSum(Threads pool, int64_t m, int64_t T, int64_t d, const float* act, RowFn&& down,
                       const float* down_scales, float* Y) {
   int16_t* aq = Scratch(tl_actq, size_t(m * T));
   float as[kMaxTokens];
@@ -246,10 +288,7 @@ void QuantizedDownSum(ffi::ThreadPool& pool, int64_t m, int64_t T, int64_t d, co
 
 // The valid ids among the first `count` of a list (repeats kept: each counts) and their list positions, in
 // list order, into the thread's scratch; returns how many.
-int64_t ValidList(const ffi::Buffer<ffi::S32>& ids, const ffi::Buffer<ffi::S32>& count, int64_t n, int64_t*& listed,
-                  int64_t*& position) {
-  const int32_t* I = ids.typed_data();
-  const int64_t c = ListCount(count, ids.dimensions()[0]);
+int64_t ValidList(const int32_t* I, int64_t c, int64_t n, int64_t*& listed, int64_t*& position) {
   listed = Scratch(tl_listed, size_t(c));
   position = Scratch(tl_positions, size_t(c));
   int64_t m = 0;
@@ -275,42 +314,25 @@ inline void RowDotsT(int64_t T, int rb, const int8_t* const* rows, const int8_t*
   WithCount<kMaxTokens>(T, [&](auto t) { RowDots<decltype(t)::value>(rb, rows, next, q, d, s); });
 }
 
-ffi::Error SparseFfnInt8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> rows, ffi::Buffer<ffi::F32> row_scales,
-                             ffi::Buffer<ffi::F32> down_scales, ffi::Buffer<ffi::F32> b_up, ffi::Buffer<ffi::F32> x,
-                             ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::S32> count, ffi::Buffer<ffi::F32> weights,
-                             ffi::ResultBuffer<ffi::F32> y, int32_t kind) {
-  const auto rd = rows.dimensions(), xd = x.dimensions();
-  if (rd.size() != 3 || xd.size() != 2 || ids.dimensions().size() != 1)
-    return ffi::Error::InvalidArgument("jpinfer sparse ffn int8: rows (n, R, d), x (T, d), ids (K,) expected");
-  if (weights.element_count() != 0 && int64_t(weights.element_count()) != xd[0] * ids.dimensions()[0])
-    return ffi::Error::InvalidArgument("jpinfer sparse ffn int8: weights must be (T, K) or empty");
-  if (kind < 0 || kind >= kKinds) return ffi::Error::InvalidArgument("jpinfer sparse ffn int8: unknown kind");
-  const int64_t n = rd[0], R = rd[1], d = rd[2], T = xd[0], P = R - 1;
-  if (R != (Gated(kind) ? 3 : 2))
-    return ffi::Error::InvalidArgument("jpinfer sparse ffn int8: R must be 3 (2 for relu)");
-  if (xd[1] != d || T < 1 || T > kMaxTokens)
-    return ffi::Error::InvalidArgument("jpinfer sparse ffn int8: x must be (T, d), 1 <= T <= 8");
-  if (int64_t(row_scales.element_count()) != n * P || int64_t(down_scales.element_count()) != d)
-    return ffi::Error::InvalidArgument("jpinfer sparse ffn int8: scales (n, R-1) and down scales (d,) expected");
-  if (b_up.element_count() != 0 && int64_t(b_up.element_count()) != n)
-    return ffi::Error::InvalidArgument("jpinfer sparse ffn int8: b_up must be (n,) or empty");
-  const int8_t* W = reinterpret_cast<const int8_t*>(rows.typed_data());
-  const float* RS = row_scales.typed_data();
-  const float* DS = down_scales.typed_data();
-  const float* BU = b_up.element_count() ? b_up.typed_data() : nullptr;
-  const float* WT = weights.element_count() ? weights.typed_data() : nullptr;
-  const int64_t K = ids.dimensions()[0];
-  float* Y = y->typed_data();
+// The int8 FFN over the list of int8 bundles W (n, R, d) with their gate/up row scales RS (n, R-1) and the down
+// scales DS (d,) (jpinfer_sparse_ffn_int8, jpinfer_host_sparse_ffn_int8).
+const char* Int8Ffn(Threads pool, const int8_t* W, int64_t n, int64_t R, const float* RS, const float* DS,
+                    const Listed& l) {
+  if (const char* e = CheckListed(l, R)) return e;
+  const int64_t d = l.d, T = l.T, P = R - 1, K = l.K, kind = l.kind;
+  const float* BU = l.b_up;
+  const float* WT = l.weights;
+  float* Y = l.y;
   std::fill(Y, Y + T * d, 0.0f);
   int64_t *listed, *position;
-  const int64_t m = ValidList(ids, count, n, listed, position);
-  if (m == 0) return ffi::Error::Success();
+  const int64_t m = ValidList(l.ids, l.count, n, listed, position);
+  if (m == 0) return nullptr;
   auto row = [&](int64_t id, int64_t slot) { return W + (id * R + slot) * d; };
 
   // 1. activations act[k * T + t] of the listed neurons
   int8_t* q = Scratch(tl_xq, size_t(T * RoundUp(d, 32)));
   float qs[kMaxTokens];
-  QuantizeTokens(x.typed_data(), T, d, q, qs);
+  QuantizeTokens(l.x, T, d, q, qs);
   float* act = Scratch(tl_act, size_t(m * T));
   constexpr int64_t kActPiece = 32;
   const int64_t per_pass = std::max<int64_t>(1, Int8RowsPerPass(T) / P);  // neurons a pass: 2 gated at one token
@@ -348,7 +370,29 @@ ffi::Error SparseFfnInt8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> rows, ff
   });
 
   QuantizedDownSum(pool, m, T, d, act, [&](int64_t k) { return row(listed[k], P); }, DS, Y);
-  return ffi::Error::Success();
+  return nullptr;
+}
+
+ffi::Error SparseFfnInt8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> rows, ffi::Buffer<ffi::F32> row_scales,
+                             ffi::Buffer<ffi::F32> down_scales, ffi::Buffer<ffi::F32> b_up, ffi::Buffer<ffi::F32> x,
+                             ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::S32> count, ffi::Buffer<ffi::F32> weights,
+                             ffi::ResultBuffer<ffi::F32> y, int32_t kind) {
+  const auto rd = rows.dimensions(), xd = x.dimensions();
+  if (rd.size() != 3 || xd.size() != 2 || ids.dimensions().size() != 1)
+    return ffi::Error::InvalidArgument("jpinfer sparse ffn int8: rows (n, R, d), x (T, d), ids (K,) expected");
+  const int64_t n = rd[0], R = rd[1], d = rd[2], K = ids.dimensions()[0];
+  if (weights.element_count() != 0 && int64_t(weights.element_count()) != xd[0] * K)
+    return ffi::Error::InvalidArgument("jpinfer sparse ffn int8: weights must be (T, K) or empty");
+  if (xd[1] != d) return ffi::Error::InvalidArgument("jpinfer sparse ffn int8: x must be (T, d), 1 <= T <= 8");
+  if (int64_t(row_scales.element_count()) != n * std::max<int64_t>(R - 1, 0) || int64_t(down_scales.element_count()) != d)
+    return ffi::Error::InvalidArgument("jpinfer sparse ffn int8: scales (n, R-1) and down scales (d,) expected");
+  if (b_up.element_count() != 0 && int64_t(b_up.element_count()) != n)
+    return ffi::Error::InvalidArgument("jpinfer sparse ffn int8: b_up must be (n,) or empty");
+  const Listed l{x.typed_data(), xd[0], d, ids.typed_data(), K, ListCount(count, K),
+                 b_up.element_count() ? b_up.typed_data() : nullptr,
+                 weights.element_count() ? weights.typed_data() : nullptr, y->typed_data(), kind};
+  return Failed("jpinfer sparse ffn int8", Int8Ffn(pool, reinterpret_cast<const int8_t*>(rows.typed_data()), n, R,
+                                                   row_scales.typed_data(), down_scales.typed_data(), l));
 }
 
 // ---------------------------------------------------------------- 4-bit gate/up records (W4A8), int8 down slots
@@ -372,37 +416,25 @@ inline void Q4NeuronDots(int P, const uint8_t* const* rows, const uint16_t* cons
   for (int r = 0; r < P; ++r) Q4Rows<1, T, kQ41>(rows + r, ds + r, ms + r, ahead + r, x, s + r, P);
 }
 
+// The 4-bit FFN over the list: gate/up records R (n, record bytes), int8 down slots down_rows (n, d) with their
+// scales per output (d,) (jpinfer_sparse_ffn_q4_*, jpinfer_host_sparse_ffn_q4).
 template <bool kQ41>
-ffi::Error SparseFfnQ4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> records, ffi::Buffer<ffi::S8> down,
-                           ffi::Buffer<ffi::F32> down_scales, ffi::Buffer<ffi::F32> b_up, ffi::Buffer<ffi::F32> x,
-                           ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::S32> count, ffi::Buffer<ffi::F32> weights,
-                           ffi::ResultBuffer<ffi::F32> y, int32_t kind) {
-  const auto rd = records.dimensions(), dd = down.dimensions(), xd = x.dimensions();
-  if (rd.size() != 2 || dd.size() != 2 || xd.size() != 2 || ids.dimensions().size() != 1)
-    return ffi::Error::InvalidArgument("jpinfer sparse ffn q4: records (n, bytes), down (n, d), x (T, d), ids (K,)");
-  if (kind < 0 || kind >= kKinds) return ffi::Error::InvalidArgument("jpinfer sparse ffn q4: unknown kind");
-  const int64_t n = dd[0], d = dd[1], T = xd[0], P = Gated(kind) ? 2 : 1, nb = d / 32, K = ids.dimensions()[0];
+const char* Q4Ffn(Threads pool, const uint8_t* R, int64_t record_bytes, const int8_t* down_rows, int64_t n,
+                  const float* down_scales, const Listed& l) {
+  if (const char* e = CheckListed(l, 0)) return e;
+  const int64_t d = l.d, T = l.T, P = Gated(l.kind) ? 2 : 1, nb = d / 32, K = l.K, kind = l.kind;
   const int64_t scales_at = P * d / 2, mins_at = scales_at + P * nb * 2, record = mins_at + (kQ41 ? P * nb * 2 : 0);
-  if (d % 32 != 0 || rd[0] != n || rd[1] != record)
-    return ffi::Error::InvalidArgument("jpinfer sparse ffn q4: a record of P 4-bit rows of d per neuron of down (n, d)");
-  if (xd[1] != d || T < 1 || T > kMaxTokens)
-    return ffi::Error::InvalidArgument("jpinfer sparse ffn q4: x must be (T, d), 1 <= T <= 8");
-  if (int64_t(down_scales.element_count()) != d || (b_up.element_count() != 0 && int64_t(b_up.element_count()) != n))
-    return ffi::Error::InvalidArgument("jpinfer sparse ffn q4: down scales (d,) and b_up (n,) or empty expected");
-  if (weights.element_count() != 0 && int64_t(weights.element_count()) != T * K)
-    return ffi::Error::InvalidArgument("jpinfer sparse ffn q4: weights must be (T, K) or empty");
-  const uint8_t* R = records.typed_data();
-  const int8_t* down_rows = reinterpret_cast<const int8_t*>(down.typed_data());
-  const float* BU = b_up.element_count() ? b_up.typed_data() : nullptr;
-  const float* WT = weights.element_count() ? weights.typed_data() : nullptr;
-  float* Y = y->typed_data();
+  if (d % 32 != 0 || record_bytes != record) return "a record of P 4-bit rows of d per neuron of down (n, d)";
+  const float* BU = l.b_up;
+  const float* WT = l.weights;
+  float* Y = l.y;
   std::fill(Y, Y + T * d, 0.0f);
   int64_t *listed, *position;
-  const int64_t m = ValidList(ids, count, n, listed, position);
-  if (m == 0) return ffi::Error::Success();
+  const int64_t m = ValidList(l.ids, l.count, n, listed, position);
+  if (m == 0) return nullptr;
 
   // 1. activations act[k * T + t] of the listed neurons
-  const Q8Octets xq = QuantizeForQ4(x.typed_data(), T, d, tl_q8);
+  const Q8Octets xq = QuantizeForQ4(l.x, T, d, tl_q8);
   float* act = Scratch(tl_act, size_t(m * T));
   constexpr int64_t kActPiece = 32;
   ParallelFor(pool, CeilDiv(m, kActPiece), m * record, [&](int64_t i) {
@@ -433,9 +465,31 @@ ffi::Error SparseFfnQ4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> records, f
       }
     }
   });
-  QuantizedDownSum(pool, m, T, d, act, [&](int64_t k) { return down_rows + listed[k] * d; }, down_scales.typed_data(),
-                   Y);
-  return ffi::Error::Success();
+  QuantizedDownSum(pool, m, T, d, act, [&](int64_t k) { return down_rows + listed[k] * d; }, down_scales, Y);
+  return nullptr;
+}
+
+template <bool kQ41>
+ffi::Error SparseFfnQ4Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> records, ffi::Buffer<ffi::S8> down,
+                           ffi::Buffer<ffi::F32> down_scales, ffi::Buffer<ffi::F32> b_up, ffi::Buffer<ffi::F32> x,
+                           ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::S32> count, ffi::Buffer<ffi::F32> weights,
+                           ffi::ResultBuffer<ffi::F32> y, int32_t kind) {
+  const auto rd = records.dimensions(), dd = down.dimensions(), xd = x.dimensions();
+  if (rd.size() != 2 || dd.size() != 2 || xd.size() != 2 || ids.dimensions().size() != 1)
+    return ffi::Error::InvalidArgument("jpinfer sparse ffn q4: records (n, bytes), down (n, d), x (T, d), ids (K,)");
+  const int64_t n = dd[0], d = dd[1], K = ids.dimensions()[0];
+  if (rd[0] != n || xd[1] != d)
+    return ffi::Error::InvalidArgument("jpinfer sparse ffn q4: records (n, bytes), down (n, d), x (T, d) expected");
+  if (int64_t(down_scales.element_count()) != d || (b_up.element_count() != 0 && int64_t(b_up.element_count()) != n))
+    return ffi::Error::InvalidArgument("jpinfer sparse ffn q4: down scales (d,) and b_up (n,) or empty expected");
+  if (weights.element_count() != 0 && int64_t(weights.element_count()) != xd[0] * K)
+    return ffi::Error::InvalidArgument("jpinfer sparse ffn q4: weights must be (T, K) or empty");
+  const Listed l{x.typed_data(), xd[0], d, ids.typed_data(), K, ListCount(count, K),
+                 b_up.element_count() ? b_up.typed_data() : nullptr,
+                 weights.element_count() ? weights.typed_data() : nullptr, y->typed_data(), kind};
+  return Failed("jpinfer sparse ffn q4", Q4Ffn<kQ41>(pool, records.typed_data(), rd[1],
+                                                     reinterpret_cast<const int8_t*>(down.typed_data()), n,
+                                                     down_scales.typed_data(), l));
 }
 
 }  // namespace
@@ -505,3 +559,42 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jpinfer_sparse_ffn_int8, jpn::SparseFfnInt8Impl,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jpinfer_sparse_ffn_q4_0, jpn::SparseFfnQ4Impl<false>, JPN_SPARSE_Q4_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jpinfer_sparse_ffn_q4_1, jpn::SparseFfnQ4Impl<true>, JPN_SPARSE_Q4_BINDING);
+
+// ---------------------------------------------------------------- direct host calls
+//
+// The three listed FFNs above as plain C functions on the caller's arrays, for a caller outside XLA: the hybrid's
+// host half (jpinfer.native.host), which calls them with ctypes from its host callback on the cold part's own
+// buffers, where a jitted call a layer cost ~350 us of dispatch and synchronisation (bench/results/hybrid_host.md).
+// Same functions as the FFI handlers (FloatFfn, Int8Ffn, Q4Ffn), so the same bits. Arrays are C-contiguous, shapes
+// as the handlers' (the caller checks them); b_up and weights may be null; count is clamped to [0, K]; threads: the
+// workers to spread over, the calling thread included (the handlers use XLA's intra-op pool's size). Each returns
+// null, or what is wrong with the arguments (then y is unspecified).
+extern "C" {
+
+__attribute__((visibility("default"))) const char* jpinfer_host_sparse_ffn(
+    int32_t threads, const float* rows, int64_t n, int64_t R, int64_t d, const float* b_up, const float* x, int64_t T,
+    const int32_t* ids, int64_t K, int64_t count, float* y, int32_t kind) {
+  const jpn::Listed l{x, T, d, ids, K, jpn::Clamp(count, 0, K), b_up, nullptr, y, kind};
+  return jpn::FloatFfn(jpn::Threads(threads), rows, n, R, l);
+}
+
+__attribute__((visibility("default"))) const char* jpinfer_host_sparse_ffn_int8(
+    int32_t threads, const int8_t* rows, int64_t n, int64_t R, int64_t d, const float* row_scales,
+    const float* down_scales, const float* b_up, const float* x, int64_t T, const int32_t* ids, int64_t K,
+    int64_t count, const float* weights, float* y, int32_t kind) {
+  const jpn::Listed l{x, T, d, ids, K, jpn::Clamp(count, 0, K), b_up, weights, y, kind};
+  return jpn::Int8Ffn(jpn::Threads(threads), rows, n, R, row_scales, down_scales, l);
+}
+
+// q4_1: 0 for Q4_0 records, 1 for Q4_1's (with their mins).
+__attribute__((visibility("default"))) const char* jpinfer_host_sparse_ffn_q4(
+    int32_t threads, int32_t q4_1, const uint8_t* records, int64_t record_bytes, const int8_t* down, int64_t n,
+    int64_t d, const float* down_scales, const float* b_up, const float* x, int64_t T, const int32_t* ids, int64_t K,
+    int64_t count, const float* weights, float* y, int32_t kind) {
+  const jpn::Listed l{x, T, d, ids, K, jpn::Clamp(count, 0, K), b_up, weights, y, kind};
+  const jpn::Threads pool(threads);
+  return q4_1 ? jpn::Q4Ffn<true>(pool, records, record_bytes, down, n, down_scales, l)
+              : jpn::Q4Ffn<false>(pool, records, record_bytes, down, n, down_scales, l);
+}
+
+}  // extern "C"
