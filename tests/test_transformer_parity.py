@@ -14,7 +14,7 @@ from tolerances import DECODER_ATOL
 
 ARCHS = ["llama", "llama_relu", "llama_drelu", "mistral", "qwen2", "qwen2_window", "qwen3", "phi3", "gemma2", "gemma3",
          "falcon_new", "falcon_7b", "falcon_sequential", "falcon_gelu", "opt", "llama3_rope", "linear_rope",
-         "yarn_rope", "mixtral"]
+         "yarn_rope", "mixtral", "qwen3_moe", "qwen3_moe_norm", "olmoe", "qwen2_moe"]
 FFN_KIND = {"llama_drelu": "drelu"}
 
 
@@ -48,7 +48,8 @@ def test_prefill_and_decode_logits_match_transformers(arch, tmp_path):
     assert int(cache.length) == 12
 
 
-@pytest.mark.parametrize("arch", ["llama", "opt", "phi3", "gemma2", "gemma3", "falcon_new", "mixtral"])
+@pytest.mark.parametrize("arch", ["llama", "opt", "phi3", "gemma2", "gemma3", "falcon_new", "mixtral", "qwen3_moe",
+                                  "olmoe", "qwen2_moe"])
 def test_greedy_generation_matches_transformers(arch, tmp_path):
     ref, cfg, weights = _load(arch, tmp_path)
     prompt = [[5, 17, 3, 88]]

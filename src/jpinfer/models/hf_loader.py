@@ -3,7 +3,7 @@
 Reads safetensors with its JAX framework (bfloat16 included), never PyTorch. The config is read by
 ``hf_config`` (the supported architectures are listed there); this module maps each architecture's tensor
 names onto the one layout of ``params.expected_shapes``: fused tensors split (Phi-3's, Falcon's q/k/v in
-each of its layouts), Mixtral's experts stacked into one FFN, Gemma's norm offsets made scales.
+each of its layouts), MoE experts stacked into one FFN (a shared expert's after them), Gemma's norm offsets made scales.
 """
 
 from __future__ import annotations
@@ -56,16 +56,31 @@ def _fused_in_checkpoint(cfg: ModelConfig) -> dict[str, tuple[str, ...]]:
     return {}
 
 
-# Mixtral keeps one tensor per expert: our FFN tensor -> the experts' name and the axis they stack along (gate and up
-# rows, down columns), in expert order
+# MoE checkpoints keep one tensor per expert: our FFN tensor -> the experts' name and the axis they stack along (gate
+# and up rows, down columns), in expert order; under the layer's Mixtral block or the other families' mlp
 EXPERT_TENSORS = {"w_gate": ("w1", 0), "w_up": ("w3", 0), "w_down": ("w2", 1)}
+MLP_EXPERT_TENSORS = {"w_gate": ("gate_proj", 0), "w_up": ("up_proj", 0), "w_down": ("down_proj", 1)}
 
 
 def _experts_in_checkpoint(cfg: ModelConfig, layer_prefix: str) -> dict[str, tuple[list[str], int]]:
-    """Per FFN tensor of ours, the experts' tensors it stacks (in expert order) and the axis; {} without experts."""
-    return {f"layers.{i}.{ours}": ([f"{layer_prefix.format(i)}block_sparse_moe.experts.{e}.{theirs}.weight"
-                                    for e in range(cfg.n_experts)], axis)
-            for i in range(cfg.n_layers) if cfg.n_experts for ours, (theirs, axis) in EXPERT_TENSORS.items()}
+    """Per FFN tensor of ours and the router, the checkpoint's tensors it stacks (in order) and the axis; {} without
+    experts. Qwen2-MoE's shared expert follows the routed ones whole (its rows are ``shared_experts`` experts'
+    worth), and its gate's one row follows the router's, once per piece (``config.ExpertRouting``)."""
+    if not cfg.n_experts:
+        return {}
+    block, tensors = ("block_sparse_moe.", EXPERT_TENSORS) if cfg.architecture == "mixtral" else (
+        "mlp.", MLP_EXPERT_TENSORS)
+    routed = cfg.n_experts - cfg.shared_experts
+    out = {}
+    for i in range(cfg.n_layers):
+        prefix = layer_prefix.format(i) + block
+        shared = [prefix + "shared_expert.{}.weight"] if cfg.shared_experts else []
+        for ours, (theirs, axis) in tensors.items():
+            out[f"layers.{i}.{ours}"] = ([f"{prefix}experts.{e}.{theirs}.weight" for e in range(routed)]
+                                         + [name.format(theirs) for name in shared], axis)
+        out[f"layers.{i}.router"] = ([prefix + "gate.weight"]
+                                     + [prefix + "shared_expert_gate.weight"] * cfg.shared_experts, 0)
+    return out
 
 
 def _hf_to_ours(cfg: ModelConfig, raw: dict[str, Any]) -> tuple[dict[str, str], str]:
@@ -139,9 +154,8 @@ def _hf_to_ours(cfg: ModelConfig, raw: dict[str, Any]) -> tuple[dict[str, str], 
             "w_up": "mlp.up_proj.weight",
             "w_down": "mlp.down_proj.weight",
         }
-        if cfg.n_experts:  # Mixtral: the router here, the experts' tensors stacked (_experts_in_checkpoint)
-            per_layer = {k: v for k, v in per_layer.items() if k not in EXPERT_TENSORS} | {
-                "router": "block_sparse_moe.gate.weight"}
+        if cfg.n_experts:  # the experts' tensors and the router stacked (_experts_in_checkpoint)
+            per_layer = {k: v for k, v in per_layer.items() if k not in EXPERT_TENSORS}
         if cfg.sandwich_norms:  # Gemma: its post_attention_layernorm is on the attention's output
             per_layer |= {"attn_out_norm.scale": "post_attention_layernorm.weight",
                           "ffn_norm.scale": "pre_feedforward_layernorm.weight",
@@ -228,7 +242,9 @@ def load_hf(path: str | pathlib.Path, ffn_kind: str | None = None) -> tuple[Mode
         missing = [part for part in parts if part not in found]
         if missing:
             raise CheckpointError(f"{path}: missing tensor {missing[0]!r} (an expert of {ours})")
-        tensors[ours] = np.concatenate([found.pop(part) for part in parts], axis=axis)
+        tensors[ours] = np.concatenate([found[part] for part in parts], axis=axis)  # a gate row may repeat
+        for part in set(parts):
+            found.pop(part)
     for ours, theirs in mapping.items():
         if theirs not in found:
             if ours == "lm_head":  # some checkpoints tie without saying so

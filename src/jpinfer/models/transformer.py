@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from jpinfer.activations import activate
-from jpinfer.config import ModelConfig
+from jpinfer.config import ExpertRouting, ModelConfig
 from jpinfer.models import quantized
 from jpinfer.models.params import Layer, Norm, Weights
 from jpinfer.models.rope import RopeTables, rope, rope_tables
@@ -142,10 +142,13 @@ def attention_block(
     b, t, _ = x.shape
     project = project or functools.partial(dense_projection, layer)
     qkv = project("qkv", x)
-    q = qkv[..., : cfg.q_dim].reshape(b, t, cfg.n_heads, cfg.head_dim)
-    k = qkv[..., cfg.q_dim : cfg.q_dim + cfg.kv_dim].reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
+    q, k = qkv[..., : cfg.q_dim], qkv[..., cfg.q_dim : cfg.q_dim + cfg.kv_dim]
+    if cfg.qk_norm and cfg.qk_norm_whole:  # OLMoE: over the whole projection, before it splits into heads
+        q, k = norm(layer.q_norm, q, cfg), norm(layer.k_norm, k, cfg)
+    q = q.reshape(b, t, cfg.n_heads, cfg.head_dim)
+    k = k.reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
     v = qkv[..., cfg.q_dim + cfg.kv_dim :].reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
-    if cfg.qk_norm:
+    if cfg.qk_norm and not cfg.qk_norm_whole:  # Qwen3, Gemma 3: per head
         q, k = norm(layer.q_norm, q, cfg), norm(layer.k_norm, k, cfg)
     if rope_cs is not None:
         tables = rope_cs.for_window(window)
@@ -190,24 +193,33 @@ def gate_and_up(layer: Layer, x: jax.Array, cfg: ModelConfig) -> tuple[jax.Array
     return gate, up if layer.b_up is None else up + layer.b_up
 
 
-def expert_weights(router: jax.Array, x: jax.Array, experts_per_token: int) -> jax.Array:
-    """(..., n_experts) float32 routing weights of normalised input x: Mixtral's router, a softmax over the experts'
-    scores whose top ``experts_per_token`` are renormalized to sum 1 and the others zeroed (ties go to the lower
-    expert, as ``torch.topk``'s). Sums in a fixed order (``fixed_order_sum``): a token's routing does not depend on
-    the rows beside it."""
+def expert_weights(router: jax.Array, x: jax.Array, rule: ExpertRouting) -> jax.Array:
+    """(..., n_experts) float32 routing weights of normalised input x under ``rule`` (``config.ExpertRouting``): a
+    softmax over the routed experts' scores whose top ``rule.top_k`` are kept, renormalized to sum 1 with
+    ``rule.renormalize`` (Mixtral's router; Qwen-MoE's and OLMoE's norm_topk_prob), the others zeroed (ties go to
+    the lower expert, as ``torch.topk``'s); then each of the last ``rule.shared`` experts (a shared expert's pieces)
+    weighed by the sigmoid of its own score (Qwen2-MoE's shared_expert_gate). Sums in a fixed order
+    (``fixed_order_sum``): a token's routing does not depend on the rows beside it."""
     scores = linear(x, router).astype(jnp.float32)
-    exp = jnp.exp(scores - scores.max(-1, keepdims=True))
+    n_routed = router.shape[0] - rule.shared
+    routed = scores[..., :n_routed]
+    exp = jnp.exp(routed - routed.max(-1, keepdims=True))
     probs = exp / fixed_order_sum(exp)
-    top, picked = jax.lax.top_k(probs, experts_per_token)
-    chosen = jax.nn.one_hot(picked, router.shape[0], dtype=jnp.bool_).any(-2)
-    return jnp.where(chosen, probs, 0.0) / fixed_order_sum(top)
+    top, picked = jax.lax.top_k(probs, rule.top_k)
+    chosen = jax.nn.one_hot(picked, n_routed, dtype=jnp.bool_).any(-2)
+    weights = jnp.where(chosen, probs, 0.0)
+    if rule.renormalize:
+        weights = weights / fixed_order_sum(top)
+    if rule.shared:
+        weights = jnp.concatenate([weights, jax.nn.sigmoid(scores[..., n_routed:])], axis=-1)
+    return weights
 
 
 def expert_routing(layer: Layer, x: jax.Array, cfg: ModelConfig) -> jax.Array | None:
     """Per neuron (..., d_ff) its expert's routing weight (``expert_weights``) in x's dtype; None without experts."""
     if not cfg.n_experts:
         return None
-    weights = expert_weights(layer.router, x, cfg.experts_per_token)
+    weights = expert_weights(layer.router, x, cfg.routing_rule)
     return jnp.repeat(weights, cfg.expert_size, axis=-1).astype(x.dtype)
 
 
