@@ -10,7 +10,7 @@ import transformers
 TINY = dict(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64)
 
 
-MOE = ("mixtral", "qwen3_moe", "qwen3_moe_norm", "olmoe", "qwen2_moe")
+MOE = ("mixtral", "qwen3_moe", "qwen3_moe_norm", "olmoe", "qwen2_moe", "granitemoe")
 
 
 def tiny_config(arch: str) -> transformers.PretrainedConfig:
@@ -91,6 +91,10 @@ def tiny_config(arch: str) -> transformers.PretrainedConfig:
         return transformers.Qwen2MoeConfig(**TINY, num_key_value_heads=2, moe_intermediate_size=12,
                                            shared_expert_intermediate_size=24, num_experts=4, num_experts_per_tok=2,
                                            norm_topk_prob=False)
+    if arch == "granitemoe":  # 4 experts of 12 neurons, top 2; every multiplier away from 1 so that each binds
+        return transformers.GraniteMoeConfig(**TINY, num_key_value_heads=2, intermediate_size=12, num_local_experts=4,
+                                             num_experts_per_tok=2, embedding_multiplier=3.0, attention_multiplier=0.2,
+                                             residual_multiplier=0.5, logits_scaling=2.5)
     if arch == "mistral":
         return transformers.MistralConfig(**TINY, intermediate_size=40, num_key_value_heads=2, sliding_window=5)
     if arch == "qwen2":

@@ -101,8 +101,6 @@ def _edit_config(directory, **changes):
                                                         "multi-head latent attention"),
         ({"architectures": ["DeepseekV3ForCausalLM"]}, "'DeepseekV3ForCausalLM' is not supported yet: it needs "
                                                         "multi-head latent attention"),
-        ({"architectures": ["GraniteMoeForCausalLM"]}, "'GraniteMoeForCausalLM' is not supported yet: it needs its "
-                                                        "embedding, residual, attention and logits multipliers"),
         ({"architectures": ["Qwen3MoeForCausalLM"], "mlp_only_layers": [1]}, r"dense FFN layers .*mlp_only_layers"),
         ({"architectures": ["Qwen2MoeForCausalLM"], "decoder_sparse_step": 2}, "decoder_sparse_step=2"),
         ({"architectures": ["Qwen3MoeForCausalLM"], "use_sliding_window": True}, "use_sliding_window"),

@@ -81,7 +81,7 @@ class ExpertRouting:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a decoder-only transformer (the Llama family, Mixtral, Gemma 2 and 3, Falcon or OPT).
+    """Architecture of a decoder-only transformer (the Llama family, the MoE families, Gemma 2 and 3, Falcon or OPT).
 
     Weight conventions (see models/params.py): every projection is stored as
     (out_features, in_features) and applied as W @ x; q|k|v and gate|up are fused.
@@ -119,7 +119,9 @@ class ModelConfig:
     logit_softcap: float | None = None  # Gemma 2: the same on the output logits
     sandwich_norms: bool = False  # Gemma 2/3: an RMSNorm on the attention's and the FFN's outputs too
     parallel_block: bool = False  # Falcon: attention and FFN both read the layer's input; their sum is added
-    embed_scale: float = 1.0  # Gemma: input embeddings times sqrt(d_model) (the tied head is not scaled)
+    embed_scale: float = 1.0  # input embeddings times it (not the tied head): Gemma's sqrt(d_model), GraniteMoE's
+    residual_scale: float = 1.0  # GraniteMoE: the attention's and the FFN's outputs times it where added to the stream
+    logit_divisor: float = 1.0  # GraniteMoE: the logits divided by it (logits_scaling)
     ffn_bias: bool = False  # OPT
     n_experts: int = 0  # Mixtral: experts per layer (0: one dense FFN); d_ff counts every expert's neurons
     experts_per_token: int = 0  # the router's top-k (``renormalize_experts``: its softmax over those k)

@@ -9,7 +9,8 @@ and their own RoPE base), FalconForCausalLM (ReLU-Falcon and GELU Falcon: attent
 the fused q/k/v of each layout), MixtralForCausalLM (a mixture of SwiGLU experts under a top-k router), the MoE families
 Qwen3MoeForCausalLM (Qwen3's attention, top-k of a softmax renormalized only with norm_topk_prob),
 OlmoeForCausalLM (q/k norms over the whole projections) and Qwen2MoeForCausalLM (a shared expert under a sigmoid
-gate, held as more experts: ``config.ExpertRouting``), and OPTForCausalLM (pre-LayerNorm variants). What is not
+gate, held as more experts: ``config.ExpertRouting``), GraniteMoeForCausalLM (Mixtral's routing; embedding,
+attention, residual and logits multipliers) and OPTForCausalLM (pre-LayerNorm variants). What is not
 supported yet is refused with a CheckpointError that names it (``UNSUPPORTED`` says what for known families).
 """
 
@@ -26,18 +27,18 @@ from jpinfer.models.rope import yarn_attention_factor
 LLAMA_LIKE = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
               "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2",
               "Gemma3ForCausalLM": "gemma3", "MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe",
-              "OlmoeForCausalLM": "olmoe", "Qwen2MoeForCausalLM": "qwen2_moe"}
+              "OlmoeForCausalLM": "olmoe", "Qwen2MoeForCausalLM": "qwen2_moe", "GraniteMoeForCausalLM": "granitemoe"}
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu", "relu": "reglu", "gelu_pytorch_tanh": "geglu",
                "gelu_new": "geglu"}
 SUPPORTED = sorted([*LLAMA_LIKE, "OPTForCausalLM", "FalconForCausalLM"])
+GRANITE_MULTIPLIERS = ("embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling")
 # known families not supported yet: what they need that the decoder lacks
 UNSUPPORTED = {
     "DeepseekV2ForCausalLM": "multi-head latent attention (compressed, low-rank keys and values with a decoupled "
                              "rotary part) and its grouped top-k routing",
     "DeepseekV3ForCausalLM": "multi-head latent attention (compressed, low-rank keys and values with a decoupled "
                              "rotary part) and its sigmoid routing with a correction bias over expert groups",
-    "GraniteMoeForCausalLM": "its embedding, residual, attention and logits multipliers",
 }
 
 
@@ -187,6 +188,8 @@ def _parse_llama(raw: dict[str, Any], path: pathlib.Path, arch: str, ffn_kind: s
     softcap = lambda field: float(raw[field]) if gemma and raw.get(field) else None
     experts = _experts(raw, path, arch)
     expert_size = experts.pop("expert_size") if experts else raw["intermediate_size"]
+    granite = {k: float(raw[k]) for k in GRANITE_MULTIPLIERS
+               if arch == "GraniteMoeForCausalLM" and raw.get(k) is not None}
     return ModelConfig(
         **_shared_fields(raw, path),
         d_model=raw["hidden_size"],
@@ -209,11 +212,14 @@ def _parse_llama(raw: dict[str, Any], path: pathlib.Path, arch: str, ffn_kind: s
         qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM"),
         qk_norm_whole=arch == "OlmoeForCausalLM",
         attn_out_bias=attention_bias,
-        attn_scale=float(raw.get("query_pre_attn_scalar", 256)) ** -0.5 if gemma else None,
+        attn_scale=(float(raw.get("query_pre_attn_scalar", 256)) ** -0.5 if gemma
+                    else granite.get("attention_multiplier")),
         attn_softcap=softcap("attn_logit_softcapping"),
         logit_softcap=softcap("final_logit_softcapping"),
         sandwich_norms=gemma,
-        embed_scale=float(raw["hidden_size"]) ** 0.5 if gemma else 1.0,
+        embed_scale=float(raw["hidden_size"]) ** 0.5 if gemma else granite.get("embedding_multiplier", 1.0),
+        residual_scale=granite.get("residual_multiplier", 1.0),
+        logit_divisor=granite.get("logits_scaling", 1.0),
         tie_embeddings=bool(raw.get("tie_word_embeddings", gemma)),
         architecture=LLAMA_LIKE[arch],
     )
@@ -225,7 +231,7 @@ def _experts(raw: dict[str, Any], path: pathlib.Path, arch: str) -> dict[str, An
     with norm_topk_prob (transformers' default false); Qwen2-MoE's shared expert becomes
     shared_expert_intermediate_size / moe_intermediate_size more experts, each a piece of it under the one gate
     (its row repeated in the router: ``hf_loader``)."""
-    if arch == "MixtralForCausalLM":
+    if arch in ("MixtralForCausalLM", "GraniteMoeForCausalLM"):  # Granite: a softmax over the top-k scores, the same
         return dict(n_experts=int(raw["num_local_experts"]), experts_per_token=int(raw["num_experts_per_tok"]),
                     expert_size=raw["intermediate_size"])
     if arch not in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "OlmoeForCausalLM"):

@@ -66,7 +66,7 @@ def _experts_in_checkpoint(cfg: ModelConfig, layer_prefix: str) -> dict[str, tup
     """Per FFN tensor of ours and the router, the checkpoint's tensors it stacks (in order) and the axis; {} without
     experts. Qwen2-MoE's shared expert follows the routed ones whole (its rows are ``shared_experts`` experts'
     worth), and its gate's one row follows the router's, once per piece (``config.ExpertRouting``)."""
-    if not cfg.n_experts:
+    if not cfg.n_experts or cfg.architecture == "granitemoe":  # GraniteMoE's are stacked: _granite_experts
         return {}
     block, tensors = ("block_sparse_moe.", EXPERT_TENSORS) if cfg.architecture == "mixtral" else (
         "mlp.", MLP_EXPERT_TENSORS)
@@ -80,6 +80,30 @@ def _experts_in_checkpoint(cfg: ModelConfig, layer_prefix: str) -> dict[str, tup
                                          + [name.format(theirs) for name in shared], axis)
         out[f"layers.{i}.router"] = ([prefix + "gate.weight"]
                                      + [prefix + "shared_expert_gate.weight"] * cfg.shared_experts, 0)
+    return out
+
+
+GRANITE_EXPERTS = ("block_sparse_moe.input_linear.weight", "block_sparse_moe.output_linear.weight")
+
+
+def _granite_experts(found: dict[str, np.ndarray], cfg: ModelConfig, layer_prefix: str,
+                     path: pathlib.Path) -> dict[str, np.ndarray]:
+    """GraniteMoE keeps a layer's experts in two 3-D tensors (``GRANITE_EXPERTS``): input_linear (n, 2 f, d), each
+    expert's gate rows then its up rows, and output_linear (n, d, f); taken out of ``found`` as our gate, up and
+    down of every expert's neurons in expert order."""
+    n, f, d = cfg.n_experts, cfg.expert_size, cfg.d_model
+    out = {}
+    for i in range(cfg.n_layers):
+        names = [layer_prefix.format(i) + name for name in GRANITE_EXPERTS]
+        for name, shape in zip(names, ((n, 2 * f, d), (n, d, f))):
+            if name not in found:
+                raise CheckpointError(f"{path}: missing tensor {name!r} (layer {i}'s experts)")
+            if found[name].shape != shape:
+                raise CheckpointError(f"{path}: tensor {name!r} has shape {found[name].shape}; the config implies "
+                                      f"{shape}")
+        gate_up, down = found.pop(names[0]), found.pop(names[1])
+        out |= {f"layers.{i}.w_gate": gate_up[:, :f].reshape(n * f, d), f"layers.{i}.w_up": gate_up[:, f:].reshape(
+            n * f, d), f"layers.{i}.w_down": down.transpose(1, 0, 2).reshape(d, n * f)}
     return out
 
 
@@ -156,6 +180,8 @@ def _hf_to_ours(cfg: ModelConfig, raw: dict[str, Any]) -> tuple[dict[str, str], 
         }
         if cfg.n_experts:  # the experts' tensors and the router stacked (_experts_in_checkpoint)
             per_layer = {k: v for k, v in per_layer.items() if k not in EXPERT_TENSORS}
+        if cfg.architecture == "granitemoe":
+            per_layer["router"] = "block_sparse_moe.router.layer.weight"
         if cfg.sandwich_norms:  # Gemma: its post_attention_layernorm is on the attention's output
             per_layer |= {"attn_out_norm.scale": "post_attention_layernorm.weight",
                           "ffn_norm.scale": "pre_feedforward_layernorm.weight",
@@ -224,7 +250,9 @@ def load_hf(path: str | pathlib.Path, ffn_kind: str | None = None) -> tuple[Mode
     fused = {layer_prefix.format(i) + name: [layer_prefix.format(i) + part for part in parts]
              for i in range(cfg.n_layers) for name, parts in _fused_in_checkpoint(cfg).items()}
     experts = _experts_in_checkpoint(cfg, layer_prefix)
-    found = _read_tensors(_safetensor_files(path), set(mapping.values()) | set(fused)
+    granite = [layer_prefix.format(i) + name for i in range(cfg.n_layers) for name in GRANITE_EXPERTS
+               if cfg.architecture == "granitemoe"]
+    found = _read_tensors(_safetensor_files(path), set(mapping.values()) | set(fused) | set(granite)
                           | {name for parts, _ in experts.values() for name in parts})
     falcon_rows = _falcon_qkv_rows(raw, cfg) if cfg.architecture == "falcon" else None
     rows_of = {theirs: shapes[ours][0] for ours, theirs in mapping.items()}  # a separate tensor's row count
@@ -237,7 +265,7 @@ def load_hf(path: str | pathlib.Path, ffn_kind: str | None = None) -> tuple[Mode
                 raise CheckpointError(f"{path}: tensor {name!r} has shape {found[name].shape}; the config implies "
                                       f"{sum(sizes)} rows ({' + '.join(map(str, sizes))})")
             found |= dict(zip(parts, np.split(found.pop(name), np.cumsum(sizes)[:-1])))
-    tensors = {}
+    tensors = _granite_experts(found, cfg, layer_prefix, path) if granite else {}
     for ours, (parts, axis) in experts.items():
         missing = [part for part in parts if part not in found]
         if missing:

@@ -290,7 +290,7 @@ def attention_residual(
     window: int | None,
     project: Projection | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """A layer up to its FFN: h + attention(norm(h)) within ``window`` (the layer's
+    """A layer up to its FFN: h + attention(norm(h)) (times ``residual_scale``) within ``window`` (the layer's
     ``ModelConfig.layer_window``), the attention's output normalised too with ``sandwich_norms``.
     Returns that residual stream, the normalised FFN input x (of the layer's input h itself with
     ``parallel_block``) and the layer's updated keys and values; the layer's output is ``ffn_residual``
@@ -302,7 +302,7 @@ def attention_residual(
     if cfg.sandwich_norms:
         attn = norm(layer.attn_out_norm, attn, cfg)
     x = norm(layer.ffn_norm, h, cfg) if cfg.parallel_block else None
-    h = h + attn
+    h = h + _residual_scaled(attn, cfg)
     return h, norm(layer.ffn_norm, h, cfg) if x is None else x, k, v
 
 
@@ -311,7 +311,12 @@ def ffn_residual(layer: Layer, h: jax.Array, y: jax.Array, cfg: ModelConfig) -> 
     ``sandwich_norms``: a norm of the sum, so a split FFN adds its parts before this)."""
     if cfg.sandwich_norms:
         y = norm(layer.ffn_out_norm, y, cfg)
-    return h + y.astype(h.dtype)
+    return h + _residual_scaled(y.astype(h.dtype), cfg)
+
+
+def _residual_scaled(y: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """A block's output as added to the residual stream: times ``residual_scale`` (GraniteMoE), else as it is."""
+    return y if cfg.residual_scale == 1.0 else y * jnp.asarray(cfg.residual_scale, y.dtype)
 
 
 def forward(
@@ -356,11 +361,13 @@ def head_threshold(ffn_impl: FfnImpl | None) -> float | None:
 def logits(weights: Weights, h: jax.Array, cfg: ModelConfig, input_threshold: float | None = None) -> jax.Array:
     """Float32 logits from final hidden states: h @ head, head (d, vocab) (see params.Weights), or
     a quantized head's (vocab, d) rows (``quantized.matmul``), or an int8 head's input-major (d, vocab) copy
-    (the threshold mode's, ``modes.engines.threshold_engine``); soft-capped with ``logit_softcap``.
+    (the threshold mode's, ``modes.engines.threshold_engine``); soft-capped with ``logit_softcap``, divided by
+    ``logit_divisor`` (GraniteMoE).
 
     ``input_threshold``: the entries of h of magnitude at most it are skipped (the threshold mode's head input
     sparsity; ``ops.threshold.head_product`` picks the kernel)."""
-    return softcap(threshold.head_product(h, weights.head, input_threshold), cfg.logit_softcap)
+    out = softcap(threshold.head_product(h, weights.head, input_threshold), cfg.logit_softcap)
+    return out if cfg.logit_divisor == 1.0 else out / cfg.logit_divisor
 
 
 def next_token_nll(weights: Weights, h: jax.Array, tokens: jax.Array, cfg: ModelConfig,
