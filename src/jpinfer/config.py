@@ -130,7 +130,9 @@ class ModelConfig:
     tie_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    architecture: str = "llama"  # informative: llama | mistral | qwen2 | qwen3 | phi3 | gemma2 | gemma3 | falcon | opt
+    # llama | mistral | qwen2 | qwen3 | phi3 | gemma2 | gemma3 | falcon | opt | mixtral | qwen3_moe | qwen2_moe | olmoe
+    # | granitemoe: informative for the decoder; the HF loader reads it to find the checkpoint's tensors
+    architecture: str = "llama"
     name: str = "model"
 
     def __post_init__(self) -> None:
