@@ -10,6 +10,9 @@ import transformers
 TINY = dict(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64)
 
 
+MOE = ("mixtral", "qwen3_moe", "qwen3_moe_norm", "olmoe", "qwen2_moe", "granitemoe")
+
+
 def tiny_config(arch: str) -> transformers.PretrainedConfig:
     """A tiny config for each supported architecture, varied to exercise GQA, biases, ties."""
     if arch == "llama":
@@ -75,6 +78,23 @@ def tiny_config(arch: str) -> transformers.PretrainedConfig:
     if arch == "mixtral":  # 4 experts of 24 neurons, the top 2 per token
         return transformers.MixtralConfig(**TINY, intermediate_size=24, num_key_value_heads=2, num_local_experts=4,
                                           num_experts_per_tok=2)
+    if arch == "qwen3_moe":  # Qwen3's per-head q/k norms, 4 experts of 12 neurons, the top 2 kept as the softmax gave
+        return transformers.Qwen3MoeConfig(**TINY, num_key_value_heads=2, head_dim=12, moe_intermediate_size=12,
+                                           num_experts=4, num_experts_per_tok=2, norm_topk_prob=False)
+    if arch == "qwen3_moe_norm":  # the same renormalized over the top 2 (Mixtral's routing)
+        return transformers.Qwen3MoeConfig(**TINY, num_key_value_heads=2, head_dim=12, moe_intermediate_size=12,
+                                           num_experts=4, num_experts_per_tok=2, norm_topk_prob=True)
+    if arch == "olmoe":  # q/k norms over the whole projections; 4 experts of 12 neurons, the top 2 not renormalized
+        return transformers.OlmoeConfig(**TINY, num_key_value_heads=2, intermediate_size=12, num_experts=4,
+                                        num_experts_per_tok=2, norm_topk_prob=False, eos_token_id=None)
+    if arch == "qwen2_moe":  # 4 routed experts of 12 neurons, top 2; a shared expert of 24 under its sigmoid gate
+        return transformers.Qwen2MoeConfig(**TINY, num_key_value_heads=2, moe_intermediate_size=12,
+                                           shared_expert_intermediate_size=24, num_experts=4, num_experts_per_tok=2,
+                                           norm_topk_prob=False)
+    if arch == "granitemoe":  # 4 experts of 12 neurons, top 2; every multiplier away from 1 so that each binds
+        return transformers.GraniteMoeConfig(**TINY, num_key_value_heads=2, intermediate_size=12, num_local_experts=4,
+                                             num_experts_per_tok=2, embedding_multiplier=3.0, attention_multiplier=0.2,
+                                             residual_multiplier=0.5, logits_scaling=2.5)
     if arch == "mistral":
         return transformers.MistralConfig(**TINY, intermediate_size=40, num_key_value_heads=2, sliding_window=5)
     if arch == "qwen2":
@@ -100,7 +120,7 @@ def make_model(arch: str, directory: pathlib.Path, seed: int = 0, **changes) -> 
     for field, value in changes.items():
         setattr(cfg, field, value)
     cfg._attn_implementation = "eager"
-    if arch == "mixtral":  # its default grouped product takes no float64 (the reference runs in float64)
+    if arch in MOE:  # their default grouped product takes no float64 (the reference runs in float64)
         cfg._experts_implementation = "eager"
     model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
     with torch.no_grad():

@@ -97,6 +97,16 @@ def _edit_config(directory, **changes):
          "RoPE scaling in the sliding-window layers"),
         ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75}},
          "partial rotary embedding"),
+        ({"architectures": ["DeepseekV2ForCausalLM"]}, "'DeepseekV2ForCausalLM' is not supported yet: it needs "
+                                                        "multi-head latent attention"),
+        ({"architectures": ["DeepseekV3ForCausalLM"]}, "'DeepseekV3ForCausalLM' is not supported yet: it needs "
+                                                        "multi-head latent attention"),
+        ({"architectures": ["Qwen3MoeForCausalLM"], "mlp_only_layers": [1]}, r"dense FFN layers .*mlp_only_layers"),
+        ({"architectures": ["Qwen2MoeForCausalLM"], "decoder_sparse_step": 2}, "decoder_sparse_step=2"),
+        ({"architectures": ["Qwen3MoeForCausalLM"], "use_sliding_window": True}, "use_sliding_window"),
+        ({"architectures": ["OlmoeForCausalLM"], "clip_qkv": 8.0}, "clip_qkv"),
+        ({"architectures": ["Qwen2MoeForCausalLM"], "moe_intermediate_size": 16, "shared_expert_intermediate_size": 40},
+         "shared expert of 40 neurons is not a multiple"),
     ],
 )
 def test_unsupported_configs(checkpoint, tmp_path, changes, message):

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_int8 import random_peaks
+from test_modes import all_active, half_masks
 from test_threshold import BACKENDS, assert_decodes_alike, windows
 
 from jpinfer.models import params, smoothquant, transformer
@@ -150,9 +151,9 @@ def test_selection_spends_no_capacity_on_experts_not_picked():
     _, routed = numpy_moe(layer, x, cfg)
     picked = np.repeat((routed != 0).reshape(6, cfg.n_experts, -1).any(-1), cfg.expert_size, axis=1)
     logits = np.random.default_rng(4).standard_normal((6, cfg.d_ff)).astype(np.float32)
-    out = np.asarray(routed_logits(jnp.asarray(logits), layer.router, jnp.asarray(x), cfg.experts_per_token))
+    out = np.asarray(routed_logits(jnp.asarray(logits), layer.router, jnp.asarray(x), cfg.routing_rule))
     np.testing.assert_array_equal(out, np.where(picked, logits, -np.inf))
-    np.testing.assert_array_equal(np.asarray(routed_logits(jnp.asarray(logits), None, jnp.asarray(x), 0)), logits)
+    np.testing.assert_array_equal(np.asarray(routed_logits(jnp.asarray(logits), None, jnp.asarray(x), None)), logits)
 
 
 def test_migration_scales_the_router_with_the_ffn_input():
@@ -170,3 +171,41 @@ def test_migration_scales_the_router_with_the_ffn_input():
                                                      for s, w in zip(smoothed.layers, weights.layers)])
     assert np.abs(np.asarray(transformer.score(unscaled, tokens, cfg))
                   - np.asarray(transformer.score(weights, tokens, cfg))).max() > 100 * DECODER_ATOL
+
+
+# The MoE families beside Mixtral, on tiny_engine's d_ff 48 (4 experts of 12 neurons): Qwen3-MoE's per-head q/k norms
+# and top 2 kept as the softmax gave them; OLMoE's q/k norms over the whole projections; Qwen2-MoE's q/k/v biases, 3
+# routed experts (top 2) and the last expert a shared one under its sigmoid gate; GraniteMoE's Mixtral routing under its
+# embedding, attention, residual and logits multipliers.
+FAMILIES = {"qwen3-moe-like": dict(n_experts=4, experts_per_token=2, renormalize_experts=False, qk_norm=True),
+            "olmoe-like": dict(n_experts=4, experts_per_token=2, renormalize_experts=False, qk_norm=True,
+                               qk_norm_whole=True),
+            "qwen2-moe-like": dict(n_experts=4, experts_per_token=2, renormalize_experts=False, shared_experts=1,
+                                   qkv_bias=True),
+            "granitemoe-like": dict(n_experts=4, experts_per_token=2, embed_scale=3.0, attn_scale=0.2,
+                                    residual_scale=0.5, logit_divisor=2.5)}
+
+
+@pytest.mark.parametrize("family", [  # slow: ~40 s each on 2 shared cores; qwen2-moe-like carries both routing changes
+    pytest.param("qwen3-moe-like", marks=pytest.mark.slow), pytest.param("olmoe-like", marks=pytest.mark.slow),
+    pytest.param("granitemoe-like", marks=pytest.mark.slow), "qwen2-moe-like"])
+def test_every_mode_decodes_each_family_like_dense(family):
+    """Sparse with all-active predictors, threshold 0 and the hybrid (half the neurons on each simulated device) give
+    the dense model's greedy tokens and its forced logits within DECODER_ATOL (the same values summed in another
+    order): each carries the family's routing rule (weights not renormalized; the shared expert's gate) to its
+    neurons. A rule other than Mixtral's binds: the routing weights differ from Mixtral's."""
+    dense = tiny_engine("swiglu", **FAMILIES[family])
+    cfg, layer = dense.cfg, dense.weights.layers[0]
+    x = jnp.asarray(np.random.default_rng(5).standard_normal((3, cfg.d_model)), jnp.float32)
+    mixtral = dataclasses.replace(cfg.routing_rule, renormalize=True, shared=0)
+    if cfg.routing_rule != mixtral:
+        routed = transformer.expert_weights(layer.router, x, cfg.routing_rule)
+        assert np.abs(np.asarray(routed - transformer.expert_weights(layer.router, x, mixtral))).max() > 0.05
+    predictors = all_active(dense)
+    zeros = np.zeros(cfg.n_layers, np.float32)
+    engines = (build_engine(dense.model, "sparse", predictors=predictors, capacity=cfg.d_ff),
+               build_engine(dense.model, "threshold", thresholds=SparsityThresholds(zeros, zeros, {}, {}, "given")),
+               build_engine(dense.model, "hybrid", predictors=predictors, capacity=cfg.d_ff,
+                            placement=half_masks(cfg)))
+    for engine in engines:
+        assert_decodes_alike(engine, dense, 24, 8)

@@ -342,15 +342,20 @@ def test_a_quantized_model_gets_a_pack_of_its_own(quantized_packs, made, model, 
     assert len(hybrid.generate([1, 5, 9], max_new_tokens=4).token_ids) == 4
 
 
-@pytest.mark.parametrize("kind, arch", [("geglu", GEMMA2_LIKE), ("geglu", GEMMA3_LIKE), ("gelu", FALCON_LIKE),
-                                        ("swiglu", dict(n_experts=4, experts_per_token=2))],
-                         ids=["gemma2-like", "gemma3-like", "falcon-like", "mixtral-like"])
+@pytest.mark.parametrize("kind, arch", [
+    pytest.param("geglu", GEMMA2_LIKE, id="gemma2-like"), pytest.param("geglu", GEMMA3_LIKE, id="gemma3-like"),
+    pytest.param("gelu", FALCON_LIKE, id="falcon-like"),
+    pytest.param("swiglu", dict(n_experts=4, experts_per_token=2), id="mixtral-like"),
+    # slow: test_moe.py decodes this family like dense in every mode
+    pytest.param("swiglu", dict(n_experts=4, experts_per_token=2, renormalize_experts=False, shared_experts=1),
+                 marks=pytest.mark.slow, id="qwen2-moe-like")])
 def test_every_stage_and_mode_runs_on_each_architecture(kind, arch, cache, settings, tmp_path):
     """A model with each architecture's features through every stage, then every mode built from the pack decodes:
     Gemma 2's norms, windows and caps and Gemma 3's q/k norms and two RoPE bases (GeGLU: the inactive neurons are
     small, not zero, so the thresholds are calibrated over zero); Falcon's side-by-side block with its ungated GELU;
     Mixtral-like experts (4 of 12 neurons, top 2: the profile counts the experts' neurons, the placement splits
-    them, the predictors are trained on routed activations). The int8 form (SmoothQuant's calibration walks the
+    them, the predictors are trained on routed activations; Qwen2-MoE-like: top 2 of 3 not renormalized and a shared
+    expert under its gate, always on). The int8 form (SmoothQuant's calibration walks the
     same layers, scaling the router too) gets a pack of its own, and its threshold and sparse modes decode."""
     model = tiny_engine(kind, **arch).model
     pack = prepare(model, tmp_path / "pack", settings, progress=False)

@@ -289,6 +289,7 @@ def llama(**kw):
         llama(ffn_kind="relu", norm_kind="layernorm", positions="learned", position_offset=2,
               qkv_bias=True, attn_out_bias=True, ffn_bias=True, n_kv_heads=4, name="opt-like"),
         llama(qk_norm=True, head_dim=12, name="qwen3-like"),
+        llama(qk_norm=True, qk_norm_whole=True, name="olmoe-like-attention"),
         llama(ffn_kind="geglu", sandwich_norms=True, tie_embeddings=True, name="gemma2-like"),
     ],
 )

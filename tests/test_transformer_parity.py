@@ -14,7 +14,8 @@ from tolerances import DECODER_ATOL
 
 ARCHS = ["llama", "llama_relu", "llama_drelu", "mistral", "qwen2", "qwen2_window", "qwen3", "phi3", "gemma2", "gemma3",
          "falcon_new", "falcon_7b", "falcon_sequential", "falcon_gelu", "opt", "llama3_rope", "linear_rope",
-         "yarn_rope", "mixtral"]
+         "yarn_rope", "mixtral", "qwen3_moe", "qwen3_moe_norm", "olmoe", "qwen2_moe",
+         "granitemoe"]
 FFN_KIND = {"llama_drelu": "drelu"}
 
 
@@ -48,7 +49,8 @@ def test_prefill_and_decode_logits_match_transformers(arch, tmp_path):
     assert int(cache.length) == 12
 
 
-@pytest.mark.parametrize("arch", ["llama", "opt", "phi3", "gemma2", "gemma3", "falcon_new", "mixtral"])
+@pytest.mark.parametrize("arch", ["llama", "opt", "phi3", "gemma2", "gemma3", "falcon_new", "mixtral", "qwen3_moe",
+                                  "olmoe", "qwen2_moe", "granitemoe"])
 def test_greedy_generation_matches_transformers(arch, tmp_path):
     ref, cfg, weights = _load(arch, tmp_path)
     prompt = [[5, 17, 3, 88]]
@@ -158,3 +160,16 @@ def test_length_dependent_rope_follows_transformers_step_by_step(arch, kind, pro
                                atol=DECODER_ATOL, rtol=0)
     plain = dataclasses.replace(cfg, rope_scaling=None)
     assert np.abs(np.asarray(transformer.score(weights, jnp.asarray(tokens), plain)) - whole).max() > 100 * DECODER_ATOL
+
+
+@pytest.mark.parametrize("feature", ["embed_scale", "attn_scale", "residual_scale", "logit_divisor"])
+def test_granitemoe_multipliers_are_read_and_matter(feature, tmp_path):
+    """Each GraniteMoE multiplier the parity test passes is read from the checkpoint and binds there: at its default
+    the logits move far past the tolerance."""
+    ref, cfg, weights = _load("granitemoe", tmp_path)
+    assert (cfg.embed_scale, cfg.attn_scale, cfg.residual_scale, cfg.logit_divisor) == (3.0, 0.2, 0.5, 2.5)
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, size=(1, 12)))
+    default = {"embed_scale": 1.0, "attn_scale": None, "residual_scale": 1.0, "logit_divisor": 1.0}[feature]
+    read = np.asarray(transformer.score(weights, tokens, cfg))
+    without = np.asarray(transformer.score(weights, tokens, dataclasses.replace(cfg, **{feature: default})))
+    assert np.abs(read - without).max() > 100 * DECODER_ATOL

@@ -67,14 +67,28 @@ class RopeScaling:
 
 
 @dataclasses.dataclass(frozen=True)
+class ExpertRouting:
+    """How a router's scores weigh the experts (``transformer.expert_weights``): a softmax over the routed experts,
+    the top ``top_k`` kept (renormalized to sum 1 when ``renormalize``: Mixtral, Qwen-MoE with norm_topk_prob), the
+    others zero; the last ``shared`` experts are a shared expert's neurons split into expert-sized pieces, always on,
+    each weighed by the sigmoid of its own router row's score (Qwen2-MoE's shared_expert_gate, one row per piece).
+    Static: the layouts that carry a router carry it (hashable)."""
+
+    top_k: int
+    renormalize: bool = True
+    shared: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a decoder-only transformer (the Llama family, Mixtral, Gemma 2 and 3, Falcon or OPT).
+    """Architecture of a decoder-only transformer (the Llama family, the MoE families, Gemma 2 and 3, Falcon or OPT).
 
     Weight conventions (see models/params.py): every projection is stored as
     (out_features, in_features) and applied as W @ x; q|k|v and gate|up are fused.
     A mixture of experts (``n_experts`` > 0, Mixtral's form) is one FFN of ``d_ff`` neurons: every expert's
     ``expert_size`` neurons stacked in expert order, each neuron's activation times its expert's routing weight
-    (zero for the experts the router does not pick), so every neuron-level tool sees the experts' neurons.
+    (zero for the experts the router does not pick), so every neuron-level tool sees the experts' neurons; a
+    shared expert (Qwen2-MoE) is the last ``shared_experts`` of them, weighed by its gate (``ExpertRouting``).
     """
 
     vocab_size: int
@@ -98,20 +112,27 @@ class ModelConfig:
     position_offset: int = 0
     qkv_bias: bool = False  # Qwen2, OPT
     qk_norm: bool = False  # Qwen3: an RMSNorm over each head's query and key (head_dim weights) before RoPE
+    qk_norm_whole: bool = False  # OLMoE: with qk_norm, one RMSNorm over the whole query (q_dim) and key (kv_dim)
     attn_out_bias: bool = False  # OPT
     attn_scale: float | None = None  # the scores' factor; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
     attn_softcap: float | None = None  # Gemma 2: scores become cap * tanh(scores / cap) before the softmax
     logit_softcap: float | None = None  # Gemma 2: the same on the output logits
     sandwich_norms: bool = False  # Gemma 2/3: an RMSNorm on the attention's and the FFN's outputs too
     parallel_block: bool = False  # Falcon: attention and FFN both read the layer's input; their sum is added
-    embed_scale: float = 1.0  # Gemma: input embeddings times sqrt(d_model) (the tied head is not scaled)
+    embed_scale: float = 1.0  # input embeddings times it (not the tied head): Gemma's sqrt(d_model), GraniteMoE's
+    residual_scale: float = 1.0  # GraniteMoE: the attention's and the FFN's outputs times it where added to the stream
+    logit_divisor: float = 1.0  # GraniteMoE: the logits divided by it (logits_scaling)
     ffn_bias: bool = False  # OPT
     n_experts: int = 0  # Mixtral: experts per layer (0: one dense FFN); d_ff counts every expert's neurons
-    experts_per_token: int = 0  # the router's top-k (its softmax weights renormalized over those k)
+    experts_per_token: int = 0  # the router's top-k (``renormalize_experts``: its softmax over those k)
+    renormalize_experts: bool = True  # False (Qwen-MoE, OLMoE: norm_topk_prob false): the top-k keep their softmax
+    shared_experts: int = 0  # Qwen2-MoE: the last experts are its shared expert's pieces, always on (``ExpertRouting``)
     tie_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    architecture: str = "llama"  # informative: llama | mistral | qwen2 | qwen3 | phi3 | gemma2 | gemma3 | falcon | opt
+    # llama | mistral | qwen2 | qwen3 | phi3 | gemma2 | gemma3 | falcon | opt | mixtral | qwen3_moe | qwen2_moe | olmoe
+    # | granitemoe: informative for the decoder; the HF loader reads it to find the checkpoint's tensors
+    architecture: str = "llama"
     name: str = "model"
 
     def __post_init__(self) -> None:
@@ -135,9 +156,13 @@ class ModelConfig:
         for field in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff"):
             if getattr(self, field) < 1:
                 raise ValueError(f"ModelConfig.{field} must be >= 1, got {getattr(self, field)}")
-        if self.n_experts and not (self.d_ff % self.n_experts == 0 and 1 <= self.experts_per_token <= self.n_experts):
+        routed = self.n_experts - self.shared_experts
+        if self.n_experts and not (self.d_ff % self.n_experts == 0 and 1 <= self.experts_per_token <= routed):
             raise ValueError(f"{self.n_experts} experts need d_ff ({self.d_ff}, every expert's neurons) divisible by "
-                             f"them and 1 <= experts_per_token <= n_experts, got {self.experts_per_token}")
+                             f"them and 1 <= experts_per_token <= the {routed} routed ones, got "
+                             f"{self.experts_per_token}")
+        if not 0 <= self.shared_experts < max(self.n_experts, 1):
+            raise ValueError(f"shared_experts ({self.shared_experts}) must leave routed experts among {self.n_experts}")
         if self.experts_per_token and not self.n_experts:
             raise ValueError("experts_per_token needs n_experts")
         factors = self.rope_scaling.frequency_factors if self.rope_scaling else ()
@@ -157,9 +182,16 @@ class ModelConfig:
         return self.d_ff // max(self.n_experts, 1)
 
     @property
-    def experts(self) -> tuple[int, int] | None:
-        """(neurons per expert, experts per token), None without experts (``threshold_layout.from_layer``'s)."""
-        return (self.expert_size, self.experts_per_token) if self.n_experts else None
+    def routing_rule(self) -> ExpertRouting | None:
+        """How the router weighs the experts (``transformer.expert_weights``), None without experts."""
+        if not self.n_experts:
+            return None
+        return ExpertRouting(self.experts_per_token, self.renormalize_experts, self.shared_experts)
+
+    @property
+    def experts(self) -> tuple[int, ExpertRouting] | None:
+        """(neurons per expert, routing rule), None without experts (``threshold_layout.from_layer``'s)."""
+        return (self.expert_size, self.routing_rule) if self.n_experts else None
 
     @property
     def has_gate(self) -> bool:

@@ -153,7 +153,7 @@ class PredictorListFFN(_ListedFFN):
         # batch: each with its own neurons
         x_sel = tokens[0] if tokens.shape[0] == 1 else tokens
         logits = routed_logits(predict_logits(state.predictor, x_sel), state.ffn.router, x_sel,
-                               state.ffn.experts_per_token)
+                               state.ffn.routing_rule)
         chosen = select_neurons(logits, state.predictor.cutoff, self.capacity[i])
         if tokens.shape[0] > 1:
             keep = selection_mask(chosen, state.ffn.n_neurons)

@@ -68,7 +68,7 @@ class PredictorMaskFFN:
 
     def __call__(self, i: int, layer: Layer, x: jax.Array, state: MaskState) -> tuple[jax.Array, dict[str, jax.Array]]:
         a, s = activation_and_score(layer, x, self.cfg, "product")
-        logits = routed_logits(predict_logits(state.predictor, x), layer.router, x, self.cfg.experts_per_token)
+        logits = routed_logits(predict_logits(state.predictor, x), layer.router, x, self.cfg.routing_rule)
         wanted = logits > state.predictor.cutoff
         active = s > state.threshold
         if self.capacity is None:

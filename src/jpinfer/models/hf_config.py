@@ -6,9 +6,12 @@ covers ReluLLaMA and ProSparse-style ReLU checkpoints), MistralForCausalLM, Qwen
 embeddings, norms on the attention's and FFN's outputs, soft-capped scores and logits, sliding windows in
 every other layer), Gemma3ForCausalLM (Gemma 2 without the caps, with q/k norms, five sliding layers in six
 and their own RoPE base), FalconForCausalLM (ReLU-Falcon and GELU Falcon: attention and FFN side by side,
-the fused q/k/v of each layout), MixtralForCausalLM (a mixture of SwiGLU experts under a top-k router) and
-OPTForCausalLM (pre-LayerNorm variants). What is not supported yet is
-refused with a CheckpointError that names it.
+the fused q/k/v of each layout), MixtralForCausalLM (a mixture of SwiGLU experts under a top-k router), the MoE families
+Qwen3MoeForCausalLM (Qwen3's attention, top-k of a softmax renormalized only with norm_topk_prob),
+OlmoeForCausalLM (q/k norms over the whole projections) and Qwen2MoeForCausalLM (a shared expert under a sigmoid
+gate, held as more experts: ``config.ExpertRouting``), GraniteMoeForCausalLM (Mixtral's routing; embedding,
+attention, residual and logits multipliers) and OPTForCausalLM (pre-LayerNorm variants). What is not
+supported yet is refused with a CheckpointError that names it (``UNSUPPORTED`` says what for known families).
 """
 
 from __future__ import annotations
@@ -23,11 +26,20 @@ from jpinfer.models.rope import yarn_attention_factor
 
 LLAMA_LIKE = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
               "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2",
-              "Gemma3ForCausalLM": "gemma3", "MixtralForCausalLM": "mixtral"}
+              "Gemma3ForCausalLM": "gemma3", "MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe",
+              "OlmoeForCausalLM": "olmoe", "Qwen2MoeForCausalLM": "qwen2_moe", "GraniteMoeForCausalLM": "granitemoe"}
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu", "relu": "reglu", "gelu_pytorch_tanh": "geglu",
                "gelu_new": "geglu"}
 SUPPORTED = sorted([*LLAMA_LIKE, "OPTForCausalLM", "FalconForCausalLM"])
+GRANITE_MULTIPLIERS = ("embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling")
+# known families not supported yet: what they need that the decoder lacks
+UNSUPPORTED = {
+    "DeepseekV2ForCausalLM": "multi-head latent attention (compressed, low-rank keys and values with a decoupled "
+                             "rotary part) and its grouped top-k routing",
+    "DeepseekV3ForCausalLM": "multi-head latent attention (compressed, low-rank keys and values with a decoupled "
+                             "rotary part) and its sigmoid routing with a correction bias over expert groups",
+}
 
 
 def _rope(raw: dict[str, Any], path: pathlib.Path) -> tuple[float, RopeScaling | None]:
@@ -137,6 +149,9 @@ def parse_config(raw: dict[str, Any], path: pathlib.Path, ffn_kind: str | None =
     """Translate a transformers config.json dict into a ModelConfig."""
     archs = raw.get("architectures") or []
     arch = archs[0] if archs else None
+    if arch in UNSUPPORTED:
+        raise CheckpointError(f"{path}: architecture {arch!r} is not supported yet: it needs {UNSUPPORTED[arch]}; "
+                              f"supported: {', '.join(SUPPORTED)}")
     if arch not in SUPPORTED:
         raise CheckpointError(
             f"{path}: unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED)}"
@@ -171,16 +186,18 @@ def _parse_llama(raw: dict[str, Any], path: pathlib.Path, arch: str, ffn_kind: s
     theta, rope_scaling = _rope(rope_raw, path)
     gemma = arch in GEMMA
     softcap = lambda field: float(raw[field]) if gemma and raw.get(field) else None
-    n_experts = int(raw["num_local_experts"]) if arch == "MixtralForCausalLM" else 0
+    experts = _experts(raw, path, arch)
+    expert_size = experts.pop("expert_size") if experts else raw["intermediate_size"]
+    granite = {k: float(raw[k]) for k in GRANITE_MULTIPLIERS
+               if arch == "GraniteMoeForCausalLM" and raw.get(k) is not None}
     return ModelConfig(
         **_shared_fields(raw, path),
         d_model=raw["hidden_size"],
         n_heads=n_heads,
         n_kv_heads=raw.get("num_key_value_heads") or n_heads,
         head_dim=raw.get("head_dim") or raw["hidden_size"] // n_heads,
-        d_ff=raw["intermediate_size"] * max(n_experts, 1),  # every expert's neurons
-        n_experts=n_experts,
-        experts_per_token=int(raw["num_experts_per_tok"]) if n_experts else 0,
+        d_ff=expert_size * max(experts.get("n_experts", 0), 1),  # every expert's neurons
+        **experts,
         ffn_kind=ffn_kind,
         norm_kind="rmsnorm",
         norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
@@ -190,17 +207,56 @@ def _parse_llama(raw: dict[str, Any], path: pathlib.Path, arch: str, ffn_kind: s
         max_position=raw.get("max_position_embeddings", 2048),
         sliding_window=window,
         window_layers=window_layers,
-        qkv_bias=attention_bias or arch == "Qwen2ForCausalLM",
-        qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+        qkv_bias=attention_bias or arch == "Qwen2ForCausalLM" or (arch == "Qwen2MoeForCausalLM"
+                                                                  and bool(raw.get("qkv_bias", True))),
+        qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM"),
+        qk_norm_whole=arch == "OlmoeForCausalLM",
         attn_out_bias=attention_bias,
-        attn_scale=float(raw.get("query_pre_attn_scalar", 256)) ** -0.5 if gemma else None,
+        attn_scale=(float(raw.get("query_pre_attn_scalar", 256)) ** -0.5 if gemma
+                    else granite.get("attention_multiplier")),
         attn_softcap=softcap("attn_logit_softcapping"),
         logit_softcap=softcap("final_logit_softcapping"),
         sandwich_norms=gemma,
-        embed_scale=float(raw["hidden_size"]) ** 0.5 if gemma else 1.0,
+        embed_scale=float(raw["hidden_size"]) ** 0.5 if gemma else granite.get("embedding_multiplier", 1.0),
+        residual_scale=granite.get("residual_multiplier", 1.0),
+        logit_divisor=granite.get("logits_scaling", 1.0),
         tie_embeddings=bool(raw.get("tie_word_embeddings", gemma)),
         architecture=LLAMA_LIKE[arch],
     )
+
+
+def _experts(raw: dict[str, Any], path: pathlib.Path, arch: str) -> dict[str, Any]:
+    """The ModelConfig fields of a mixture of experts ({} for a dense FFN) plus ``expert_size`` (its neurons per
+    expert; ``_parse_llama`` takes it out). Mixtral renormalizes its top-k; the Qwen-MoE families and OLMoE only
+    with norm_topk_prob (transformers' default false); Qwen2-MoE's shared expert becomes
+    shared_expert_intermediate_size / moe_intermediate_size more experts, each a piece of it under the one gate
+    (its row repeated in the router: ``hf_loader``)."""
+    if arch in ("MixtralForCausalLM", "GraniteMoeForCausalLM"):  # Granite: a softmax over the top-k scores, the same
+        return dict(n_experts=int(raw["num_local_experts"]), experts_per_token=int(raw["num_experts_per_tok"]),
+                    expert_size=raw["intermediate_size"])
+    if arch not in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "OlmoeForCausalLM"):
+        return {}
+    if arch != "OlmoeForCausalLM":
+        only_mlp, step = raw.get("mlp_only_layers") or [], raw.get("decoder_sparse_step", 1)
+        if only_mlp or step != 1:
+            raise CheckpointError(f"{path}: dense FFN layers among the experts' layers (mlp_only_layers={only_mlp}, "
+                                  f"decoder_sparse_step={step}) are not supported: every layer must have experts")
+        if raw.get("use_sliding_window"):
+            raise CheckpointError(f"{path}: use_sliding_window is not supported for {arch}")
+    elif raw.get("clip_qkv") is not None:
+        raise CheckpointError(f"{path}: OLMoE's clip_qkv (clamped q/k/v) is not supported")
+    size = raw["intermediate_size"] if arch == "OlmoeForCausalLM" else raw["moe_intermediate_size"]
+    shared = 0
+    if arch == "Qwen2MoeForCausalLM":
+        shared_size = raw.get("shared_expert_intermediate_size") or 0
+        if shared_size % size or not shared_size:
+            raise CheckpointError(f"{path}: a shared expert of {shared_size} neurons is not a multiple of the "
+                                  f"experts' {size} (moe_intermediate_size): not supported")
+        shared = shared_size // size
+    # the hub's configs name it num_experts, transformers 5 writes num_local_experts
+    routed = int(raw["num_experts"] if "num_experts" in raw else raw["num_local_experts"])
+    return dict(n_experts=routed + shared, experts_per_token=int(raw["num_experts_per_tok"]), expert_size=size,
+                renormalize_experts=bool(raw.get("norm_topk_prob", False)), shared_experts=shared)
 
 
 def _parse_opt(raw: dict[str, Any], path: pathlib.Path, ffn_kind: str | None) -> ModelConfig:

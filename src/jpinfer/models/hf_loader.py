@@ -3,7 +3,7 @@
 Reads safetensors with its JAX framework (bfloat16 included), never PyTorch. The config is read by
 ``hf_config`` (the supported architectures are listed there); this module maps each architecture's tensor
 names onto the one layout of ``params.expected_shapes``: fused tensors split (Phi-3's, Falcon's q/k/v in
-each of its layouts), Mixtral's experts stacked into one FFN, Gemma's norm offsets made scales.
+each of its layouts), MoE experts stacked into one FFN (a shared expert's after them), Gemma's norm offsets made scales.
 """
 
 from __future__ import annotations
@@ -56,16 +56,55 @@ def _fused_in_checkpoint(cfg: ModelConfig) -> dict[str, tuple[str, ...]]:
     return {}
 
 
-# Mixtral keeps one tensor per expert: our FFN tensor -> the experts' name and the axis they stack along (gate and up
-# rows, down columns), in expert order
+# MoE checkpoints keep one tensor per expert: our FFN tensor -> the experts' name and the axis they stack along (gate
+# and up rows, down columns), in expert order; under the layer's Mixtral block or the other families' mlp
 EXPERT_TENSORS = {"w_gate": ("w1", 0), "w_up": ("w3", 0), "w_down": ("w2", 1)}
+MLP_EXPERT_TENSORS = {"w_gate": ("gate_proj", 0), "w_up": ("up_proj", 0), "w_down": ("down_proj", 1)}
 
 
 def _experts_in_checkpoint(cfg: ModelConfig, layer_prefix: str) -> dict[str, tuple[list[str], int]]:
-    """Per FFN tensor of ours, the experts' tensors it stacks (in expert order) and the axis; {} without experts."""
-    return {f"layers.{i}.{ours}": ([f"{layer_prefix.format(i)}block_sparse_moe.experts.{e}.{theirs}.weight"
-                                    for e in range(cfg.n_experts)], axis)
-            for i in range(cfg.n_layers) if cfg.n_experts for ours, (theirs, axis) in EXPERT_TENSORS.items()}
+    """Per FFN tensor of ours and the router, the checkpoint's tensors it stacks (in order) and the axis; {} without
+    experts. Qwen2-MoE's shared expert follows the routed ones whole (its rows are ``shared_experts`` experts'
+    worth), and its gate's one row follows the router's, once per piece (``config.ExpertRouting``)."""
+    if not cfg.n_experts or cfg.architecture == "granitemoe":  # GraniteMoE's are stacked: _granite_experts
+        return {}
+    block, tensors = ("block_sparse_moe.", EXPERT_TENSORS) if cfg.architecture == "mixtral" else (
+        "mlp.", MLP_EXPERT_TENSORS)
+    routed = cfg.n_experts - cfg.shared_experts
+    out = {}
+    for i in range(cfg.n_layers):
+        prefix = layer_prefix.format(i) + block
+        shared = [prefix + "shared_expert.{}.weight"] if cfg.shared_experts else []
+        for ours, (theirs, axis) in tensors.items():
+            out[f"layers.{i}.{ours}"] = ([f"{prefix}experts.{e}.{theirs}.weight" for e in range(routed)]
+                                         + [name.format(theirs) for name in shared], axis)
+        out[f"layers.{i}.router"] = ([prefix + "gate.weight"]
+                                     + [prefix + "shared_expert_gate.weight"] * cfg.shared_experts, 0)
+    return out
+
+
+GRANITE_EXPERTS = ("block_sparse_moe.input_linear.weight", "block_sparse_moe.output_linear.weight")
+
+
+def _granite_experts(found: dict[str, np.ndarray], cfg: ModelConfig, layer_prefix: str,
+                     path: pathlib.Path) -> dict[str, np.ndarray]:
+    """GraniteMoE keeps a layer's experts in two 3-D tensors (``GRANITE_EXPERTS``): input_linear (n, 2 f, d), each
+    expert's gate rows then its up rows, and output_linear (n, d, f); taken out of ``found`` as our gate, up and
+    down of every expert's neurons in expert order."""
+    n, f, d = cfg.n_experts, cfg.expert_size, cfg.d_model
+    out = {}
+    for i in range(cfg.n_layers):
+        names = [layer_prefix.format(i) + name for name in GRANITE_EXPERTS]
+        for name, shape in zip(names, ((n, 2 * f, d), (n, d, f))):
+            if name not in found:
+                raise CheckpointError(f"{path}: missing tensor {name!r} (layer {i}'s experts)")
+            if found[name].shape != shape:
+                raise CheckpointError(f"{path}: tensor {name!r} has shape {found[name].shape}; the config implies "
+                                      f"{shape}")
+        gate_up, down = found.pop(names[0]), found.pop(names[1])
+        out |= {f"layers.{i}.w_gate": gate_up[:, :f].reshape(n * f, d), f"layers.{i}.w_up": gate_up[:, f:].reshape(
+            n * f, d), f"layers.{i}.w_down": down.transpose(1, 0, 2).reshape(d, n * f)}
+    return out
 
 
 def _hf_to_ours(cfg: ModelConfig, raw: dict[str, Any]) -> tuple[dict[str, str], str]:
@@ -139,9 +178,10 @@ def _hf_to_ours(cfg: ModelConfig, raw: dict[str, Any]) -> tuple[dict[str, str], 
             "w_up": "mlp.up_proj.weight",
             "w_down": "mlp.down_proj.weight",
         }
-        if cfg.n_experts:  # Mixtral: the router here, the experts' tensors stacked (_experts_in_checkpoint)
-            per_layer = {k: v for k, v in per_layer.items() if k not in EXPERT_TENSORS} | {
-                "router": "block_sparse_moe.gate.weight"}
+        if cfg.n_experts:  # the experts' tensors and the router stacked (_experts_in_checkpoint)
+            per_layer = {k: v for k, v in per_layer.items() if k not in EXPERT_TENSORS}
+        if cfg.architecture == "granitemoe":
+            per_layer["router"] = "block_sparse_moe.router.layer.weight"
         if cfg.sandwich_norms:  # Gemma: its post_attention_layernorm is on the attention's output
             per_layer |= {"attn_out_norm.scale": "post_attention_layernorm.weight",
                           "ffn_norm.scale": "pre_feedforward_layernorm.weight",
@@ -210,7 +250,9 @@ def load_hf(path: str | pathlib.Path, ffn_kind: str | None = None) -> tuple[Mode
     fused = {layer_prefix.format(i) + name: [layer_prefix.format(i) + part for part in parts]
              for i in range(cfg.n_layers) for name, parts in _fused_in_checkpoint(cfg).items()}
     experts = _experts_in_checkpoint(cfg, layer_prefix)
-    found = _read_tensors(_safetensor_files(path), set(mapping.values()) | set(fused)
+    granite = [layer_prefix.format(i) + name for i in range(cfg.n_layers) for name in GRANITE_EXPERTS
+               if cfg.architecture == "granitemoe"]
+    found = _read_tensors(_safetensor_files(path), set(mapping.values()) | set(fused) | set(granite)
                           | {name for parts, _ in experts.values() for name in parts})
     falcon_rows = _falcon_qkv_rows(raw, cfg) if cfg.architecture == "falcon" else None
     rows_of = {theirs: shapes[ours][0] for ours, theirs in mapping.items()}  # a separate tensor's row count
@@ -223,12 +265,14 @@ def load_hf(path: str | pathlib.Path, ffn_kind: str | None = None) -> tuple[Mode
                 raise CheckpointError(f"{path}: tensor {name!r} has shape {found[name].shape}; the config implies "
                                       f"{sum(sizes)} rows ({' + '.join(map(str, sizes))})")
             found |= dict(zip(parts, np.split(found.pop(name), np.cumsum(sizes)[:-1])))
-    tensors = {}
+    tensors = _granite_experts(found, cfg, layer_prefix, path) if granite else {}
     for ours, (parts, axis) in experts.items():
         missing = [part for part in parts if part not in found]
         if missing:
             raise CheckpointError(f"{path}: missing tensor {missing[0]!r} (an expert of {ours})")
-        tensors[ours] = np.concatenate([found.pop(part) for part in parts], axis=axis)
+        tensors[ours] = np.concatenate([found[part] for part in parts], axis=axis)  # a gate row may repeat
+        for part in set(parts):
+            found.pop(part)
     for ours, theirs in mapping.items():
         if theirs not in found:
             if ours == "lm_head":  # some checkpoints tie without saying so

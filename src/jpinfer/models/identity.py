@@ -48,7 +48,9 @@ def model_fingerprint(cfg: ModelConfig, weights: Weights) -> str:
 # ModelConfig fields added after packs were made, with their defaults
 LATER_FIELDS = {"rope_scaling": None, "qk_norm": False, "window_layers": None, "attn_scale": None,
                 "attn_softcap": None, "logit_softcap": None, "sandwich_norms": False, "embed_scale": 1.0,
-                "local_rope_theta": None, "parallel_block": False, "n_experts": 0, "experts_per_token": 0}
+                "local_rope_theta": None, "parallel_block": False, "n_experts": 0, "experts_per_token": 0,
+                "qk_norm_whole": False, "renormalize_experts": True, "shared_experts": 0,
+                "residual_scale": 1.0, "logit_divisor": 1.0}
 LATER_SCALING_FIELDS = {"long_factors": ()}  # the same for config.RopeScaling's
 
 

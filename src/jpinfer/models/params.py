@@ -57,8 +57,8 @@ class Layer:
     w_down: jax.Array  # (d_model, d_ff)
     b_qkv: jax.Array | None = None
     bo: jax.Array | None = None
-    q_norm: Norm | None = None  # (head_dim,) scales: ModelConfig.qk_norm (Qwen3)
-    k_norm: Norm | None = None
+    q_norm: Norm | None = None  # (head_dim,) scales: ModelConfig.qk_norm (Qwen3); (q_dim,) qk_norm_whole (OLMoE)
+    k_norm: Norm | None = None  # (head_dim,) or (kv_dim,)
     b_up: jax.Array | None = None
     b_down: jax.Array | None = None
     attn_out_norm: Norm | None = None  # ModelConfig.sandwich_norms (Gemma 2): on the attention's output
@@ -123,7 +123,8 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         if cfg.attn_out_bias:
             layer["bo"] = (d,)
         if cfg.qk_norm:
-            layer |= {"q_norm.scale": (cfg.head_dim,), "k_norm.scale": (cfg.head_dim,)}
+            q_size, k_size = (cfg.q_dim, cfg.kv_dim) if cfg.qk_norm_whole else (cfg.head_dim, cfg.head_dim)
+            layer |= {"q_norm.scale": (q_size,), "k_norm.scale": (k_size,)}
         if cfg.sandwich_norms:
             layer |= {"attn_out_norm.scale": (d,), "ffn_out_norm.scale": (d,)}
         if cfg.ffn_bias:

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from jpinfer.activations import activate
-from jpinfer.config import ModelConfig
+from jpinfer.config import ExpertRouting, ModelConfig
 from jpinfer.models import quantized
 from jpinfer.models.params import Layer, Norm, Weights
 from jpinfer.models.rope import RopeTables, rope, rope_tables
@@ -142,10 +142,13 @@ def attention_block(
     b, t, _ = x.shape
     project = project or functools.partial(dense_projection, layer)
     qkv = project("qkv", x)
-    q = qkv[..., : cfg.q_dim].reshape(b, t, cfg.n_heads, cfg.head_dim)
-    k = qkv[..., cfg.q_dim : cfg.q_dim + cfg.kv_dim].reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
+    q, k = qkv[..., : cfg.q_dim], qkv[..., cfg.q_dim : cfg.q_dim + cfg.kv_dim]
+    if cfg.qk_norm and cfg.qk_norm_whole:  # OLMoE: over the whole projection, before it splits into heads
+        q, k = norm(layer.q_norm, q, cfg), norm(layer.k_norm, k, cfg)
+    q = q.reshape(b, t, cfg.n_heads, cfg.head_dim)
+    k = k.reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
     v = qkv[..., cfg.q_dim + cfg.kv_dim :].reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
-    if cfg.qk_norm:
+    if cfg.qk_norm and not cfg.qk_norm_whole:  # Qwen3, Gemma 3: per head
         q, k = norm(layer.q_norm, q, cfg), norm(layer.k_norm, k, cfg)
     if rope_cs is not None:
         tables = rope_cs.for_window(window)
@@ -190,24 +193,33 @@ def gate_and_up(layer: Layer, x: jax.Array, cfg: ModelConfig) -> tuple[jax.Array
     return gate, up if layer.b_up is None else up + layer.b_up
 
 
-def expert_weights(router: jax.Array, x: jax.Array, experts_per_token: int) -> jax.Array:
-    """(..., n_experts) float32 routing weights of normalised input x: Mixtral's router, a softmax over the experts'
-    scores whose top ``experts_per_token`` are renormalized to sum 1 and the others zeroed (ties go to the lower
-    expert, as ``torch.topk``'s). Sums in a fixed order (``fixed_order_sum``): a token's routing does not depend on
-    the rows beside it."""
+def expert_weights(router: jax.Array, x: jax.Array, rule: ExpertRouting) -> jax.Array:
+    """(..., n_experts) float32 routing weights of normalised input x under ``rule`` (``config.ExpertRouting``): a
+    softmax over the routed experts' scores whose top ``rule.top_k`` are kept, renormalized to sum 1 with
+    ``rule.renormalize`` (Mixtral's router; Qwen-MoE's and OLMoE's norm_topk_prob), the others zeroed (ties go to
+    the lower expert, as ``torch.topk``'s); then each of the last ``rule.shared`` experts (a shared expert's pieces)
+    weighed by the sigmoid of its own score (Qwen2-MoE's shared_expert_gate). Sums in a fixed order
+    (``fixed_order_sum``): a token's routing does not depend on the rows beside it."""
     scores = linear(x, router).astype(jnp.float32)
-    exp = jnp.exp(scores - scores.max(-1, keepdims=True))
+    n_routed = router.shape[0] - rule.shared
+    routed = scores[..., :n_routed]
+    exp = jnp.exp(routed - routed.max(-1, keepdims=True))
     probs = exp / fixed_order_sum(exp)
-    top, picked = jax.lax.top_k(probs, experts_per_token)
-    chosen = jax.nn.one_hot(picked, router.shape[0], dtype=jnp.bool_).any(-2)
-    return jnp.where(chosen, probs, 0.0) / fixed_order_sum(top)
+    top, picked = jax.lax.top_k(probs, rule.top_k)
+    chosen = jax.nn.one_hot(picked, n_routed, dtype=jnp.bool_).any(-2)
+    weights = jnp.where(chosen, probs, 0.0)
+    if rule.renormalize:
+        weights = weights / fixed_order_sum(top)
+    if rule.shared:
+        weights = jnp.concatenate([weights, jax.nn.sigmoid(scores[..., n_routed:])], axis=-1)
+    return weights
 
 
 def expert_routing(layer: Layer, x: jax.Array, cfg: ModelConfig) -> jax.Array | None:
     """Per neuron (..., d_ff) its expert's routing weight (``expert_weights``) in x's dtype; None without experts."""
     if not cfg.n_experts:
         return None
-    weights = expert_weights(layer.router, x, cfg.experts_per_token)
+    weights = expert_weights(layer.router, x, cfg.routing_rule)
     return jnp.repeat(weights, cfg.expert_size, axis=-1).astype(x.dtype)
 
 
@@ -278,7 +290,7 @@ def attention_residual(
     window: int | None,
     project: Projection | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """A layer up to its FFN: h + attention(norm(h)) within ``window`` (the layer's
+    """A layer up to its FFN: h + attention(norm(h)) (times ``residual_scale``) within ``window`` (the layer's
     ``ModelConfig.layer_window``), the attention's output normalised too with ``sandwich_norms``.
     Returns that residual stream, the normalised FFN input x (of the layer's input h itself with
     ``parallel_block``) and the layer's updated keys and values; the layer's output is ``ffn_residual``
@@ -290,7 +302,7 @@ def attention_residual(
     if cfg.sandwich_norms:
         attn = norm(layer.attn_out_norm, attn, cfg)
     x = norm(layer.ffn_norm, h, cfg) if cfg.parallel_block else None
-    h = h + attn
+    h = h + _residual_scaled(attn, cfg)
     return h, norm(layer.ffn_norm, h, cfg) if x is None else x, k, v
 
 
@@ -299,7 +311,12 @@ def ffn_residual(layer: Layer, h: jax.Array, y: jax.Array, cfg: ModelConfig) -> 
     ``sandwich_norms``: a norm of the sum, so a split FFN adds its parts before this)."""
     if cfg.sandwich_norms:
         y = norm(layer.ffn_out_norm, y, cfg)
-    return h + y.astype(h.dtype)
+    return h + _residual_scaled(y.astype(h.dtype), cfg)
+
+
+def _residual_scaled(y: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """A block's output as added to the residual stream: times ``residual_scale`` (GraniteMoE), else as it is."""
+    return y if cfg.residual_scale == 1.0 else y * jnp.asarray(cfg.residual_scale, y.dtype)
 
 
 def forward(
@@ -344,11 +361,13 @@ def head_threshold(ffn_impl: FfnImpl | None) -> float | None:
 def logits(weights: Weights, h: jax.Array, cfg: ModelConfig, input_threshold: float | None = None) -> jax.Array:
     """Float32 logits from final hidden states: h @ head, head (d, vocab) (see params.Weights), or
     a quantized head's (vocab, d) rows (``quantized.matmul``), or an int8 head's input-major (d, vocab) copy
-    (the threshold mode's, ``modes.engines.threshold_engine``); soft-capped with ``logit_softcap``.
+    (the threshold mode's, ``modes.engines.threshold_engine``); soft-capped with ``logit_softcap``, divided by
+    ``logit_divisor`` (GraniteMoE).
 
     ``input_threshold``: the entries of h of magnitude at most it are skipped (the threshold mode's head input
     sparsity; ``ops.threshold.head_product`` picks the kernel)."""
-    return softcap(threshold.head_product(h, weights.head, input_threshold), cfg.logit_softcap)
+    out = softcap(threshold.head_product(h, weights.head, input_threshold), cfg.logit_softcap)
+    return out if cfg.logit_divisor == 1.0 else out / cfg.logit_divisor
 
 
 def next_token_nll(weights: Weights, h: jax.Array, tokens: jax.Array, cfg: ModelConfig,

@@ -155,7 +155,7 @@ class HybridFFN:
             tokens = x.reshape(-1, x.shape[-1])  # decode: one token per sequence
             x_sel = tokens[0] if tokens.shape[0] == 1 else tokens
             logits = routed_logits(predict_logits(state.predictor, x_sel), state.hot.router, x_sel,
-                                   state.hot.experts_per_token)
+                                   state.hot.routing_rule)
             hot_list = _part_list(logits, state.hot_ids, state.predictor.cutoff, capacity[0])
             cold_list = _part_list(logits, state.cold_ids, state.predictor.cutoff, capacity[1])
         y = _part_ffn(state.hot, x, hot_list)

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jpinfer.config import ExpertRouting
 from jpinfer.models.quantized import quantize_matrix
 from jpinfer.models.transformer import expert_weights, linear
 from jpinfer.ops.threshold import select_over
@@ -117,13 +118,13 @@ def select_neurons(logits: jax.Array, cutoff: jax.Array, capacity: int) -> Selec
     return Selection(chosen.ids.reshape(*lead, capacity), chosen.count.reshape(lead), chosen.wanted.reshape(lead))
 
 
-def routed_logits(logits: jax.Array, router: jax.Array | None, x: jax.Array, experts_per_token: int) -> jax.Array:
+def routed_logits(logits: jax.Array, router: jax.Array | None, x: jax.Array, rule: ExpertRouting | None) -> jax.Array:
     """With experts (``router`` (n_experts, d_model) not None), the logits (..., d_ff) of the neurons whose experts
     the router does not pick for x (..., d_model) set to -inf: those neurons compute zero, so a selection spends no
     capacity on them. Without experts the logits as they are."""
     if router is None:
         return logits
-    weights = expert_weights(router, x, experts_per_token)
+    weights = expert_weights(router, x, rule)
     return jnp.where(jnp.repeat(weights, logits.shape[-1] // router.shape[0], axis=-1) > 0, logits, -jnp.inf)
 
 

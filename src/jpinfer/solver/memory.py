@@ -112,7 +112,7 @@ def model_sizes(
 
     norm = 2 if cfg.norm_kind == "layernorm" else 1  # scale (+ bias)
     layer_vectors = (4 if cfg.sandwich_norms else 2) * norm * d  # attention and FFN norms (and their outputs')
-    layer_vectors += 2 * cfg.head_dim if cfg.qk_norm else 0
+    layer_vectors += ((q + kv) if cfg.qk_norm_whole else 2 * cfg.head_dim) if cfg.qk_norm else 0
     layer_vectors += (q + 2 * kv) if cfg.qkv_bias else 0
     layer_vectors += d if cfg.attn_out_bias else 0
     layer_vectors += d if cfg.ffn_bias else 0  # b_down

@@ -39,17 +39,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jpinfer.config import FFN_KINDS, UNGATED_KINDS, FfnKind
+from jpinfer.config import FFN_KINDS, UNGATED_KINDS, ExpertRouting, FfnKind
 from jpinfer.models import quantized
 from jpinfer.models.params import Layer
 from jpinfer.models.transformer import expert_weights
 from jpinfer.quant.q4 import Q4Bundles, Q4Matrix
 
 
-def routing_of(router: jax.Array, experts_per_token: int, experts: jax.Array, x: jax.Array) -> jax.Array:
+def routing_of(router: jax.Array, rule: ExpertRouting, experts: jax.Array, x: jax.Array) -> jax.Array:
     """(T, len(experts)) float32: for the tokens x (T, d_model), the routing weight (``transformer.expert_weights``)
     of each expert in ``experts`` (int32 ids: a layout's neuron of each row, or of each list position)."""
-    return jnp.take(expert_weights(router, x, experts_per_token), experts, axis=-1)
+    return jnp.take(expert_weights(router, x, rule), experts, axis=-1)
 
 
 @jax.tree_util.register_dataclass
@@ -67,8 +67,8 @@ class NeuronFFN:
     down_scales: int8 rows only: (d_model,) float32, the down projection's scale per output.
     gate_up: a 4-bit model's (module docstring): its 4-bit gate/up rows by neuron, P = 2 rows a record (gate, up;
             P = 1, up only, for an ungated kind); ``rows`` then holds the int8 down slots alone, (n, 1, d_model).
-    router / neuron_experts / experts_per_token: with experts, the router (n_experts, d_model), the expert of each
-            row's neuron (n,) int32 and the router's top-k (static; 0 without experts).
+    router / neuron_experts / routing_rule: with experts, the router (n_experts, d_model), the expert of each
+            row's neuron (n,) int32 and how the router weighs the experts (static; None without experts).
     """
 
     rows: jax.Array
@@ -80,7 +80,7 @@ class NeuronFFN:
     down_scales: jax.Array | None = None
     router: jax.Array | None = None
     neuron_experts: jax.Array | None = None
-    experts_per_token: int = dataclasses.field(default=0, metadata=dict(static=True))
+    routing_rule: ExpertRouting | None = dataclasses.field(default=None, metadata=dict(static=True))
     gate_up: Q4Bundles | None = None
 
     @property
@@ -102,7 +102,7 @@ class NeuronFFN:
 
     def routing(self, x: jax.Array) -> jax.Array:
         """(T, n) float32: each held neuron's routing weight for the tokens x (T, d_model) (layout with experts)."""
-        return routing_of(self.router, self.experts_per_token, self.neuron_experts, x)
+        return routing_of(self.router, self.routing_rule, self.neuron_experts, x)
 
     def subset(self, positions, *, with_b_down: bool = True) -> tuple["NeuronFFN", np.ndarray]:
         """Compact copy holding the rows at ``positions`` (row indices of this layout).
@@ -131,7 +131,7 @@ class NeuronFFN:
             down_scales=self.down_scales,
             router=self.router,
             neuron_experts=take(self.neuron_experts),
-            experts_per_token=self.experts_per_token,
+            routing_rule=self.routing_rule,
             gate_up=None if self.gate_up is None else self.gate_up.take(jnp.asarray(pos, jnp.int32)),
         )
         return compact, table
@@ -170,13 +170,13 @@ def from_arrays(
     )
 
 
-def from_layer(layer: Layer, kind: FfnKind, experts: tuple[int, int] | None = None) -> NeuronFFN:
+def from_layer(layer: Layer, kind: FfnKind, experts: tuple[int, ExpertRouting] | None = None) -> NeuronFFN:
     """Neuron-major FFN of a decoder layer (``kind`` is ``ModelConfig.ffn_kind``): float bundles of a
     float layer, int8 bundles of an int8 one, 4-bit gate/up records and int8 down slots of an int4 one (module
     docstring). ``experts``: (neurons per expert,
-    experts per token) of a layer with a router (``ModelConfig.experts``), and only of such a layer."""
+    routing rule) of a layer with a router (``ModelConfig.experts``), and only of such a layer."""
     if (layer.router is None) != (experts is None):
-        raise ValueError("a layer with a router needs experts=(neurons per expert, experts per token), and only it")
+        raise ValueError("a layer with a router needs experts=(neurons per expert, routing rule), and only it")
     if isinstance(layer.w_gate_up, Q4Matrix):
         ffn = _q4_from_layer(layer, kind)
     elif quantized.is_quantized(layer.w_gate_up) or quantized.is_quantized(layer.w_down):
@@ -187,7 +187,7 @@ def from_layer(layer: Layer, kind: FfnKind, experts: tuple[int, int] | None = No
         ffn = from_arrays(kind, gate, up, layer.w_down, layer.b_up, layer.b_down)
     if experts is None:
         return ffn
-    return dataclasses.replace(ffn, router=layer.router, experts_per_token=experts[1],
+    return dataclasses.replace(ffn, router=layer.router, routing_rule=experts[1],
                                neuron_experts=jnp.arange(ffn.n_neurons, dtype=jnp.int32) // experts[0])
 
 

@@ -102,7 +102,7 @@ def _routed_ffn(ffn: NeuronFFN, x: jax.Array, ids: jax.Array, count: jax.Array, 
     times the routing weights (the native ``sparse_activations`` and ``listed_rows_sum`` on the CPU, their XLA
     forms elsewhere and for backends "xla" and "gather"; ``ops.listed``); backend "pallas" is refused."""
     experts = jnp.take(ffn.neuron_experts, jnp.clip(ids, 0, ffn.n_neurons - 1))
-    weights = routing_of(ffn.router, ffn.experts_per_token, experts, x)  # (T, K)
+    weights = routing_of(ffn.router, ffn.routing_rule, experts, x)  # (T, K)
     if ffn.quantized:
         return _quantized_ffn(ffn, x, ids, count, backend, weights)
     return listed.weighted_ffn(ffn.rows, ffn.b_up, x, ids, count, weights, kind=ffn.kind, backend=backend)

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jpinfer.activations import activate
-from jpinfer.config import UNGATED_KINDS, FfnKind
+from jpinfer.config import UNGATED_KINDS, ExpertRouting, FfnKind
 from jpinfer.models import quantized
 from jpinfer.models.params import Layer
 from jpinfer.ops import dense
@@ -66,10 +66,11 @@ class ThresholdLayout:
     int4 read by rows (the module docstring); a ``quant.q4.Q4Matrix`` when int4 and read densely.)
     input_threshold / activation_threshold: float32 scalars; an entry is kept when its
              magnitude is strictly greater (so 0 keeps every non-zero entry).
-    router / neuron_experts / experts_per_token: with experts (Mixtral), the router (n_experts, d), the expert of
-             each neuron held (n,) and the router's top-k: each activation is times its expert's routing weight
-             (the router reads the whole input), so the neurons of experts not picked are zero and their down
-             rows are skipped at any activation threshold. Gate and up are computed for every expert's neurons.
+    router / neuron_experts / routing_rule: with experts (Mixtral), the router (n_experts, d), the expert of
+             each neuron held (n,) and how the router weighs the experts (static): each activation is times its
+             expert's routing weight (the router reads the whole input), so the neurons of experts not picked are
+             zero and their down rows are skipped at any activation threshold. Gate and up are computed for every
+             expert's neurons.
     """
 
     gate_up: Matrix
@@ -83,7 +84,7 @@ class ThresholdLayout:
     activation_sparse: bool = dataclasses.field(metadata=dict(static=True))
     router: jax.Array | None = None
     neuron_experts: jax.Array | None = None
-    experts_per_token: int = dataclasses.field(default=0, metadata=dict(static=True))
+    routing_rule: ExpertRouting | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     @property
     def d_ff(self) -> int:
@@ -95,9 +96,9 @@ class ThresholdLayout:
 
 def from_layer(layer: Layer, kind: FfnKind, *, input_threshold: float | None, activation_threshold: float | None,
                neurons: np.ndarray | None = None, with_b_down: bool = True,
-               experts: tuple[int, int] | None = None) -> ThresholdLayout:
+               experts: tuple[int, ExpertRouting] | None = None) -> ThresholdLayout:
     """A decoder layer's FFN for threshold sparsity; a threshold of None turns that kind off. ``experts``:
-    (neurons per expert, experts per token) of a layer with a router (``ModelConfig.n_experts``).
+    (neurons per expert, routing rule) of a layer with a router (``ModelConfig.experts``).
 
     Only the matrices a kind reads sparsely change layout (one transposed copy replaces the
     decoder's matrix), so memory does not grow (int4: the int8 copy of a 4-bit matrix takes 1.6x its
@@ -111,12 +112,12 @@ def from_layer(layer: Layer, kind: FfnKind, *, input_threshold: float | None, ac
     down = _readable_by_rows(layer.w_down, activation_sparse or neurons is not None)
     b_up = layer.b_up
     if (layer.router is None) != (experts is None):
-        raise ValueError("a layer with a router needs experts=(neurons per expert, experts per token), and only it")
+        raise ValueError("a layer with a router needs experts=(neurons per expert, routing rule), and only it")
     routing = {}
     if experts is not None:
         ids = np.arange(layer.router.shape[0] * experts[0]) if neurons is None else np.asarray(neurons)
         routing = dict(router=layer.router, neuron_experts=jnp.asarray(ids // experts[0], jnp.int32),
-                       experts_per_token=experts[1])
+                       routing_rule=experts[1])
     if neurons is not None:
         ids = jnp.asarray(neurons, jnp.int32)
         n = down.shape[1]
@@ -242,7 +243,7 @@ def threshold_ffn(ffn: ThresholdLayout, x: jax.Array, *, backend: RowsBackend = 
         up = up + ffn.b_up.astype(jnp.float32)
     a = activate(ffn.kind, None if ffn.kind in UNGATED_KINDS else h[:, :n], up)
     if ffn.router is not None:
-        a = a * routing_of(ffn.router, ffn.experts_per_token, ffn.neuron_experts, tokens)
+        a = a * routing_of(ffn.router, ffn.routing_rule, ffn.neuron_experts, tokens)
     y, n_neurons = _project(ffn.down, a, ffn.activation_sparse, ffn.activation_threshold, backend)
     if ffn.b_down is not None:
         y = y + ffn.b_down.astype(jnp.float32)
