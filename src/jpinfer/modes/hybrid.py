@@ -14,9 +14,9 @@ The callback calls the cold part's native kernel directly (``sparse.host_sparse_
 native library through ctypes, on numpy views of the cold part's host arrays taken once when the engine is built),
 for a decode token's list in every format the native kernels read (float32 rows, int8 bundles, 4-bit records):
 the same kernel and bits as the jitted ``sparse_ffn`` on the CPU device, without its dispatch. That jitted call a
-layer (``jax.device_put`` of x and the list, the call, ``np.asarray`` of its output) cost ~350 us a layer more than
-the same kernels in one jitted call (int8 at 7B shapes, a 0.9 budget: 19.9 against 8.5 ms a token on a 2-core
-Zen 3, bench/results/hybrid_host.md). The jitted call remains for what the direct call does not take: without
+layer (``jax.device_put`` of x and the list, the call, ``np.asarray`` of its output) cost ~460 us a layer more than
+the direct call (int8 at 7B shapes, a 0.9 budget: 20.6 against 5.9 ms a token on a 2-core Zen 3,
+bench/results/hybrid_host.md). The jitted call remains for what the direct call does not take: without
 the native library, threshold parts, experts' routing weights, a prompt's or a batch's all-rows form.
 
 Why one step and a callback (measured, ``bench/hybrid_hops.py``, H200 with jax 0.11.2, 2026-12-04): the
