@@ -20,18 +20,14 @@ jax.config.update("jax_num_cpu_devices", 2)
 # matmuls in full float32, so this changes nothing there.
 jax.config.update("jax_default_matmul_precision", "highest")
 # XLA's persistent cache for this test session: _release_compiled_programs drops the compiled programs after
-# each module, and the same tiny-model programs (a decode step, a prefill) come back in many modules and on both
-# xdist workers; with the cache a later module, or the other worker, loads them instead of compiling again. One
-# fresh directory per session, made by the process that starts it (the xdist controller, whose environment the
-# workers inherit) and removed when it exits, so no run sees another's programs. JAX writes an entry in place,
-# so a worker could read another's half-written file: a size limit makes JAX take a file lock around each read and
-# write (its limit, 16 GiB, is far above what a session writes: two test files of decoders wrote 9 MB).
-_SESSION_CACHE = "JPINFER_TESTS_XLA_CACHE"
-if _SESSION_CACHE not in os.environ:
-    os.environ[_SESSION_CACHE] = tempfile.mkdtemp(prefix="jpinfer-tests-xla-")
-    atexit.register(shutil.rmtree, os.environ[_SESSION_CACHE], ignore_errors=True)
-jax.config.update("jax_compilation_cache_dir", os.environ[_SESSION_CACHE])
-jax.config.update("jax_compilation_cache_max_size", 16 << 30)
+# each module, and the same tiny-model programs (a decode step, a prefill) come back in many modules; with the
+# cache a later module loads them instead of compiling again. One fresh directory per process (per xdist
+# worker), removed at exit, so no run sees another's programs. Not one directory shared by the workers: JAX writes
+# an entry in place (a worker could read another's half-written file), and its size limit, which makes it lock each
+# read and write, also makes every write read the whole directory (a session writes ~10k files).
+_COMPILED = tempfile.mkdtemp(prefix=f"jpinfer-tests-xla-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}-")
+atexit.register(shutil.rmtree, _COMPILED, ignore_errors=True)
+jax.config.update("jax_compilation_cache_dir", _COMPILED)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # the tiny models' programs compile fast
 
 
