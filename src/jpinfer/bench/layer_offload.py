@@ -188,19 +188,12 @@ class LayerOffloadStepper:
         return token, cache, key
 
 
-def host_layer(layer: Layer, dtype: Any) -> Layer:
-    """``layer``'s float arrays (norms, biases, float matrices) in ``dtype``; its int8 and 4-bit matrices whole, their
-    scales included: they are the format (a 4-bit matrix's float16 scales are what the native kernel reads)."""
-    return jax.tree_util.tree_map(lambda a: a if quantized.is_quantized(a) else cast_floats(a, dtype), layer,
-                                  is_leaf=quantized.is_quantized)
-
-
 def offload_engine(model: LoadedModel, n_gpu: int, devices: tuple[Any, Any] | None = None,
                    host_dtype: Any = None) -> Engine:
     """The first ``n_gpu`` layers on ``devices[0]``, the rest on ``devices[1]`` (default ``default_devices``), each
     in the model's weights format; the host layers' float arrays (norms, biases, float matrices) in
     ``host_dtype`` (default ``host_dtype_for`` the model's dtype), their int8 and 4-bit matrices as they are
-    (``host_layer``)."""
+    (``modes.devices.cast_floats``)."""
     accelerator, host = devices or default_devices()
     layers = model.weights.layers
     if not 0 <= n_gpu <= len(layers):
@@ -209,7 +202,7 @@ def offload_engine(model: LoadedModel, n_gpu: int, devices: tuple[Any, Any] | No
     segments = [Segment(accelerator, jax.device_put(layers[:n_gpu], accelerator))] if n_gpu else []
     if n_gpu < len(layers):
         # cast where the weights are (the accelerator): XLA:CPU converts at about 1 GB/s
-        cold = [jax.device_put(host_layer(layer, host_dtype), host) for layer in layers[n_gpu:]]
+        cold = [jax.device_put(cast_floats(layer, host_dtype), host) for layer in layers[n_gpu:]]
         segments.append(Segment(host, cold))
     top = jax.device_put(dataclasses.replace(model.weights, layers=[]), accelerator)
     return Engine(model, stepper=LayerOffloadStepper(model.cfg, top, segments, accelerator))

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jpinfer.errors import JpinferError
+from jpinfer.models.quantized import is_quantized
 
 
 def default_devices() -> tuple[Any, Any]:
@@ -25,9 +26,11 @@ def default_devices() -> tuple[Any, Any]:
 
 
 def cast_floats(tree: Any, dtype: Any) -> Any:
-    """Floating arrays of ``tree`` in ``dtype`` (on their device); integers (int8 and 4-bit weights, ids) untouched,
-    so a quantized part keeps its format and its float scales take the float dtype."""
-    return jax.tree_util.tree_map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
+    """Floating arrays of ``tree`` (norms, biases, float matrices and rows) in ``dtype`` (on their device); integers
+    (ids, int8 rows) untouched, and int8 / 4-bit matrices whole, their scales included: they are the format (a 4-bit
+    matrix's float16 scales are what the native kernel reads)."""
+    cast = lambda a: a if is_quantized(a) or not jnp.issubdtype(a.dtype, jnp.floating) else a.astype(dtype)
+    return jax.tree_util.tree_map(cast, tree, is_leaf=is_quantized)
 
 
 def host_dtype_for(model_dtype: Any, host: Any) -> Any:
